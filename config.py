@@ -1,0 +1,359 @@
+"""Configuration: verl's key names, one YAML file per situation, `a.b.c=value` overrides.
+
+Every key the programs read is declared once in `SCHEMA` below with its type and default, so that
+
+  * a YAML file or an override with a misspelled key is an error that names the key (and the
+    closest valid one), never silently ignored;
+  * a value of the wrong type (`data.train_batch_size=sixty`) is an error that names the key and
+    the expected type;
+  * there is no interpolation and no inheritance: the resolved config is a plain nested mapping,
+    printed once at start-up.
+
+The device (CUDA or CPU) is detected at run time, not configured, so one file runs on both.
+Keys that verl derives at run time (the normalised per-rank batch sizes) are not config keys here:
+`mesh_utils.plan_batches` computes them into a separate dataclass instead of rewriting the config.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# A key's type: a type, or a tuple of types (NoneType where `null` means "derive it").
+_NONE = type(None)
+_INT_OR_NONE = (int, _NONE)
+_STR_OR_NONE = (str, _NONE)
+_FILES = (str, list, _NONE)
+
+
+def _optim(lr: float) -> dict[str, tuple[Any, Any]]:
+    return {
+        "lr": (float, lr),
+        "lr_warmup_steps": (int, -1),  # -1: use lr_warmup_steps_ratio
+        "lr_warmup_steps_ratio": (float, 0.0),
+        "warmup_style": (str, "constant"),  # constant | cosine
+        "min_lr_ratio": (float, 0.0),
+        "weight_decay": (float, 0.01),
+        "betas": (list, [0.9, 0.999]),
+        "total_training_steps": (int, -1),  # -1: filled from trainer.total_training_steps
+    }
+
+
+def _fsdp_config() -> dict[str, tuple[Any, Any]]:
+    return {
+        "fsdp_size": (int, -1),  # -1: one FSDP group over all ranks; k: HSDP groups of k ranks
+        "param_offload": (bool, False),
+        "optimizer_offload": (bool, False),
+        "reshard_after_forward": (bool, True),
+    }
+
+
+# Nested schema: leaves are (type, default). Names and meanings follow verl's ppo_trainer.yaml.
+SCHEMA: dict[str, Any] = {
+    "data": {
+        "tokenizer": (_STR_OR_NONE, None),  # null: the actor model's tokenizer
+        "train_files": (_FILES, None),
+        "val_files": (_FILES, None),
+        "prompt_key": (str, "prompt"),
+        "max_prompt_length": (int, 512),
+        "max_response_length": (int, 512),
+        "train_batch_size": (int, 1024),
+        "val_batch_size": (_INT_OR_NONE, None),  # null: the whole validation set at once
+        "filter_overlong_prompts": (bool, True),  # drop prompts over max_prompt_length ...
+        "truncation": (str, "error"),  # ... or, when not filtering: error | left | right
+        "shuffle": (bool, True),
+        "seed": (int, 1),
+        "max_val_samples": (_INT_OR_NONE, None),
+    },
+    "actor_rollout_ref": {
+        "hybrid_engine": (bool, True),
+        "model": {
+            "path": (str, "assets/tiny-qwen2"),
+            "enable_gradient_checkpointing": (bool, False),
+            "trust_remote_code": (bool, False),
+        },
+        "actor": {
+            "strategy": (str, "fsdp2"),
+            "ppo_mini_batch_size": (int, 256),  # in prompts, as in verl; x rollout.n / dp per rank
+            "ppo_micro_batch_size_per_gpu": (_INT_OR_NONE, None),  # null: the whole mini batch
+            "ppo_epochs": (int, 1),
+            "shuffle": (bool, False),
+            "grad_clip": (float, 1.0),
+            "clip_ratio": (float, 0.2),
+            "clip_ratio_low": (float, 0.2),
+            "clip_ratio_high": (float, 0.2),
+            "clip_ratio_c": (float, 3.0),  # dual-clip lower bound for negative advantages
+            "loss_agg_mode": (str, "token-mean"),
+            "entropy_coeff": (float, 0.0),
+            "use_kl_loss": (bool, False),
+            "kl_loss_coef": (float, 0.001),
+            "kl_loss_type": (str, "low_var_kl"),
+            "ulysses_sequence_parallel_size": (int, 1),
+            "optim": _optim(1e-6),
+            "fsdp_config": _fsdp_config(),
+        },
+        "ref": {
+            "log_prob_micro_batch_size_per_gpu": (_INT_OR_NONE, None),  # null: rollout's value
+            "fsdp_config": {"param_offload": (bool, False)},
+        },
+        "rollout": {
+            "name": (str, "vllm"),
+            "n": (int, 1),
+            "temperature": (float, 1.0),
+            "top_k": (int, -1),
+            "top_p": (float, 1.0),
+            "tensor_model_parallel_size": (int, 2),
+            "gpu_memory_utilization": (float, 0.5),
+            "enforce_eager": (bool, True),
+            "free_cache_engine": (bool, True),
+            "max_num_seqs": (int, 1024),
+            "max_num_batched_tokens": (int, 8192),
+            "log_prob_micro_batch_size_per_gpu": (int, 8),
+            "cpu_kv_cache_space_gb": (float, 1.0),  # VLLM_CPU_KVCACHE_SPACE on the CPU backend
+            "val_kwargs": {
+                "n": (int, 1),
+                "temperature": (float, 0.0),
+                "top_k": (int, -1),
+                "top_p": (float, 1.0),
+                "do_sample": (bool, False),
+            },
+        },
+    },
+    "critic": {
+        "model": {
+            "path": (_STR_OR_NONE, None),  # null: the actor's model path
+            "enable_gradient_checkpointing": (bool, False),
+        },
+        "optim": _optim(1e-5),
+        "ppo_mini_batch_size": (_INT_OR_NONE, None),  # null: the actor's
+        "ppo_micro_batch_size_per_gpu": (_INT_OR_NONE, None),
+        "forward_micro_batch_size_per_gpu": (_INT_OR_NONE, None),
+        "ppo_epochs": (_INT_OR_NONE, None),
+        "grad_clip": (float, 1.0),
+        "cliprange_value": (float, 0.5),
+        "loss_agg_mode": (str, "token-mean"),
+        "ulysses_sequence_parallel_size": (int, 1),
+        "fsdp_config": _fsdp_config(),
+    },
+    "reward_model": {
+        "enable": (bool, False),
+        "reward_manager": (str, "naive"),
+    },
+    "custom_reward_function": {
+        "path": (_STR_OR_NONE, None),
+        "name": (str, "compute_score"),
+    },
+    "algorithm": {
+        "adv_estimator": (str, "gae"),  # gae | grpo | rloo | reinforce_plus_plus
+        "gamma": (float, 1.0),
+        "lam": (float, 1.0),
+        "norm_adv_by_std_in_grpo": (bool, True),
+        "use_kl_in_reward": (bool, False),
+        "kl_penalty": (str, "kl"),
+        "kl_ctrl": {
+            "type": (str, "fixed"),  # fixed | adaptive
+            "kl_coef": (float, 0.001),
+            "horizon": (int, 10000),
+            "target_kl": (float, 0.1),
+        },
+    },
+    "trainer": {
+        "project_name": (str, "rl"),
+        "experiment_name": (str, "run"),
+        "logger": (list, ["console"]),  # console | tensorboard | wandb
+        "nnodes": (int, 1),
+        "n_gpus_per_node": (int, 1),
+        "total_epochs": (int, 1),
+        "total_training_steps": (_INT_OR_NONE, None),  # null: epochs x batches per epoch
+        "val_before_train": (bool, True),
+        "test_freq": (int, -1),
+        "save_freq": (int, -1),
+        "resume_mode": (str, "auto"),  # auto | disable | resume_path
+        "resume_from_path": (_STR_OR_NONE, None),
+        "max_actor_ckpt_to_keep": (_INT_OR_NONE, None),
+        "max_critic_ckpt_to_keep": (_INT_OR_NONE, None),
+        "default_local_dir": (str, "outputs/run"),
+        "seed": (int, 1),
+        "max_consecutive_skipped_steps": (int, 3),
+    },
+}
+
+
+# Keys whose value must be one of a few names; checked at load time, before any model loads.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "actor_rollout_ref.actor.strategy": ("fsdp2",),
+    "actor_rollout_ref.rollout.name": ("vllm",),
+    "actor_rollout_ref.actor.loss_agg_mode": (
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "critic.loss_agg_mode": (
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "actor_rollout_ref.actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
+    "algorithm.kl_penalty": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
+    "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus"),
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "data.truncation": ("error", "left", "right"),
+    "actor_rollout_ref.actor.optim.warmup_style": ("constant", "cosine"),
+    "critic.optim.warmup_style": ("constant", "cosine"),
+    "trainer.resume_mode": ("auto", "disable", "resume_path"),
+}
+
+
+class ConfigError(ValueError):
+    """A config the user must change; the message names the key and a valid alternative."""
+
+
+class Config(dict):
+    """A nested dict whose keys also read as attributes: `cfg.data.train_batch_size`."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"config has no key {name!r}") from None
+
+
+def _is_leaf(node: Any) -> bool:
+    return isinstance(node, tuple)
+
+
+def flat_keys(schema: dict[str, Any] = SCHEMA, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """All leaf keys of the schema as {'a.b.c': (type, default)}."""
+    out: dict[str, tuple[Any, Any]] = {}
+    for name, node in schema.items():
+        key = f"{prefix}{name}"
+        if _is_leaf(node):
+            out[key] = node
+        else:
+            out.update(flat_keys(node, key + "."))
+    return out
+
+
+_KEYS = flat_keys()
+_SECTIONS = {k.rsplit(".", i)[0] for k in _KEYS for i in range(1, k.count(".") + 1)}
+
+
+def _type_name(types: Any) -> str:
+    types = types if isinstance(types, tuple) else (types,)
+    return " or ".join("null" if t is _NONE else t.__name__ for t in types)
+
+
+def _check_value(key: str, value: Any) -> Any:
+    """Return `value` if it has the key's type (ints are accepted where floats are expected)."""
+    types, _ = _KEYS[key]
+    types = types if isinstance(types, tuple) else (types,)
+    if float in types and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if float in types and isinstance(value, str):
+        # PyYAML follows YAML 1.1, which reads `3e-6` (no dot) as a string; users mean a float.
+        try:
+            return float(value)
+        except ValueError:
+            pass  # not a number: reported as a type error below
+    # bool is a subclass of int: `train_batch_size=true` must not pass as 1.
+    if isinstance(value, bool) and bool not in types:
+        ok = False
+    else:
+        ok = isinstance(value, types)
+    if not ok:
+        raise ConfigError(
+            f"config key {key!r} expects {_type_name(types)}, got {value!r} ({type(value).__name__})."
+        )
+    if key in CHOICES and value not in CHOICES[key]:
+        raise ConfigError(f"config key {key!r} is {value!r}; valid values: {', '.join(CHOICES[key])}.")
+    return value
+
+
+def _unknown_key(key: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(_KEYS) + sorted(_SECTIONS), n=1, cutoff=0.6)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown config key {key!r} in {where}.{hint} Valid keys: python config.py --keys")
+
+
+def _flatten_user(tree: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
+    """Flatten a user's nested YAML mapping to dotted keys, rejecting keys the schema lacks."""
+    out: dict[str, Any] = {}
+    for name, value in tree.items():
+        key = f"{prefix}{name}"
+        if key in _KEYS:
+            out[key] = value
+        elif key in _SECTIONS and isinstance(value, dict):
+            out.update(_flatten_user(value, where, key + "."))
+        elif key in _SECTIONS:
+            raise ConfigError(f"config key {key!r} in {where} is a section; give its keys, e.g. {key}.<name>.")
+        else:
+            raise _unknown_key(key, where)
+    return out
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b.c=value` -> ('a.b.c', value), the value parsed as YAML (`8`, `true`, `null`, `[a, b]`)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. data.train_batch_size=60).")
+    key, raw = text.split("=", 1)
+    key = key.strip().lstrip("+")  # verl/hydra users write +key=value for new keys
+    if key not in _KEYS:
+        raise _unknown_key(key, "the command line")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({e}).") from None
+    return key, value
+
+
+def _nest(flat: dict[str, Any]) -> Config:
+    root = Config()
+    for key, value in flat.items():
+        node = root
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, Config())
+        node[leaf] = value
+    return root
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file <- `key=value` overrides, each key and type checked."""
+    values = {k: default for k, (_, default) in _KEYS.items()}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist (see configs/ for the shipped ones).")
+        tree = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, not {type(tree).__name__}.")
+        for key, value in _flatten_user(tree, str(path)).items():
+            values[key] = _check_value(key, value)
+    for text in overrides or []:
+        key, value = parse_override(text)
+        values[key] = _check_value(key, value)
+    return _nest(values)
+
+
+def to_yaml(cfg: dict[str, Any]) -> str:
+    """The resolved config as YAML, for the start-up print and the run directory."""
+    return yaml.safe_dump(_plain(cfg), sort_keys=False, default_flow_style=None)
+
+
+def _plain(node: Any) -> Any:
+    return {k: _plain(v) for k, v in node.items()} if isinstance(node, dict) else node
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Print the resolved config, or every valid key.")
+    ap.add_argument("--config", help="YAML file under configs/")
+    ap.add_argument("--keys", action="store_true", help="list every valid key with its type and default")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides")
+    args = ap.parse_args()
+    if args.keys:
+        for key, (types, default) in _KEYS.items():
+            print(f"{key:<66} {_type_name(types):<18} {default!r}")
+    else:
+        try:
+            print(to_yaml(load_config(args.config, args.overrides)), end="")
+        except ConfigError as e:
+            raise SystemExit(f"config error: {e}") from None

@@ -1,0 +1,461 @@
+"""Parallel layout: process-group init, the device map, batch-size normalisation, and a planner.
+
+One SPMD program, three computation domains over the same ranks (verl's fsdp_workers.py):
+
+  FSDP domain     the actor/critic shards. fsdp_size=-1: one group of all ranks, mesh ('fsdp',).
+                  fsdp_size=k: HSDP, mesh ('ddp','fsdp') = (world/k, k), k consecutive ranks a group.
+  rollout domain  vLLM, mesh ('dp','infer_tp') = (world/tp, tp): rows are TP groups of consecutive
+                  ranks, so for 6 ranks and tp=2: [[0,1],[2,3],[4,5]].
+  Ulysses domain  only when sp>1, mesh ('dp','sp') = (world/sp, sp).
+
+All three are views of one world DeviceMesh (`build_meshes`), and all the arithmetic behind them is
+pure (`ParallelDims`, `plan_device_map`, `plan_batches`), so that the planner
+
+    python mesh_utils.py --config configs/seed_1node_6gpu.yaml [key=value ...]
+
+prints the device map and the batch flow of a config, and refuses a bad one, with no process group
+and no GPU. `validate` raises the same errors the training program raises before any model loads.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sys
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+from config import Config, ConfigError, load_config
+
+# -----------------------------------------------------------------------------
+# Parallel degrees
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of every domain; `fsdp` is resolved (-1 -> world)."""
+
+    world_size: int
+    nnodes: int
+    n_gpus_per_node: int
+    fsdp: int  # ranks per FSDP group
+    infer_tp: int  # ranks per vLLM tensor-parallel group
+    sp: int  # ranks per Ulysses sequence-parallel group
+
+    @property
+    def ddp(self) -> int:  # FSDP replicas (HSDP's outer dimension)
+        return self.world_size // self.fsdp
+
+    @property
+    def rollout_dp(self) -> int:  # vLLM engines, each generating for its own prompts
+        return self.world_size // self.infer_tp
+
+    @property
+    def train_dp(self) -> int:  # ranks holding distinct training samples
+        return self.world_size // self.sp
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nearest_multiples(value: int, step: int) -> str:
+    lo = max(step, value // step * step)
+    hi = lo + step if lo >= value else lo
+    return f"{lo}" if lo == hi or lo == value else f"{lo} or {hi}"
+
+
+def parallel_dims(cfg: Config, world_size: int | None = None) -> ParallelDims:
+    """Check the degrees against the world and the node size; `world_size=None` plans for the config's."""
+    t = cfg.trainer
+    arr = cfg.actor_rollout_ref
+    nnodes, per_node = t.nnodes, t.n_gpus_per_node
+    if nnodes < 1 or per_node < 1:
+        raise ConfigError(
+            f"trainer.nnodes={nnodes} and trainer.n_gpus_per_node={per_node} must both be >= 1."
+        )
+    expected = nnodes * per_node
+    world = expected if world_size is None else world_size
+    if world != expected:
+        raise ConfigError(
+            f"torchrun launched {world} processes but trainer.nnodes x trainer.n_gpus_per_node = "
+            f"{nnodes} x {per_node} = {expected}. Launch with --nnodes={nnodes} --nproc_per_node={per_node}, "
+            f"or set trainer.nnodes / trainer.n_gpus_per_node to match the launch "
+            f"(e.g. trainer.nnodes=1 trainer.n_gpus_per_node={world})."
+        )
+
+    tp = arr.rollout.tensor_model_parallel_size
+    if tp < 1 or per_node % tp != 0:
+        if tp < 1:
+            why = "it must be >= 1"
+        elif tp > per_node and nnodes == 1:
+            why = f"there would be {world} // {tp} = 0 rollout dp groups"
+        elif nnodes == 1:
+            why = f"{world} ranks cannot be cut into whole TP groups of {tp}"
+        else:
+            why = "a TP group would span two nodes (TP traffic must stay on one node's fast links)"
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} must divide "
+            f"trainer.n_gpus_per_node={per_node}: {why}. Valid values: "
+            f"{', '.join(map(str, _divisors(per_node)))}."
+        )
+
+    fsdp_size = arr.actor.fsdp_config.fsdp_size
+    if fsdp_size == -1:
+        fsdp = world
+    elif fsdp_size < 1 or fsdp_size > world or world % fsdp_size != 0:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.fsdp_config.fsdp_size={fsdp_size} must be -1 (one FSDP group of all "
+            f"{world} ranks) or a divisor of the world size {world} (HSDP groups of that many ranks). "
+            f"Valid values: -1, {', '.join(map(str, _divisors(world)))}."
+        )
+    else:
+        fsdp = fsdp_size
+
+    sp = arr.actor.ulysses_sequence_parallel_size
+    if sp < 1 or world % sp != 0 or per_node % sp != 0:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp} must divide both the world size "
+            f"{world} and trainer.n_gpus_per_node={per_node} (an sp group shares every activation, so it "
+            f"must stay inside one node). Valid values: "
+            f"{', '.join(str(d) for d in _divisors(math.gcd(world, per_node)))}."
+        )
+    critic_sp = cfg.critic.ulysses_sequence_parallel_size
+    if cfg.algorithm.adv_estimator == "gae" and critic_sp != sp:
+        raise ConfigError(
+            f"critic.ulysses_sequence_parallel_size={critic_sp} differs from the actor's "
+            f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}; both train on the same data "
+            f"layout, so set them equal (critic.ulysses_sequence_parallel_size={sp})."
+        )
+    return ParallelDims(world, nnodes, per_node, fsdp, tp, sp)
+
+
+# -----------------------------------------------------------------------------
+# Batch-size normalisation (verl: ppo_mini_batch_size *= rollout.n; //= world // sp)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one step's prompts become samples and how the samples are cut for training."""
+
+    train_batch_size: int  # prompts per step
+    n: int  # samples per prompt
+    prompts_per_rollout_group: int
+    samples_per_rollout_group: int
+    total_samples: int
+    samples_per_rank: int  # each training-dp rank's share of the step's samples
+    ppo_mini_batch_size_per_rank: int  # samples per optimizer step per rank (the seed's 120)
+    num_mini_batches: int  # optimizer steps per ppo epoch
+    ppo_micro_batch_size_per_gpu: int
+    grad_accum_steps: int  # micro batches per mini batch
+    log_prob_micro_batch_size_per_gpu: int
+    log_prob_micro_steps: int  # forward passes per rank to recompute old log-probs
+    critic_ppo_mini_batch_size_per_rank: int | None
+    critic_ppo_micro_batch_size_per_gpu: int | None
+    critic_grad_accum_steps: int | None
+
+
+def _mini_micro(
+    prefix: str, mini: int, micro: int | None, tbs: int, n: int, dims: ParallelDims
+) -> tuple[int, int, int]:
+    """Normalise one model's mini batch (prompts) to samples per rank; check its micro batch."""
+    if mini < 1 or mini > tbs or tbs % mini != 0:
+        ok = [d for d in _divisors(tbs) if (d * n) % dims.train_dp == 0]
+        raise ConfigError(
+            f"{prefix}.ppo_mini_batch_size={mini} must divide data.train_batch_size={tbs} so every "
+            f"optimizer step sees the same number of prompts. Valid values: {', '.join(map(str, ok))}."
+        )
+    if (mini * n) % dims.train_dp != 0:
+        ok = [d for d in _divisors(tbs) if (d * n) % dims.train_dp == 0]
+        raise ConfigError(
+            f"{prefix}.ppo_mini_batch_size={mini} x actor_rollout_ref.rollout.n={n} = {mini * n} samples "
+            f"cannot be split evenly over {dims.train_dp} training ranks (world {dims.world_size} / "
+            f"ulysses sp {dims.sp}). Valid values: {', '.join(map(str, ok)) or 'none; change rollout.n'}."
+        )
+    per_rank = mini * n // dims.train_dp
+    micro = per_rank if micro is None else micro
+    if micro < 1 or per_rank % micro != 0:
+        raise ConfigError(
+            f"{prefix}.ppo_micro_batch_size_per_gpu={micro} must divide the per-rank mini batch "
+            f"{per_rank} (= ppo_mini_batch_size {mini} x n {n} / {dims.train_dp} ranks) so every "
+            f"gradient-accumulation step is full. Valid values: {', '.join(map(str, _divisors(per_rank)))}."
+        )
+    return per_rank, micro, per_rank // micro
+
+
+def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
+    """The seed's arithmetic: 60 prompts -> 3 groups x 20 -> x12 = 720 samples -> 120 per rank."""
+    tbs = cfg.data.train_batch_size
+    arr = cfg.actor_rollout_ref
+    n = arr.rollout.n
+    if n < 1:
+        raise ConfigError(f"actor_rollout_ref.rollout.n={n} must be >= 1 (samples per prompt).")
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of the same prompt, "
+            f"so actor_rollout_ref.rollout.n={n} must be >= 2 (e.g. rollout.n=8), or use adv_estimator=gae."
+        )
+    if tbs < 1 or tbs % dims.rollout_dp != 0:
+        raise ConfigError(
+            f"data.train_batch_size={tbs} must be a positive multiple of the {dims.rollout_dp} rollout dp "
+            f"groups (world {dims.world_size} / actor_rollout_ref.rollout.tensor_model_parallel_size "
+            f"{dims.infer_tp}), so every vLLM engine gets the same number of prompts. "
+            f"Nearest valid: {_nearest_multiples(tbs, dims.rollout_dp)}."
+        )
+    total = tbs * n
+    if total % dims.train_dp != 0:
+        step = dims.train_dp // math.gcd(n, dims.train_dp)
+        step = step * dims.rollout_dp // math.gcd(step, dims.rollout_dp)
+        raise ConfigError(
+            f"data.train_batch_size={tbs} x actor_rollout_ref.rollout.n={n} = {total} samples cannot be "
+            f"split evenly over {dims.train_dp} training ranks (world {dims.world_size} / ulysses sp "
+            f"{dims.sp}). Nearest valid data.train_batch_size: {_nearest_multiples(tbs, step)}."
+        )
+    per_rank = total // dims.train_dp
+
+    actor = arr.actor
+    mini, micro, accum = _mini_micro(
+        "actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, tbs, n, dims
+    )
+    lp_micro = arr.rollout.log_prob_micro_batch_size_per_gpu
+    if lp_micro < 1 or lp_micro > per_rank:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={lp_micro} must be between 1 and "
+            f"the {per_rank} samples each rank recomputes log-probs for ({total} samples / {dims.train_dp} "
+            f"training ranks). Valid values: 1..{per_rank}, e.g. {min(8, per_rank)}."
+        )
+    ref_micro = arr.ref.log_prob_micro_batch_size_per_gpu
+    if ref_micro is not None and (ref_micro < 1 or ref_micro > per_rank):
+        raise ConfigError(
+            f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={ref_micro} must be between 1 and "
+            f"{per_rank} (samples per rank), or null to use the rollout's value."
+        )
+
+    c_mini = c_micro = c_accum = None
+    if cfg.algorithm.adv_estimator == "gae":
+        critic = cfg.critic
+        c_mini, c_micro, c_accum = _mini_micro(
+            "critic",
+            critic.ppo_mini_batch_size or actor.ppo_mini_batch_size,
+            critic.ppo_micro_batch_size_per_gpu,
+            tbs,
+            n,
+            dims,
+        )
+    return BatchPlan(
+        train_batch_size=tbs,
+        n=n,
+        prompts_per_rollout_group=tbs // dims.rollout_dp,
+        samples_per_rollout_group=tbs // dims.rollout_dp * n,
+        total_samples=total,
+        samples_per_rank=per_rank,
+        ppo_mini_batch_size_per_rank=mini,
+        num_mini_batches=tbs // actor.ppo_mini_batch_size,
+        ppo_micro_batch_size_per_gpu=micro,
+        grad_accum_steps=accum,
+        log_prob_micro_batch_size_per_gpu=lp_micro,
+        log_prob_micro_steps=math.ceil(per_rank / lp_micro),
+        critic_ppo_mini_batch_size_per_rank=c_mini,
+        critic_ppo_micro_batch_size_per_gpu=c_micro,
+        critic_grad_accum_steps=c_accum,
+    )
+
+
+def validate(cfg: Config, world_size: int | None = None) -> tuple[ParallelDims, BatchPlan]:
+    """Every layout and batch rule, as pure arithmetic; raises ConfigError before any model loads."""
+    if cfg.reward_model.enable:
+        raise ConfigError(
+            "reward_model.enable=true (a learned reward model) is not supported; score with a rule "
+            "function instead (custom_reward_function.path / .name) and set reward_model.enable=false."
+        )
+    dims = parallel_dims(cfg, world_size)
+    return dims, plan_batches(cfg, dims)
+
+
+# -----------------------------------------------------------------------------
+# The device map as plain lists (what the meshes below must reproduce rank by rank)
+
+
+@dataclass(frozen=True)
+class DeviceMap:
+    fsdp_groups: list[list[int]]  # ranks sharding one copy of the model
+    ddp_groups: list[list[int]]  # ranks holding the same shard (HSDP replicas); [[r]] each for FSDP
+    rollout_tp_groups: list[list[int]]  # one vLLM engine each, row g = rollout dp group g
+    sp_groups: list[list[int]]
+    node_of_rank: list[int]
+
+
+def _blocks(world: int, size: int) -> list[list[int]]:
+    return [list(range(start, start + size)) for start in range(0, world, size)]
+
+
+def plan_device_map(dims: ParallelDims) -> DeviceMap:
+    """Row-major layout, the same order `init_device_mesh` and `_unflatten` use."""
+    w = dims.world_size
+    return DeviceMap(
+        fsdp_groups=_blocks(w, dims.fsdp),
+        ddp_groups=[list(range(i, w, dims.fsdp)) for i in range(dims.fsdp)],
+        rollout_tp_groups=_blocks(w, dims.infer_tp),
+        sp_groups=_blocks(w, dims.sp),
+        node_of_rank=[r // dims.n_gpus_per_node for r in range(w)],
+    )
+
+
+# -----------------------------------------------------------------------------
+# Process group and meshes (the only part that needs torch.distributed)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    device_type: str  # "cuda" or "cpu", detected
+    device: Any  # torch.device
+
+
+def init_distributed(timeout_minutes: int = 30) -> DistEnv:
+    """Init the default process group from torchrun's environment, or as world size 1 under plain python.
+
+    On CUDA the group gets NCCL for GPU tensors and gloo for CPU tensors (object collectives,
+    CPU-offloaded state); on CPU it is gloo alone. Idempotent.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        # A plain `python train_ppo.py` run: be rank 0 of 1. vLLM's external launcher reads the
+        # same variables, so set them rather than passing them only to init_process_group.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        device_type, backend = "cuda", "cuda:nccl,cpu:gloo"
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device_type, backend, device = "cpu", "gloo", torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+    return DistEnv(rank, local_rank, world, device_type, device)
+
+
+@dataclass
+class Meshes:
+    world: Any  # 1D ('world',): the one mesh every domain below is a view of
+    fsdp: Any  # ('fsdp',) or ('ddp','fsdp')
+    rollout: Any  # ('dp','infer_tp')
+    sp: Any | None  # ('dp','sp') when sp > 1
+
+
+def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
+    """One world DeviceMesh, unflattened into each domain by name (needs an initialised group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = init_device_mesh(device_type, (dims.world_size,), mesh_dim_names=("world",))
+    fsdp2d = world._unflatten(0, (dims.ddp, dims.fsdp), ("ddp", "fsdp"))
+    fsdp = fsdp2d if dims.ddp > 1 else fsdp2d["fsdp"]
+    rollout = world._unflatten(0, (dims.rollout_dp, dims.infer_tp), ("dp", "infer_tp"))
+    sp = world._unflatten(0, (dims.train_dp, dims.sp), ("dp", "sp")) if dims.sp > 1 else None
+    return Meshes(world, fsdp, rollout, sp)
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """Print on global rank 0 only (or always, outside torchrun)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+# -----------------------------------------------------------------------------
+# The planner
+
+
+def _fmt(groups: list[list[int]]) -> str:
+    return "[" + ", ".join("[" + ",".join(map(str, g)) + "]" for g in groups) + "]"
+
+
+def describe(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> str:
+    """The device map and batch flow of a valid config, as a person would want to read it."""
+    dm = plan_device_map(dims)
+    arr = cfg.actor_rollout_ref
+    w = dims.world_size
+    lines = [f"Device map: {dims.nnodes} node(s) x {dims.n_gpus_per_node} devices = world {w}"]
+    if dims.ddp == 1:
+        lines.append(f"  FSDP      fsdp_size={arr.actor.fsdp_config.fsdp_size}: mesh ('fsdp',) = ({w},), "
+                     f"one group {_fmt(dm.fsdp_groups)}")
+    else:
+        lines.append(f"  FSDP      fsdp_size={dims.fsdp}: HSDP mesh ('ddp','fsdp') = ({dims.ddp},{dims.fsdp}), "
+                     f"shard groups {_fmt(dm.fsdp_groups)}, replica groups {_fmt(dm.ddp_groups)}")
+    lines.append(f"  rollout   tensor_model_parallel_size={dims.infer_tp}: mesh ('dp','infer_tp') = "
+                 f"({dims.rollout_dp},{dims.infer_tp}), TP groups {_fmt(dm.rollout_tp_groups)}")
+    if dims.sp > 1:
+        lines.append(f"  ulysses   sp={dims.sp}: mesh ('dp','sp') = ({dims.train_dp},{dims.sp}), "
+                     f"sp groups {_fmt(dm.sp_groups)}")
+    else:
+        lines.append("  ulysses   off (ulysses_sequence_parallel_size=1)")
+    lines.append("  rank  node  local  fsdp_group  rollout_dp  infer_tp_rank  train_dp_rank")
+    for r in range(w):
+        lines.append(f"  {r:>4}  {dm.node_of_rank[r]:>4}  {r % dims.n_gpus_per_node:>5}  {r // dims.fsdp:>10}  "
+                     f"{r // dims.infer_tp:>10}  {r % dims.infer_tp:>13}  {r // dims.sp:>13}")
+    for g, ranks in enumerate(dm.rollout_tp_groups):
+        lines.append(f"  rollout group {g}: ranks {ranks} on node {dm.node_of_rank[ranks[0]]}")
+    p = plan
+    lines += [
+        "Batch flow per step:",
+        f"  data.train_batch_size={p.train_batch_size} prompts -> {dims.rollout_dp} rollout dp groups x "
+        f"{p.prompts_per_rollout_group} prompts",
+        f"  x rollout.n={p.n} -> {p.samples_per_rollout_group} samples per group, {p.total_samples} in all",
+        f"  training: {p.total_samples} samples / {dims.train_dp} dp ranks (world {w} / sp {dims.sp}) = "
+        f"{p.samples_per_rank} per rank",
+        f"  actor mini batch: ppo_mini_batch_size={arr.actor.ppo_mini_batch_size} x n={p.n} = "
+        f"{arr.actor.ppo_mini_batch_size * p.n} -> / {dims.train_dp} = {p.ppo_mini_batch_size_per_rank} per rank; "
+        f"{p.num_mini_batches} optimizer step(s) per ppo epoch x {arr.actor.ppo_epochs} epoch(s)",
+        f"  actor micro batch: {p.ppo_micro_batch_size_per_gpu} per gpu -> {p.grad_accum_steps} "
+        f"gradient-accumulation step(s) per mini batch",
+        f"  old log-probs: log_prob_micro_batch_size_per_gpu={p.log_prob_micro_batch_size_per_gpu} -> "
+        f"{p.log_prob_micro_steps} forward micro step(s) per rank",
+    ]
+    if p.critic_ppo_mini_batch_size_per_rank is not None:
+        lines.append(f"  critic: {p.critic_ppo_mini_batch_size_per_rank} per rank per mini batch, micro "
+                     f"{p.critic_ppo_micro_batch_size_per_gpu} -> {p.critic_grad_accum_steps} accumulation step(s)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(
+        description="Explain and validate the device map and batch flow of a config, with no GPU and no "
+        "process group. Exits 1 with the reason when the config is invalid.",
+        epilog="example: python mesh_utils.py --config configs/seed_1node_6gpu.yaml "
+        "actor_rollout_ref.actor.fsdp_config.fsdp_size=3",
+    )
+    ap.add_argument("--config", help="YAML file under configs/ (default: built-in defaults)")
+    ap.add_argument("--world-size", type=int, default=None,
+                    help="plan for this many processes (default: trainer.nnodes x trainer.n_gpus_per_node)")
+    ap.add_argument("--json", action="store_true", help="print the device map and batch plan as JSON")
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        dims, plan = validate(cfg, args.world_size)
+    except ConfigError as e:
+        print(f"invalid config: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        out = {"dims": asdict(dims), "device_map": asdict(plan_device_map(dims)), "batch": asdict(plan)}
+        print(json.dumps(out, indent=1))
+    else:
+        print(describe(cfg, dims, plan))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""The planner's arithmetic and every validation error, with no process group."""
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from config import ConfigError, load_config
+from mesh_utils import plan_device_map, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED_1 = ROOT / "configs" / "seed_1node_6gpu.yaml"
+SEED_2 = ROOT / "configs" / "seed_2node_6gpu.yaml"
+
+
+def plan(path=SEED_1, *overrides, world=None):
+    return validate(load_config(path, list(overrides)), world)
+
+
+def test_seed_six_gpu_numbers():
+    dims, p = plan()
+    dm = plan_device_map(dims)
+    assert dm.rollout_tp_groups == [[0, 1], [2, 3], [4, 5]]
+    assert dm.fsdp_groups == [[0, 1, 2, 3, 4, 5]]
+    assert (p.prompts_per_rollout_group, p.samples_per_rollout_group, p.total_samples) == (20, 240, 720)
+    assert p.ppo_mini_batch_size_per_rank == 120 and p.samples_per_rank == 120
+    assert p.log_prob_micro_steps == 15  # 120 samples / 8 per micro batch, rounded up
+
+
+@pytest.mark.parametrize("fsdp_size, groups", [
+    (2, [[0, 1], [2, 3], [4, 5]]),
+    (3, [[0, 1, 2], [3, 4, 5]]),
+    (6, [[0, 1, 2, 3, 4, 5]]),
+])
+def test_fsdp_size_groups(fsdp_size, groups):
+    dims, _ = plan(SEED_1, f"actor_rollout_ref.actor.fsdp_config.fsdp_size={fsdp_size}")
+    assert plan_device_map(dims).fsdp_groups == groups
+    assert dims.ddp == 6 // fsdp_size
+
+
+def test_ulysses_divides_the_per_rank_batch():
+    dims, p = plan(SEED_1, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2")
+    assert (dims.train_dp, dims.sp) == (3, 2)
+    assert plan_device_map(dims).sp_groups == [[0, 1], [2, 3], [4, 5]]
+    assert p.ppo_mini_batch_size_per_rank == 720 // 3
+
+
+def test_two_nodes_keep_tp_pairs_on_one_node():
+    dims, p = plan(SEED_2)
+    dm = plan_device_map(dims)
+    assert dims.world_size == 12 and dims.rollout_dp == 6
+    for group in dm.rollout_tp_groups:
+        assert len({dm.node_of_rank[r] for r in group}) == 1
+    assert dm.node_of_rank == [0] * 6 + [1] * 6
+    assert p.total_samples == 720 and p.ppo_mini_batch_size_per_rank == 60
+
+
+def simulate(tbs, n, mini, world, tp, sp, lp_micro):
+    """The batch flow done by hand with explicit lists, to check the closed-form plan against."""
+    prompts = list(range(tbs))
+    groups = world // tp
+    per_group = [prompts[g * tbs // groups:(g + 1) * tbs // groups] for g in range(groups)]
+    samples = [(p, k) for chunk in per_group for p in chunk for k in range(n)]
+    train_ranks = world // sp
+    shares = [samples[r * len(samples) // train_ranks:(r + 1) * len(samples) // train_ranks]
+              for r in range(train_ranks)]
+    # a mini batch is `mini` prompts' samples, spread evenly over the training ranks
+    mini_samples = mini * n
+    steps = -(-len(shares[0]) // lp_micro)
+    return len(per_group[0]), len(per_group[0]) * n, len(samples), len(shares[0]), mini_samples // train_ranks, steps
+
+
+@pytest.mark.parametrize("world, tp, sp, n", [
+    (w, tp, sp, n) for w, tp, sp, n in itertools.product([1, 2, 4, 6, 8], [1, 2, 4], [1, 2], [1, 4, 12])
+    if w % tp == 0 and w % sp == 0 and 24 % (w // tp) == 0 and (12 * n) % (w // sp) == 0
+])
+def test_plan_matches_simulation(world, tp, sp, n):
+    tbs, mini, lp = 24, 12, 3
+    _, p = plan(None, f"data.train_batch_size={tbs}", f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
+                f"actor_rollout_ref.rollout.n={n}", f"trainer.n_gpus_per_node={world}",
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
+                f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}",
+                f"critic.ulysses_sequence_parallel_size={sp}",
+                f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={lp}")
+    got = (p.prompts_per_rollout_group, p.samples_per_rollout_group, p.total_samples, p.samples_per_rank,
+           p.ppo_mini_batch_size_per_rank, p.log_prob_micro_steps)
+    assert got == simulate(tbs, n, mini, world, tp, sp, lp)
+
+
+# Each of the seed's pitfalls (and verl's), as the error a user gets; each names the key and numbers.
+PITFALLS = [
+    (SEED_1, ["data.train_batch_size=61"], ["data.train_batch_size=61", "3 rollout dp groups", "Nearest valid: 60"]),
+    (SEED_1, ["actor_rollout_ref.rollout.tensor_model_parallel_size=8"],
+     ["tensor_model_parallel_size=8", "0 rollout dp groups", "Valid values: 1, 2, 3, 6"]),
+    (SEED_1, ["actor_rollout_ref.rollout.tensor_model_parallel_size=4"],
+     ["tensor_model_parallel_size=4", "n_gpus_per_node=6", "Valid values: 1, 2, 3, 6"]),
+    (SEED_2, ["actor_rollout_ref.rollout.tensor_model_parallel_size=4"], ["span two nodes"]),
+    (SEED_1, ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=4"],
+     ["ulysses_sequence_parallel_size=4", "world size 6", "Valid values: 1, 2, 3, 6"]),
+    (SEED_1, ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=121"],
+     ["log_prob_micro_batch_size_per_gpu=121", "120 samples"]),
+    (SEED_1, ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=0"], ["between 1 and"]),
+    (SEED_1, ["actor_rollout_ref.actor.fsdp_config.fsdp_size=4"], ["fsdp_size=4", "Valid values: -1, 1, 2, 3, 6"]),
+    (SEED_1, ["actor_rollout_ref.actor.ppo_mini_batch_size=7"], ["ppo_mini_batch_size=7", "train_batch_size=60"]),
+    (SEED_1, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=7"],
+     ["ppo_micro_batch_size_per_gpu=7", "per-rank mini batch 120"]),
+    (SEED_1, ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1", "data.train_batch_size=63", "actor_rollout_ref.actor.ppo_mini_batch_size=63"],
+     ["63 samples cannot be split evenly over 6 training ranks"]),
+    (SEED_1, ["actor_rollout_ref.rollout.n=1"], ["rollout.n=1 must be >= 2"]),
+    (SEED_1, ["reward_model.enable=true"], ["reward_model.enable"]),
+    (SEED_1, ["algorithm.adv_estimator=gae", "critic.ulysses_sequence_parallel_size=2"],
+     ["critic.ulysses_sequence_parallel_size=2"]),
+]
+
+
+@pytest.mark.parametrize("path, overrides, fragments", PITFALLS, ids=lambda x: None)
+def test_pitfalls_are_clear_errors(path, overrides, fragments):
+    with pytest.raises(ConfigError) as err:
+        plan(path, *overrides)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_launch_must_match_config():
+    with pytest.raises(ConfigError, match=r"torchrun launched 4 processes but .* 1 x 6 = 6"):
+        plan(SEED_1, world=4)
+
+
+def planner(*args):
+    return subprocess.run([sys.executable, "mesh_utils.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_planner_cli_prints_the_seed_numbers():
+    out = planner("--config", str(SEED_1))
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for fragment in ["TP groups [[0,1], [2,3], [4,5]]", "3 rollout dp groups x 20 prompts",
+                     "240 samples per group, 720 in all", "= 120 per rank", "15 forward micro step(s)"]:
+        assert fragment in text, fragment
+
+
+def test_planner_cli_refuses_a_bad_config():
+    out = planner("--config", str(SEED_1), "actor_rollout_ref.rollout.tensor_model_parallel_size=4")
+    assert out.returncode == 1
+    assert "tensor_model_parallel_size=4" in out.stderr and out.stdout == ""
