@@ -1,0 +1,433 @@
+"""PPO / GRPO core math: masked statistics, advantages, policy/value losses, KL, loss aggregation.
+
+Every function is pure and works on padded tensors of shape (B, T): B responses, T = response length.
+`response_mask` is 1 on real response tokens and 0 on the padding after EOS (or on tool/observation
+tokens in multi-turn rollouts). Names and meanings follow verl's `verl/trainer/ppo/core_algos.py`, so
+config keys carry over: algorithm.adv_estimator, algorithm.kl_penalty, actor.loss_agg_mode,
+actor.clip_ratio_low / clip_ratio_high / clip_ratio_c, critic.cliprange_value.
+
+Loss scaling under micro-batching and data parallelism
+------------------------------------------------------
+One optimizer step consumes a mini-batch spread over `dp_size` ranks, each cutting its share into
+micro-batches. The step must see the same gradient however the mini-batch is cut. So each micro-batch
+loss is the *sum* of its per-token (or per-sequence) losses divided by the count over the WHOLE
+mini-batch, all ranks together, times `dp_size`, because FSDP (like DDP) *averages* gradients over ranks.
+The training loop, on every rank, per mini-batch:
+
+    num_tokens, num_seqs = global_num_tokens_and_seqs([mb["response_mask"] for mb in micro_batches])
+    for mb in micro_batches:                         # this rank's share, any sizes
+        pg_loss, *_ = compute_policy_loss(..., loss_agg_mode=mode, global_num_tokens=num_tokens,
+                                          global_num_seqs=num_seqs, dp_size=dp_world_size)
+        pg_loss.backward()                           # do NOT divide by len(micro_batches)
+    optimizer.step()                                 # FSDP's mean over ranks gives the full-batch grad
+
+Use the same counts for every term added to the loss (entropy bonus, KL loss, value loss). A logged
+micro-batch loss is that micro-batch's share: sum it over micro-batches, then average over ranks, to
+get the mini-batch loss. Without global counts (dp_size must then be 1) agg_loss averages over the
+micro-batch alone, verl's legacy behaviour: tokens in short micro-batches then weigh more.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+# --- masked statistics ---------------------------------------------------------------------------
+
+
+def masked_sum(values: Tensor, mask: Tensor, axis: int | None = None) -> Tensor:
+    """Sum of `values` where the 0/1 `mask` is set; padding is dropped, so NaN/inf there cannot leak."""
+    return torch.where(mask.bool(), values, 0.0).sum(dim=axis)
+
+
+def masked_mean(values: Tensor, mask: Tensor, axis: int | None = None) -> Tensor:
+    """Mean of `values` where `mask` is set; 0 (not NaN) where the mask is empty."""
+    count = mask.to(values.dtype).sum(dim=axis).clamp_min(1e-8)  # exact for >= 1 element, safe for 0
+    return masked_sum(values, mask, axis) / count
+
+
+def masked_var(values: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of `values` over all masked entries (Bessel-corrected by default, like verl)."""
+    mean = masked_mean(values, mask)  # ()
+    var = masked_mean((values - mean) ** 2, mask)  # ()
+    if unbiased:
+        n = int(mask.bool().sum().item())
+        if n < 2:
+            raise ValueError(f"masked_var: unbiased variance needs >= 2 unmasked elements, got {n}")
+        var = var * n / (n - 1)
+    return var
+
+
+def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+    """Normalise to unit variance over the mask; zero mean too unless shift_mean=False."""
+    mean, var = masked_mean(values, mask), masked_var(values, mask)  # (), ()
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)  # (B, T)
+    return whitened if shift_mean else whitened + mean
+
+
+# --- advantage estimators ------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def compute_gae_advantage_return(
+    token_level_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """GAE (Schulman et al. 2016). Returns (advantages whitened over the mask, returns = adv + V).
+
+    Masked steps are skipped: the recursion carries V and the GAE sum of the next real token back
+    over them, so rewards or values in the padding never reach a real token. Padding outputs are 0.
+    """
+    mask = response_mask.bool()  # (B, T)
+    next_value = torch.zeros_like(values[:, 0])  # (B,) V(s_{t+1}); 0 past the last real token
+    last_gae = torch.zeros_like(values[:, 0])  # (B,) GAE of the next real token
+    advantages = []
+    for t in reversed(range(values.shape[1])):
+        delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]  # (B,) TD error
+        gae = delta + gamma * lam * last_gae  # (B,)
+        advantages.append(gae)
+        next_value = torch.where(mask[:, t], values[:, t], next_value)  # (B,)
+        last_gae = torch.where(mask[:, t], gae, last_gae)  # (B,)
+    advantages = torch.stack(advantages[::-1], dim=1)  # (B, T)
+    returns = torch.where(mask, advantages + values, 0.0)  # (B, T) value-function targets
+    advantages = torch.where(mask, masked_whiten(advantages, mask), 0.0)  # (B, T)
+    return advantages, returns
+
+
+def _group_ids(index: Sequence[Any] | Tensor, device: torch.device) -> Tensor:
+    """Map per-sample group keys (prompt uids: ints or strings) to 0..G-1."""
+    keys = index.tolist() if hasattr(index, "tolist") else list(index)  # tensor / numpy / list
+    first_seen: dict[Any, int] = {}
+    return torch.tensor([first_seen.setdefault(k, len(first_seen)) for k in keys], device=device)
+
+
+def _group_stats(scores: Tensor, group: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sample (group size, group mean, unbiased group std), gathered back to (B,)."""
+    num_groups = int(group.max()) + 1
+    zeros = scores.new_zeros(num_groups)  # (G,)
+    size = zeros.index_add(0, group, torch.ones_like(scores))  # (G,)
+    mean = zeros.index_add(0, group, scores) / size  # (G,)
+    sq_dev = zeros.index_add(0, group, (scores - mean[group]) ** 2)  # (G,)
+    std = (sq_dev / (size - 1).clamp_min(1)).sqrt()  # (G,) Bessel-corrected, as torch.std
+    return size[group], mean[group], std[group]  # (B,) each
+
+
+@torch.no_grad()
+def compute_grpo_outcome_advantage(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: Sequence[Any] | Tensor,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """GRPO: (outcome - group mean) / (group std + eps), broadcast over the response tokens.
+
+    `index[i]` is the group (prompt uid) of sample i. norm_adv_by_std_in_grpo=False gives Dr.GRPO.
+    A group of size 1 has no baseline, so its advantage is 0 (verl would pass its raw score through).
+    Returns (advantages, returns), both (B, T) and equal, like verl.
+    """
+    scores = masked_sum(token_level_rewards, response_mask, axis=-1)  # (B,) outcome reward
+    size, mean, std = _group_stats(scores, _group_ids(index, scores.device))  # (B,) each
+    adv = scores - mean  # (B,)
+    if norm_adv_by_std_in_grpo:
+        adv = adv / (std + epsilon)  # all-equal group: 0 / eps = 0, no NaN
+    adv = torch.where(size > 1, adv, 0.0)  # (B,)
+    adv = torch.where(response_mask.bool(), adv.unsqueeze(-1), 0.0)  # (B, T)
+    return adv, adv
+
+
+@torch.no_grad()
+def compute_rloo_outcome_advantage(
+    token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor
+) -> tuple[Tensor, Tensor]:
+    """RLOO (Ahmadian et al. 2024): outcome minus the mean outcome of the OTHER samples of its group.
+
+    Size-1 groups get 0 (verl keeps the raw score there). Returns (advantages, returns), equal.
+    """
+    scores = masked_sum(token_level_rewards, response_mask, axis=-1)  # (B,)
+    size, mean, _ = _group_stats(scores, _group_ids(index, scores.device))  # (B,) each
+    # s - (n * mean - s) / (n - 1) == n / (n - 1) * (s - mean)
+    adv = size / (size - 1).clamp_min(1) * (scores - mean)  # (B,)
+    adv = torch.where(size > 1, adv, 0.0)  # (B,)
+    adv = torch.where(response_mask.bool(), adv.unsqueeze(-1), 0.0)  # (B, T)
+    return adv, adv
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards: Tensor, response_mask: Tensor, gamma: float
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ (Hu 2025): discounted return-to-go per token, whitened over the whole batch."""
+    mask = response_mask.bool()  # (B, T)
+    running = torch.zeros_like(token_level_rewards[:, 0])  # (B,)
+    returns = []
+    for t in reversed(range(token_level_rewards.shape[1])):
+        # reset on masked steps so rewards in the padding never flow back into the response
+        running = torch.where(mask[:, t], token_level_rewards[:, t] + gamma * running, 0.0)  # (B,)
+        returns.append(running)
+    returns = torch.stack(returns[::-1], dim=1)  # (B, T)
+    advantages = torch.where(mask, masked_whiten(returns, mask), 0.0)  # (B, T)
+    return advantages, returns
+
+
+ADV_ESTIMATORS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
+    "gae": compute_gae_advantage_return,
+    "grpo": compute_grpo_outcome_advantage,
+    "rloo": compute_rloo_outcome_advantage,
+    "reinforce_plus_plus": compute_reinforce_plus_plus_outcome_advantage,
+}
+
+
+def compute_advantage(adv_estimator: str, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    """Dispatch on algorithm.adv_estimator; kwargs are the chosen estimator's arguments."""
+    if adv_estimator not in ADV_ESTIMATORS:
+        raise ValueError(
+            f"unknown algorithm.adv_estimator={adv_estimator!r}; valid: {', '.join(ADV_ESTIMATORS)}"
+        )
+    return ADV_ESTIMATORS[adv_estimator](**kwargs)
+
+
+# --- loss aggregation ----------------------------------------------------------------------------
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def agg_loss(
+    loss_mat: Tensor,
+    loss_mask: Tensor,
+    loss_agg_mode: str,
+    global_num_tokens: int | Tensor | None = None,
+    global_num_seqs: int | Tensor | None = None,
+    dp_size: int = 1,
+    loss_scale_factor: float | None = None,
+) -> Tensor:
+    """Reduce a micro-batch's (b, T) loss matrix to the scalar to call .backward() on.
+
+    token-mean:              sum of token losses / global_num_tokens
+    seq-mean-token-sum:      sum over sequences of their token sum / global_num_seqs
+    seq-mean-token-mean:     sum over sequences of their token mean / global_num_seqs
+    seq-mean-token-sum-norm: like seq-mean-token-sum, each token sum first divided by the constant
+                             loss_scale_factor (default T; set it to max_response_length) (Dr.GRPO)
+    The result is multiplied by dp_size to cancel FSDP's gradient averaging. global_num_tokens /
+    global_num_seqs are the valid tokens / non-empty sequences of the whole mini-batch over all dp
+    ranks (see global_num_tokens_and_seqs); verl calls them batch_num_tokens / global_batch_size.
+    If the needed one is None, this micro-batch's own count is used (legacy local mean, dp_size=1).
+    """
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"invalid loss_agg_mode={loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+    mask = loss_mask.bool()  # (b, T)
+    if loss_agg_mode == "token-mean":
+        total = masked_sum(loss_mat, mask)  # ()
+        count, local_count = global_num_tokens, mask.sum()
+    else:
+        num_tokens = mask.sum(-1)  # (b,)
+        seq_losses = masked_sum(loss_mat, mask, axis=-1)  # (b,) token-sum; 0 for empty rows
+        if loss_agg_mode == "seq-mean-token-mean":
+            seq_losses = seq_losses / num_tokens.clamp_min(1)  # (b,)
+        elif loss_agg_mode == "seq-mean-token-sum-norm":
+            seq_losses = seq_losses / (loss_scale_factor or loss_mask.shape[-1])  # (b,)
+        total = seq_losses.sum()  # ()
+        count, local_count = global_num_seqs, (num_tokens > 0).sum()
+    if count is None:
+        if dp_size != 1:
+            raise ValueError(
+                f"agg_loss({loss_agg_mode!r}) with dp_size={dp_size} needs the global count "
+                "(global_num_tokens / global_num_seqs) of the whole mini-batch over all ranks"
+            )
+        count = local_count
+    count = torch.as_tensor(count, dtype=total.dtype, device=total.device).clamp_min(1)  # ()
+    return total / count * dp_size
+
+
+def global_num_tokens_and_seqs(
+    response_masks: Sequence[Tensor], group: dist.ProcessGroup | None = None
+) -> tuple[int, int]:
+    """(valid tokens, non-empty sequences) in this rank's micro-batches, summed over the dp group.
+
+    Call once per mini-batch with the masks of all this rank's micro-batches; it all_reduces when a
+    process group is initialised (masks must then live on the backend's device) and is local otherwise.
+    """
+    counts = torch.stack(
+        [torch.stack([m.bool().sum(), (m.bool().sum(-1) > 0).sum()]) for m in response_masks]
+    ).sum(0)  # (2,) int64
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    num_tokens, num_seqs = counts.tolist()
+    return num_tokens, num_seqs
+
+
+# --- policy and value losses ---------------------------------------------------------------------
+
+
+def compute_policy_loss(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    *,
+    global_num_tokens: int | Tensor | None = None,
+    global_num_seqs: int | Tensor | None = None,
+    dp_size: int = 1,
+    loss_scale_factor: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Clipped PPO surrogate with dual-clip (Ye et al. 2020). All inputs (B, T).
+
+    Returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower); the last three are local metrics.
+    The keyword-only arguments go to agg_loss (see the module docstring).
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"actor.clip_ratio_c must be > 1.0 for dual-clip, got {clip_ratio_c}")
+    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T) clamp so exp cannot overflow
+    ratio = log_ratio.exp()  # (B, T) pi / pi_old
+    ppo_kl = masked_mean(-log_ratio, response_mask)  # () k1 estimate of KL(pi_old || pi)
+    loss_unclipped = -advantages * ratio  # (B, T)
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)  # (B, T)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)  # (B, T) pessimistic of the two
+    pg_clipfrac = masked_mean((loss_clipped > loss_unclipped).to(ratio.dtype), response_mask)  # ()
+    # dual-clip: with A < 0 the PPO loss grows without bound in the ratio; cap it at -A * c
+    loss_cap = -advantages * clip_ratio_c  # (B, T)
+    negative = advantages < 0  # (B, T)
+    pg_losses = torch.where(negative, torch.minimum(loss_ppo, loss_cap), loss_ppo)  # (B, T)
+    pg_clipfrac_lower = masked_mean(((loss_ppo > loss_cap) & negative).to(ratio.dtype), response_mask)
+    pg_loss = agg_loss(
+        pg_losses, response_mask, loss_agg_mode, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor
+    )
+    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+def compute_value_loss(
+    vpreds: Tensor,
+    returns: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+    *,
+    global_num_tokens: int | Tensor | None = None,
+    global_num_seqs: int | Tensor | None = None,
+    dp_size: int = 1,
+    loss_scale_factor: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Clipped value loss 0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2). Returns (vf_loss, vf_clipfrac)."""
+    vpreds_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)  # (B, T)
+    loss_unclipped = (vpreds - returns) ** 2  # (B, T)
+    loss_clipped = (vpreds_clipped - returns) ** 2  # (B, T)
+    vf_losses = torch.maximum(loss_unclipped, loss_clipped)  # (B, T)
+    vf_loss = 0.5 * agg_loss(
+        vf_losses, response_mask, loss_agg_mode, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor
+    )
+    vf_clipfrac = masked_mean((loss_clipped > loss_unclipped).to(vpreds.dtype), response_mask)  # ()
+    return vf_loss, vf_clipfrac
+
+
+# --- KL penalty ----------------------------------------------------------------------------------
+
+
+def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs (Schulman's k1/k2/k3)."""
+    log_ratio = logprob - ref_logprob  # (B, T) log pi / pi_ref
+    if kl_penalty in ("kl", "k1"):
+        return log_ratio  # unbiased, high variance, can be negative
+    if kl_penalty == "abs":
+        return log_ratio.abs()
+    if kl_penalty in ("mse", "k2"):
+        return 0.5 * log_ratio.square()
+    if kl_penalty in ("low_var_kl", "k3"):
+        # k3 = r - log r - 1 with r = pi_ref / pi: unbiased and >= 0; clamps guard exp blow-ups
+        log_r = (-log_ratio).clamp(-20.0, 20.0)  # (B, T)
+        return (log_r.exp() - log_r - 1.0).clamp(-10.0, 10.0)
+    if kl_penalty == "full":
+        raise NotImplementedError(
+            "kl_penalty='full' needs full-vocabulary logits of both models, which this toolkit does not "
+            "keep; use 'low_var_kl' (k3), 'kl' (k1), 'mse' (k2) or 'abs'"
+        )
+    raise ValueError(f"unknown kl_penalty={kl_penalty!r}; valid: kl/k1, abs, mse/k2, low_var_kl/k3")
+
+
+_kl_penalty = kl_penalty  # apply_kl_penalty's argument, named like verl's, shadows the function
+
+
+def apply_kl_penalty(
+    token_level_scores: Tensor,
+    old_log_prob: Tensor,
+    ref_log_prob: Tensor,
+    response_mask: Tensor,
+    kl_ctrl_value: float,
+    kl_penalty: str = "kl",
+) -> tuple[Tensor, float]:
+    """In-reward KL: rewards = scores - beta * KL per token. Returns (token_level_rewards, current_kl).
+
+    current_kl is the per-sequence masked mean KL averaged over the batch: feed it to the
+    controller's update(current_kl, n_steps=batch_size).
+    """
+    mask = response_mask.bool()  # (B, T)
+    kld = torch.where(mask, _kl_penalty(old_log_prob, ref_log_prob, kl_penalty), 0.0)  # (B, T)
+    token_level_rewards = token_level_scores - kl_ctrl_value * kld  # (B, T)
+    current_kl = masked_mean(kld, mask, axis=-1).mean()  # ()
+    return token_level_rewards, float(current_kl)
+
+
+class FixedKLController:
+    """Constant KL coefficient (algorithm.kl_ctrl.type=fixed)."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op: the coefficient is fixed."""
+
+    def state_dict(self) -> dict[str, float]:
+        """Plain floats, for the training checkpoint."""
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restore the coefficient saved by state_dict()."""
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController(FixedKLController):
+    """Ziegler et al. 2019: steer the coefficient so the measured KL tracks target_kl."""
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: float) -> None:
+        super().__init__(init_kl_coef)
+        self.target, self.horizon = float(target_kl), float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """value *= 1 + clip(KL / target - 1, +-0.2) * n_steps / horizon."""
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)  # proportional error, clipped
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+# --- entropy and log-probs from logits -----------------------------------------------------------
+
+
+def _rowwise(logits: Tensor, fn: Callable[[Tensor], Tensor], chunk_size: int) -> Tensor:
+    """Apply fn to (rows, V) chunks upcast to >= fp32, so temporaries are chunk_size x V, not N x V."""
+    flat = logits.reshape(-1, logits.shape[-1])  # (N, V), a view when contiguous
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 logsumexp is too coarse
+    out = torch.cat([fn(chunk.to(dtype)) for chunk in flat.split(chunk_size)])  # (N,)
+    return out.view(logits.shape[:-1])
+
+
+def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
+    """Entropy of softmax(logits) per position, (..., V) -> (...), as logsumexp - E_p[logit]."""
+
+    def entropy(x: Tensor) -> Tensor:
+        return torch.logsumexp(x, dim=-1) - (torch.softmax(x, dim=-1) * x).sum(-1)  # (rows,)
+
+    return _rowwise(logits, entropy, chunk_size)
+
+
+def logprobs_from_logits(logits: Tensor, labels: Tensor, chunk_size: int = 1024) -> Tensor:
+    """log softmax(logits)[label], (..., V), (...) -> (...): gather the label's logit, subtract logsumexp.
+
+    No full log_softmax copy is made; only one chunk of rows is upcast at a time.
+    """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).to(dtype)  # (...)
+    return picked - _rowwise(logits, lambda x: torch.logsumexp(x, dim=-1), chunk_size)  # (...)

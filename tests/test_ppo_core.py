@@ -1,0 +1,474 @@
+"""Tests for ppo_core: every function against a reference computed another way (float64 loops, hand
+examples), plus the micro-batch / data-parallel invariance of the loss scaling."""
+
+import math
+import statistics
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import ppo_core as pc
+
+NAN = float("nan")
+
+
+def lengths_to_mask(lengths, T):
+    return (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).double()  # (B, T)
+
+
+def rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def whiten_ref(xs):
+    """Python reference of masked_whiten over a flat list of valid values."""
+    mean, var = statistics.fmean(xs), statistics.variance(xs)  # variance() is Bessel-corrected
+    return [(x - mean) / math.sqrt(var + 1e-8) for x in xs]
+
+
+# --- masked statistics ---------------------------------------------------------------------------
+
+
+def test_masked_stats_match_python_and_ignore_padding_garbage():
+    mask = lengths_to_mask([3, 1, 4, 0], 4)
+    x = rand(4, 4)
+    x[mask == 0] = NAN  # padding garbage must not leak in
+    valid = [x[i, t].item() for i in range(4) for t in range(4) if mask[i, t]]
+    assert pc.masked_sum(x, mask).item() == pytest.approx(math.fsum(valid), rel=1e-12)
+    assert pc.masked_mean(x, mask).item() == pytest.approx(statistics.fmean(valid), rel=1e-12)
+    assert pc.masked_var(x, mask).item() == pytest.approx(statistics.variance(valid), rel=1e-12)
+    assert pc.masked_var(x, mask, unbiased=False).item() == pytest.approx(statistics.pvariance(valid), rel=1e-12)
+    rows = pc.masked_mean(x, mask, axis=-1)
+    for i, n in enumerate([3, 1, 4]):
+        assert rows[i].item() == pytest.approx(statistics.fmean(x[i, :n].tolist()), rel=1e-12)
+    assert rows[3].item() == 0.0  # empty row: 0, not NaN
+    white = pc.masked_whiten(x, mask)[mask.bool()].tolist()
+    assert white == pytest.approx(whiten_ref(valid), rel=1e-9)
+    unshifted = pc.masked_whiten(x, mask, shift_mean=False)[mask.bool()].tolist()
+    mean = statistics.fmean(valid)
+    assert unshifted == pytest.approx([w + mean for w in whiten_ref(valid)], rel=1e-9)
+    with pytest.raises(ValueError, match="unbiased variance"):
+        pc.masked_var(x, lengths_to_mask([1, 0, 0, 0], 4))
+
+
+# --- advantage estimators ------------------------------------------------------------------------
+
+
+def gae_ref(rewards, values, mask, gamma, lam):
+    """Loop over the real (masked-in) steps of each row only, in float64 Python."""
+    B, T = mask.shape
+    adv = [[0.0] * T for _ in range(B)]
+    for i in range(B):
+        real = [t for t in range(T) if mask[i, t]]
+        gae, next_v = 0.0, 0.0
+        for t in reversed(real):
+            delta = rewards[i, t].item() + gamma * next_v - values[i, t].item()
+            gae = delta + gamma * lam * gae
+            adv[i][t], next_v = gae, values[i, t].item()
+    return adv
+
+
+@pytest.mark.parametrize("hole", [False, True])
+def test_gae_matches_loop_and_padding_does_not_leak(hole):
+    gamma, lam = 0.97, 0.9
+    mask = lengths_to_mask([6, 2, 4, 1], 6)
+    if hole:  # multi-turn: an observation span inside the response is skipped
+        mask[0, 2:4] = 0
+    rewards, values = rand(4, 6, seed=1), rand(4, 6, seed=2)
+    rewards[mask == 0], values[mask == 0] = NAN, NAN
+    adv, ret = pc.compute_gae_advantage_return(rewards, values, mask, gamma, lam)
+    raw = gae_ref(rewards, values, mask, gamma, lam)
+    idx = [(i, t) for i in range(4) for t in range(6) if mask[i, t]]
+    assert [ret[i, t].item() for i, t in idx] == pytest.approx([raw[i][t] + values[i, t].item() for i, t in idx])
+    assert [adv[i, t].item() for i, t in idx] == pytest.approx(whiten_ref([raw[i][t] for i, t in idx]))
+    assert torch.all(adv[mask == 0] == 0) and torch.all(ret[mask == 0] == 0)
+
+
+def outcome_scores(rewards, lengths):
+    return [math.fsum(rewards[i, :n].tolist()) for i, n in enumerate(lengths)]
+
+
+GROUP_LENGTHS = [3, 5, 1, 4, 2, 5, 3]
+GROUP_INDEX = ["a", "b", "a", "c", "b", "a", "d"]  # a: 3 samples, b: 2 (equal rewards), c, d: alone
+
+
+def group_batch():
+    mask = lengths_to_mask(GROUP_LENGTHS, 5)
+    rewards = torch.zeros(7, 5, dtype=torch.float64)
+    last = torch.tensor(GROUP_LENGTHS) - 1
+    rewards[torch.arange(7), last] = torch.tensor([1.0, 0.5, 0.0, 2.0, 0.5, 0.25, -1.0], dtype=torch.float64)
+    rewards[0, 0] = 0.5  # a dense reward too: the outcome is the sum over the response
+    rewards[mask == 0] = 7.0  # padding reward must not count
+    return rewards, mask
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("as_type", [list, np.array, "tensor"])
+def test_grpo_matches_python_groups(norm, as_type):
+    rewards, mask = group_batch()
+    index = [{"a": 0, "b": 1, "c": 2, "d": 3}[k] for k in GROUP_INDEX] if as_type == "tensor" else GROUP_INDEX
+    index = torch.tensor(index) if as_type == "tensor" else as_type(index)
+    adv, ret = pc.compute_grpo_outcome_advantage(rewards, mask, index, norm_adv_by_std_in_grpo=norm)
+    scores = outcome_scores(rewards, GROUP_LENGTHS)
+    for i, key in enumerate(GROUP_INDEX):
+        group = [s for s, k in zip(scores, GROUP_INDEX, strict=True) if k == key]
+        if len(group) == 1:
+            expected = 0.0
+        else:
+            expected = scores[i] - statistics.fmean(group)
+            expected /= (statistics.stdev(group) + 1e-6) if norm else 1.0
+        n = GROUP_LENGTHS[i]
+        assert adv[i, :n].tolist() == pytest.approx([expected] * n, abs=1e-12)
+        assert torch.all(adv[i, n:] == 0)
+    assert torch.isfinite(adv).all() and torch.equal(adv, ret)
+    assert torch.all(adv[[1, 4]] == 0)  # group b: equal rewards -> exactly 0, no NaN
+
+
+def test_rloo_is_leave_one_out():
+    rewards, mask = group_batch()
+    adv, _ = pc.compute_rloo_outcome_advantage(rewards, mask, GROUP_INDEX)
+    scores = outcome_scores(rewards, GROUP_LENGTHS)
+    for i, key in enumerate(GROUP_INDEX):
+        others = [s for j, (s, k) in enumerate(zip(scores, GROUP_INDEX, strict=True)) if k == key and j != i]
+        expected = scores[i] - statistics.fmean(others) if others else 0.0
+        n = GROUP_LENGTHS[i]
+        assert adv[i, :n].tolist() == pytest.approx([expected] * n, abs=1e-12)
+        assert torch.all(adv[i, n:] == 0)
+
+
+def test_reinforce_plus_plus_matches_loop():
+    gamma, lengths = 0.9, [5, 2, 4, 1]
+    mask = lengths_to_mask(lengths, 5)
+    rewards = rand(4, 5, seed=3)
+    rewards[mask == 0] = NAN
+    adv, ret = pc.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma)
+    ref_returns = []
+    for i, n in enumerate(lengths):
+        g = 0.0
+        row = []
+        for t in reversed(range(n)):
+            g = rewards[i, t].item() + gamma * g
+            row.append(g)
+        ref_returns += row[::-1]
+    assert ret[mask.bool()].tolist() == pytest.approx(ref_returns)
+    assert adv[mask.bool()].tolist() == pytest.approx(whiten_ref(ref_returns))
+    assert torch.all(adv[mask == 0] == 0)
+
+
+def test_compute_advantage_dispatch_and_unknown_name():
+    rewards, mask = group_batch()
+    got, _ = pc.compute_advantage("rloo", token_level_rewards=rewards, response_mask=mask, index=GROUP_INDEX)
+    assert torch.equal(got, pc.compute_rloo_outcome_advantage(rewards, mask, GROUP_INDEX)[0])
+    with pytest.raises(ValueError, match="gae, grpo, rloo, reinforce_plus_plus"):
+        pc.compute_advantage("ppo2", token_level_rewards=rewards)
+
+
+# --- policy and value losses ---------------------------------------------------------------------
+
+
+def test_policy_loss_hand_example_with_dual_clip():
+    # token: (advantage, ratio) -> PPO loss max(-A r, -A clip(r, 0.8, 1.2)), then dual-clip min(., -3 A) for A < 0
+    #  A=+1 r=1.5: max(-1.5, -1.2) = -1.2     clipped
+    #  A=-1 r=5.0: max(5.0, 1.2) = 5 -> 3     dual-clipped (lower)
+    #  A=-1 r=0.5: max(0.5, 0.8) = 0.8        clipped
+    #  A=+1 r=1.0: -1
+    #  A=-2 r=2.0: max(4.0, 2.4) = 4 < 6      no clip
+    adv = torch.tensor([[1.0, -1.0, -1.0, 5.0], [1.0, -2.0, -9.0, 9.0]], dtype=torch.float64)
+    ratio = torch.tensor([[1.5, 5.0, 0.5, 100.0], [1.0, 2.0, 50.0, 0.01]], dtype=torch.float64)
+    mask = lengths_to_mask([3, 2], 4)
+    old = rand(2, 4, seed=4)
+    new = (old + ratio.log()).requires_grad_()
+    loss, clipfrac, ppo_kl, clipfrac_lower = pc.compute_policy_loss(old, new, adv, mask, 0.2, 0.2, 3.0)
+    assert loss.item() == pytest.approx((-1.2 + 3 + 0.8 - 1 + 4) / 5)
+    assert clipfrac.item() == pytest.approx(2 / 5)
+    assert clipfrac_lower.item() == pytest.approx(1 / 5)
+    assert ppo_kl.item() == pytest.approx(-(math.log(1.5) + math.log(5) + math.log(0.5) + math.log(2)) / 5)
+    loss.backward()
+    # d/dlogp of -A r is -A r / 5 where unclipped; 0 where either clip is active
+    expected = [[0.0, 0.0, 0.0, 0.0], [-1.0 / 5, 4.0 / 5, 0.0, 0.0]]
+    assert new.grad.tolist() == [pytest.approx(row) for row in expected]
+    seq_loss, *_ = pc.compute_policy_loss(old, new, adv, mask, 0.2, 0.2, 3.0, "seq-mean-token-mean")
+    assert seq_loss.item() == pytest.approx(((-1.2 + 3 + 0.8) / 3 + (-1 + 4) / 2) / 2)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        pc.compute_policy_loss(old, new, adv, mask, 0.2, 0.2, 1.0)
+
+
+def test_policy_loss_matches_elementwise_loop():
+    lo, hi, c, lengths = 0.2, 0.28, 3.0, [6, 3, 1, 5]
+    mask = lengths_to_mask(lengths, 6)
+    old, adv = rand(4, 6, seed=5), rand(4, 6, seed=7)
+    new = old + 1.5 * rand(4, 6, seed=6)  # log-ratios up to ~ +-4: both clips fire
+    loss, clipfrac, kl, lower = pc.compute_policy_loss(old, new, adv, mask, lo, hi, c)
+    losses, clipped, lowered, kls = [], [], [], []
+    for i, n in enumerate(lengths):
+        for t in range(n):
+            a, r = adv[i, t].item(), math.exp(new[i, t].item() - old[i, t].item())
+            l1, l2 = -a * r, -a * min(max(r, 1 - lo), 1 + hi)
+            ppo = max(l1, l2)
+            losses.append(min(ppo, -a * c) if a < 0 else ppo)
+            clipped.append(l2 > l1)
+            lowered.append(a < 0 and ppo > -a * c)
+            kls.append(old[i, t].item() - new[i, t].item())
+    assert loss.item() == pytest.approx(statistics.fmean(losses))
+    assert clipfrac.item() == pytest.approx(statistics.fmean(clipped))
+    assert lower.item() == pytest.approx(statistics.fmean(lowered))
+    assert kl.item() == pytest.approx(statistics.fmean(kls))
+    assert 0 < sum(clipped) < len(clipped) and sum(lowered) > 0  # the data exercises every branch
+
+
+def test_value_loss_matches_loop():
+    eps, lengths = 0.5, [4, 2, 3]
+    mask = lengths_to_mask(lengths, 4)
+    vpreds, returns, values = rand(3, 4, seed=8), rand(3, 4, seed=9), rand(3, 4, seed=10)
+    vf_loss, vf_clipfrac = pc.compute_value_loss(vpreds, returns, values, mask, eps)
+    losses, clipped = [], []
+    for i, n in enumerate(lengths):
+        for t in range(n):
+            v, r, v_old = vpreds[i, t].item(), returns[i, t].item(), values[i, t].item()
+            l1, l2 = (v - r) ** 2, (min(max(v, v_old - eps), v_old + eps) - r) ** 2
+            losses.append(0.5 * max(l1, l2))
+            clipped.append(l2 > l1)
+    assert vf_loss.item() == pytest.approx(statistics.fmean(losses))
+    assert vf_clipfrac.item() == pytest.approx(statistics.fmean(clipped))
+    assert 0 < sum(clipped) < len(clipped)
+
+
+# --- KL ------------------------------------------------------------------------------------------
+
+KL_FORMULAS = {
+    "kl": lambda d: d,
+    "k1": lambda d: d,
+    "abs": abs,
+    "mse": lambda d: 0.5 * d * d,
+    "k2": lambda d: 0.5 * d * d,
+    "low_var_kl": lambda d: math.exp(-d) + d - 1,  # r - log r - 1 with r = pi_ref / pi = exp(-d)
+    "k3": lambda d: math.exp(-d) + d - 1,
+}
+
+
+@pytest.mark.parametrize("mode", list(KL_FORMULAS))
+def test_kl_estimators_match_formula(mode):
+    logp, ref = rand(3, 5, seed=11), rand(3, 5, seed=12)
+    got = pc.kl_penalty(logp, ref, mode)
+    expected = [[KL_FORMULAS[mode](a - b) for a, b in zip(ra, rb, strict=True)] for ra, rb in zip(logp.tolist(), ref.tolist(), strict=True)]
+    assert got.tolist() == [pytest.approx(row) for row in expected]
+
+
+def test_k3_clamp_and_bad_modes():
+    # log(pi/pi_ref) = -30: log r = 30 is clamped to 20, and k3 = e^20 - 21 is clamped to 10
+    assert pc.kl_penalty(torch.tensor([-30.0]), torch.tensor([0.0]), "low_var_kl").item() == 10.0
+    with pytest.raises(NotImplementedError, match="full-vocabulary"):
+        pc.kl_penalty(torch.zeros(1), torch.zeros(1), "full")
+    with pytest.raises(ValueError, match="low_var_kl"):
+        pc.kl_penalty(torch.zeros(1), torch.zeros(1), "k4")
+
+
+def test_apply_kl_penalty_matches_loop():
+    beta, lengths = 0.05, [4, 1, 3]
+    mask = lengths_to_mask(lengths, 4)
+    scores, old, ref = rand(3, 4, seed=13), rand(3, 4, seed=14), rand(3, 4, seed=15)
+    rewards, current_kl = pc.apply_kl_penalty(scores, old, ref, mask, beta, "low_var_kl")
+    per_seq = []
+    for i, n in enumerate(lengths):
+        kls = [KL_FORMULAS["k3"](old[i, t].item() - ref[i, t].item()) for t in range(4)]
+        for t in range(4):
+            expected = scores[i, t].item() - (beta * kls[t] if t < n else 0.0)
+            assert rewards[i, t].item() == pytest.approx(expected)
+        per_seq.append(statistics.fmean(kls[:n]))
+    assert isinstance(current_kl, float) and current_kl == pytest.approx(statistics.fmean(per_seq))
+
+
+def test_kl_controllers_follow_formula_and_resume():
+    ctrl = pc.AdaptiveKLController(init_kl_coef=0.1, target_kl=0.05, horizon=1000)
+    ctrl.update(0.06, n_steps=256)  # error 0.06/0.05 - 1 = 0.2
+    assert ctrl.value == pytest.approx(0.1 * (1 + 0.2 * 256 / 1000))
+    ctrl.update(0.5, n_steps=100)  # error 9 clipped to 0.2
+    ctrl.update(0.0, n_steps=100)  # error -1 clipped to -0.2
+    expected = 0.1 * (1 + 0.2 * 0.256) * 1.02 * 0.98
+    assert ctrl.value == pytest.approx(expected)
+    resumed = pc.AdaptiveKLController(init_kl_coef=0.1, target_kl=0.05, horizon=1000)
+    resumed.load_state_dict(ctrl.state_dict())
+    assert resumed.value == ctrl.value and all(type(v) is float for v in ctrl.state_dict().values())
+    fixed = pc.FixedKLController(0.2)
+    fixed.update(10.0, 64)
+    assert fixed.value == 0.2 and fixed.state_dict() == {"value": 0.2}
+
+
+# --- entropy / log-probs -------------------------------------------------------------------------
+
+
+def test_entropy_and_logprobs_match_log_softmax():
+    logits = (rand(2, 5, 11, seed=16) * 4).requires_grad_()
+    labels = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(0))
+    ref_logp = torch.log_softmax(logits, dim=-1)  # (B, T, V) reference, float64
+    ref_entropy = -(ref_logp.exp() * ref_logp).sum(-1)
+    ref_picked = ref_logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    entropy = pc.entropy_from_logits(logits, chunk_size=3)  # 10 rows in chunks of 3: uneven last chunk
+    picked = pc.logprobs_from_logits(logits, labels, chunk_size=3)
+    torch.testing.assert_close(entropy, ref_entropy, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(picked, ref_picked, rtol=1e-12, atol=1e-12)
+    w = rand(2, 5, seed=17)
+    got = torch.autograd.grad((picked * w).sum() + entropy.sum(), logits)[0]
+    want = torch.autograd.grad((ref_picked * w).sum() + ref_entropy.sum(), logits)[0]
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    # bf16 logits are upcast chunk by chunk, so the result is fp32-accurate for the bf16 inputs
+    low = logits.detach().bfloat16()
+    bf_picked = pc.logprobs_from_logits(low, labels)
+    assert bf_picked.dtype == torch.float32
+    ref_bf = torch.log_softmax(low.double(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(bf_picked.double(), ref_bf, rtol=1e-5, atol=1e-5)
+
+
+# --- loss aggregation ----------------------------------------------------------------------------
+
+
+def agg_ref(loss, lengths, mode, factor):
+    rows = [loss[i, :n].tolist() for i, n in enumerate(lengths)]
+    nonempty = [r for r in rows if r]
+    if mode == "token-mean":
+        return math.fsum(x for r in rows for x in r) / sum(lengths)
+    per_seq = {
+        "seq-mean-token-sum": [math.fsum(r) for r in nonempty],
+        "seq-mean-token-mean": [statistics.fmean(r) for r in nonempty],
+        "seq-mean-token-sum-norm": [math.fsum(r) / factor for r in nonempty],
+    }[mode]
+    return statistics.fmean(per_seq)
+
+
+@pytest.mark.parametrize("mode", pc.LOSS_AGG_MODES)
+def test_agg_loss_modes_match_loop(mode):
+    lengths = [5, 0, 2, 7, 1]  # includes an empty row, which no seq-mean mode may count
+    mask = lengths_to_mask(lengths, 7)
+    loss = rand(5, 7, seed=18)
+    loss[mask == 0] = NAN
+    assert pc.agg_loss(loss, mask, mode).item() == pytest.approx(agg_ref(loss, lengths, mode, 7))
+    got = pc.agg_loss(loss, mask, mode, loss_scale_factor=16)
+    assert got.item() == pytest.approx(agg_ref(loss, lengths, mode, 16))
+    # global denominators: sum / count * dp_size
+    got = pc.agg_loss(loss, mask, mode, global_num_tokens=40, global_num_seqs=9, dp_size=3)
+    local_count = sum(lengths) if mode == "token-mean" else 4
+    expected = agg_ref(loss, lengths, mode, 7) * local_count / (40 if mode == "token-mean" else 9) * 3
+    assert got.item() == pytest.approx(expected)
+
+
+def test_agg_loss_errors_are_actionable():
+    mask, loss = torch.ones(2, 3), torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm"):
+        pc.agg_loss(loss, mask, "token-sum")
+    with pytest.raises(ValueError, match="global_num_tokens"):
+        pc.agg_loss(loss, mask, "token-mean", dp_size=2)
+    assert pc.agg_loss(loss, torch.zeros(2, 3), "token-mean").item() == 0.0  # no valid token: 0, not NaN
+
+
+# --- micro-batch / data-parallel invariance ------------------------------------------------------
+
+B, T, D = 12, 9, 4
+LENGTHS = [9, 1, 5, 3, 0, 8, 2, 7, 4, 6, 9, 2]
+RANK_ROWS = [[3, 7, 0, 11, 5], [1, 9, 4, 6], [2, 10, 8]]  # uneven shares, shuffled rows
+RANK_MICRO = [[2, 3], [3, 1], [1, 2]]  # uneven micro-batch sizes per rank
+
+
+def policy_problem():
+    x = rand(B, T, D, seed=20)  # features of each token
+    mask = lengths_to_mask(LENGTHS, T)
+    theta0 = rand(D, seed=21) * 0.5
+    old = F.logsigmoid(x @ theta0) + 0.3 * rand(B, T, seed=22)  # behaviour log-probs: ratios != 1
+    adv = rand(B, T, seed=23)
+    return x, mask, old, adv, theta0
+
+
+def micro_loss(theta, rows, mode, problem, **agg):
+    """Policy loss of the given rows, trimmed to their own longest response as a packer would."""
+    x, mask, old, adv, _ = problem
+    width = max(1, max(LENGTHS[r] for r in rows))
+    sl = (rows, slice(0, width))
+    log_prob = F.logsigmoid(x[rows, :width] @ theta)  # (b, width): a one-parameter-vector "policy"
+    loss, *_ = pc.compute_policy_loss(old[sl], log_prob, adv[sl], mask[sl], 0.2, 0.2, 3.0, mode, loss_scale_factor=T, **agg)
+    return loss
+
+
+def full_batch_grad(mode, problem):
+    theta = problem[-1].clone().requires_grad_()
+    loss = micro_loss(theta, list(range(B)), mode, problem)  # one batch, local mean = the definition
+    return torch.autograd.grad(loss, theta)[0], loss.detach()
+
+
+def micro_batches(rank):
+    rows, cuts = RANK_ROWS[rank], np.cumsum([0] + RANK_MICRO[rank])
+    return [rows[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+
+@pytest.mark.parametrize("mode", pc.LOSS_AGG_MODES)
+def test_gradient_invariant_to_ranks_and_micro_batches(mode):
+    problem = policy_problem()
+    mask, theta0 = problem[1], problem[-1]
+    full_grad, full_loss = full_batch_grad(mode, problem)
+    dp = len(RANK_ROWS)
+    # each rank counts its own micro-batches; the all_reduce over ranks is a sum
+    per_rank = [pc.global_num_tokens_and_seqs([mask[mb] for mb in micro_batches(r)]) for r in range(dp)]
+    num_tokens, num_seqs = (sum(c) for c in zip(*per_rank, strict=True))
+    assert (num_tokens, num_seqs) == (sum(LENGTHS), sum(n > 0 for n in LENGTHS))
+    rank_grads, loss_total = [], 0.0
+    for r in range(dp):
+        theta = theta0.clone().requires_grad_()  # each rank's replica
+        for mb in micro_batches(r):
+            loss = micro_loss(theta, mb, mode, problem, global_num_tokens=num_tokens, global_num_seqs=num_seqs, dp_size=dp)
+            loss.backward()  # accumulate, no division by the number of micro-batches
+            loss_total += loss.item()
+        rank_grads.append(theta.grad)
+    fsdp_grad = torch.stack(rank_grads).mean(0)  # FSDP / DDP average gradients over ranks
+    torch.testing.assert_close(fsdp_grad, full_grad, rtol=1e-12, atol=1e-14)
+    assert loss_total / dp == pytest.approx(full_loss.item(), rel=1e-12)  # logging recipe
+
+
+def test_legacy_local_mean_is_not_invariant():
+    problem = policy_problem()
+    full_grad, _ = full_batch_grad("token-mean", problem)
+    rank_grads = []
+    for r in range(len(RANK_ROWS)):
+        theta = problem[-1].clone().requires_grad_()
+        mbs = micro_batches(r)
+        for mb in mbs:
+            (micro_loss(theta, mb, "token-mean", problem) / len(mbs)).backward()  # usual grad accumulation
+        rank_grads.append(theta.grad)
+    legacy = torch.stack(rank_grads).mean(0)
+    assert (legacy - full_grad).abs().max() > 1e-3 * full_grad.abs().max()
+
+
+def _dp_worker(rank, world, init_file, mode, out):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        problem = policy_problem()
+        rows = [r for r in range(B) if r % world == rank]  # interleaved shares
+        mbs = [rows[:1], rows[1:]]  # uneven micro-batches
+        num_tokens, num_seqs = pc.global_num_tokens_and_seqs([problem[1][mb] for mb in mbs])
+        theta = problem[-1].clone().requires_grad_()
+        for mb in mbs:
+            micro_loss(theta, mb, mode, problem, global_num_tokens=num_tokens, global_num_seqs=num_seqs, dp_size=world).backward()
+        dist.all_reduce(theta.grad)  # what FSDP's reduce-scatter does: sum, then divide by world size
+        theta.grad /= world
+        if rank == 0:
+            torch.save((theta.grad, num_tokens, num_seqs), out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_real_gloo_process_group(tmp_path):
+    out = tmp_path / "grad.pt"
+    ctx = mp.start_processes(
+        _dp_worker, args=(2, tmp_path / "pg", "seq-mean-token-mean", out), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 60  # a deadlock must fail the test, not hang the suite
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("gloo workers did not finish within 60 s")
+    grad, num_tokens, num_seqs = torch.load(out)
+    assert (num_tokens, num_seqs) == (sum(LENGTHS), sum(n > 0 for n in LENGTHS))
+    torch.testing.assert_close(grad, full_batch_grad("seq-mean-token-mean", policy_problem())[0], rtol=1e-12, atol=1e-14)
