@@ -1,0 +1,163 @@
+"""Build the tokenizer and tiny models that tests and the CPU demo use, with no downloads.
+
+    python make_assets.py                       # ./assets/{tokenizer,tiny-qwen2,tiny-llama-tied}
+    python make_assets.py --out /tmp/assets --force
+    python make_assets.py --preset 50m          # also ./assets/qwen2-50m, for benchmarks
+    python make_assets.py --preset tiny --hidden 256 --layers 4 --name my-qwen2
+
+The tokenizer is character level: every printable ASCII character and "\\n" is one token, so
+"What is 12+7?" encodes to exactly its 13 characters. Models are randomly initialised from a
+transformers config with a fixed seed and saved in float32 safetensors with the tokenizer beside
+them, so any of them loads with `from_pretrained(path)` and with vLLM.
+"""
+
+import argparse
+import math
+import os
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import BPE
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PreTrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
+# vLLM pads the embedding to a multiple of 64 anyway; choosing it up front keeps HF and vLLM alike.
+VOCAB_SIZE = 128
+MAX_POSITION_EMBEDDINGS = 512
+
+# A user turn is its text and a newline; the assistant turn follows directly and ends with <eos>.
+# add_generation_prompt needs no extra text because the prompt already ends where the answer starts.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{{ message['content'] }}<eos>"
+    "{% else %}{{ message['content'] }}\n{% endif %}"
+    "{% endfor %}"
+)
+
+# head_dim stays >= 32: vLLM's CPU attention supports head sizes 32, 64, 80, ... only.
+PRESETS = {
+    "tiny": dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256),  # ~0.3 M parameters
+    "50m": dict(hidden=768, layers=8, heads=12, kv_heads=4, intermediate=2048),  # ~50 M parameters
+}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: specials first, then printable ASCII and newline."""
+    specials = [PAD, EOS, BOS, UNK]
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]  # printable ASCII, space, \n
+    # Tokens are spelled in the GPT-2 byte-level alphabet (space is "\u0120", newline "\u010a") so
+    # that transformers' Qwen2Tokenizer, which AutoTokenizer forces on qwen2 model directories and
+    # which rebuilds a byte-level pipeline from vocab and merges, encodes exactly as this one does.
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    symbols = [byte_level.pre_tokenize_str(c)[0][0] for c in chars]
+    vocab = {tok: i for i, tok in enumerate(specials + symbols)}
+    # BPE with no merges splits every word into single characters.
+    core = Tokenizer(BPE(vocab=vocab, merges=[], unk_token=UNK))
+    core.pre_tokenizer = byte_level
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        eos_token=EOS,
+        bos_token=BOS,
+        unk_token=UNK,
+        padding_side="left",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def model_config(
+    arch: str, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, tied: bool
+) -> PreTrainedConfig:
+    """A transformers config for Qwen2 ('qwen2') or Llama ('llama') with this repo's vocabulary."""
+    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
+    return config_cls(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        tie_word_embeddings=tied,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        dtype="float32",
+    )
+
+
+def build_model(out_dir: Path, config: PreTrainedConfig, seed: int, force: bool = False) -> bool:
+    """Random-init a causal LM from `config` and save it with the tokenizer; False if it existed."""
+    if (out_dir / "config.json").exists() and not force:
+        return False
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    build_tokenizer().save_pretrained(out_dir)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"wrote {out_dir} ({type(model).__name__}, {n_params / 1e6:.2f} M parameters)")
+    return True
+
+
+def build_tokenizer_dir(out_dir: Path, force: bool = False) -> bool:
+    if (out_dir / "tokenizer.json").exists() and not force:
+        return False
+    build_tokenizer().save_pretrained(out_dir)
+    print(f"wrote {out_dir}")
+    return True
+
+
+def build_default_assets(out: Path, force: bool = False, seed: int = 0) -> dict[str, Path]:
+    """The tokenizer, tiny-qwen2 (untied) and tiny-llama-tied (a second architecture, tied)."""
+    tiny = PRESETS["tiny"]
+    paths = {name: out / name for name in ("tokenizer", "tiny-qwen2", "tiny-llama-tied")}
+    build_tokenizer_dir(paths["tokenizer"], force)
+    build_model(paths["tiny-qwen2"], model_config("qwen2", **tiny, tied=False), seed, force)
+    build_model(paths["tiny-llama-tied"], model_config("llama", **tiny, tied=True), seed + 1, force)
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("ASSETS_DIR", "assets")))
+    parser.add_argument("--force", action="store_true", help="rebuild even if the files exist")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="also build one Qwen2 of this size")
+    parser.add_argument("--hidden", type=int, help="override the preset's hidden size (head_dim kept)")
+    parser.add_argument("--layers", type=int, help="override the preset's number of layers")
+    parser.add_argument("--name", help="directory name for --preset (default qwen2-<preset>)")
+    args = parser.parse_args()
+
+    build_default_assets(args.out, args.force, args.seed)
+    if args.preset is None:
+        if args.hidden or args.layers:
+            parser.error("--hidden/--layers modify a --preset; add e.g. --preset tiny")
+        return
+    dims = dict(PRESETS[args.preset])
+    head_dim = dims["hidden"] // dims["heads"]
+    if args.hidden:
+        if args.hidden % head_dim:
+            parser.error(f"--hidden {args.hidden} must be a multiple of head_dim {head_dim}")
+        dims["heads"] = args.hidden // head_dim
+        dims["kv_heads"] = math.gcd(dims["kv_heads"], dims["heads"])
+        dims["intermediate"] = dims["intermediate"] * args.hidden // dims["hidden"]
+        dims["hidden"] = args.hidden
+    if args.layers:
+        dims["layers"] = args.layers
+    name = args.name or f"qwen2-{args.preset}"
+    build_model(args.out / name, model_config("qwen2", **dims, tied=False), args.seed, args.force)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""FSDP2 model building for the actor (and critic/reference): load, shard, offload, forward helpers.
+
+Free functions taking explicit meshes and dtypes (torchtitan's apply_fsdp style):
+
+    param_dtype, reduce_dtype = default_dtypes(device.type)
+    model = load_causal_lm("Qwen/Qwen2.5-0.5B", fsdp_mesh, device=device,
+                           param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    log_probs, _ = compute_log_probs(model, input_ids, attention_mask, position_ids,
+                                     response_len, temperature=1.0, micro_batch_size=8)
+    for name, tensor in iter_full_params(model): ...   # HF names, one full tensor at a time
+
+Loading never holds more than one full copy of the weights on a host: every rank builds the model
+on the meta device, shards it, and only rank 0 reads the checkpoint and broadcasts it tensor by
+tensor into the shards. Master weights stay float32; MixedPrecisionPolicy casts for compute.
+"""
+
+import functools
+import logging
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
+def default_dtypes(device_type: str) -> tuple[torch.dtype, torch.dtype]:
+    """(param_dtype, reduce_dtype) for compute: bf16/fp32 on CUDA, fp32/fp32 on CPU (bf16 is slow there)."""
+    if device_type == "cuda":
+        return torch.bfloat16, torch.float32
+    return torch.float32, torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and sharding
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks, found without model-specific names.
+
+    HF models list their block class in `_no_split_modules` (e.g. "Qwen2DecoderLayer"); models
+    that do not declare it are searched for their longest nn.ModuleList of same-typed modules.
+    """
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in block_names]
+    if layers:
+        return layers
+    candidates = [
+        list(ml) for ml in model.modules()
+        if isinstance(ml, nn.ModuleList) and len(ml) > 0 and len({type(m) for m in ml}) == 1
+    ]
+    if not candidates:
+        raise ValueError(
+            f"Cannot find the decoder blocks of {type(model).__name__}: it declares no "
+            "`_no_split_modules` and has no nn.ModuleList of same-typed blocks to shard one by one."
+        )
+    return max(candidates, key=len)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    fsdp_mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """fully_shard each decoder block, then the root. A 2D ('ddp','fsdp') mesh gives HSDP."""
+    if fsdp_mesh.ndim not in (1, 2):
+        raise ValueError(f"fsdp_mesh must be 1D ('fsdp') or 2D ('ddp','fsdp'); got dims {fsdp_mesh.mesh_dim_names}")
+    offload: OffloadPolicy = OffloadPolicy()
+    if cpu_offload and fsdp_mesh.device_type == "cpu":
+        _warn_once("actor_rollout_ref.actor.fsdp_config.offload_policy has no effect on CPU: "
+                   "parameters already live in host memory.")
+    elif cpu_offload:
+        offload = CPUOffloadPolicy()
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kwargs = dict(mesh=fsdp_mesh, mp_policy=mp_policy, offload_policy=offload)
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    return model
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder block in backward. HF's flag keeps parameter names unchanged
+    (a checkpoint_wrapper would insert `_checkpoint_wrapped_module.` into every name)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def load_causal_lm(
+    name_or_path: str,
+    fsdp_mesh: DeviceMesh,
+    *,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+    activation_checkpointing: bool = False,
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+) -> nn.Module:
+    """An FSDP2-sharded causal LM with float32 master weights, from an HF path or hub name.
+
+    Every rank builds the model on the meta device (no memory), shards it, allocates only its
+    shard, then rank 0 alone reads the checkpoint and broadcasts it tensor by tensor.
+    """
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    apply_fsdp(model, fsdp_mesh, param_dtype, reduce_dtype, reshard_after_forward, cpu_offload)
+    shard_device = torch.device("cpu") if cpu_offload else device
+    model.to_empty(device=shard_device)
+    _load_weights_from_rank0(model, name_or_path, shard_device, trust_remote_code)
+    _check_tied_embeddings(model)
+    return model
+
+
+def _load_weights_from_rank0(
+    model: nn.Module, name_or_path: str, device: torch.device, trust_remote_code: bool
+) -> None:
+    """Fill the sharded (empty) model from the checkpoint that only rank 0 reads."""
+    full_state: dict[str, torch.Tensor] = {}
+    source = None
+    if dist.get_rank() == 0:
+        source = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=torch.float32, trust_remote_code=trust_remote_code
+        )
+        full_state = source.state_dict()
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full_state, options=options)
+    # Non-persistent buffers (rotary inv_freq, ...) are not in any state dict and to_empty left
+    # them as garbage: copy them from rank 0's real model.
+    source_buffers = dict(source.named_buffers()) if source is not None else {}
+    for name, buffer in _non_persistent_buffers(model):
+        if dist.get_rank() == 0:
+            buffer.copy_(source_buffers[name])
+        dist.broadcast(buffer.data, src=0)
+    del source, full_state
+
+
+def _non_persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for module_name, module in model.named_modules():
+        for buffer_name in sorted(module._non_persistent_buffers_set):
+            buffer = module._buffers.get(buffer_name)
+            if buffer is not None:
+                yield f"{module_name}.{buffer_name}" if module_name else buffer_name, buffer
+
+
+def _check_tied_embeddings(model: nn.Module) -> None:
+    """Tied input/output embeddings must remain one parameter after sharding and to_empty."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if out_emb is not None and out_emb.weight is not in_emb.weight:
+        raise RuntimeError(
+            f"{type(model).__name__} has tie_word_embeddings=True but its input and output embeddings "
+            "are two parameters after FSDP sharding; updates would diverge."
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory phases: param_offload / optimizer_offload around the rollout
+
+
+def _is_on_cpu(model: nn.Module) -> bool:
+    return next(model.parameters()).device.type == "cpu"
+
+
+@torch.no_grad()
+def offload_fsdp_model_to_cpu(model: nn.Module) -> None:
+    """Move the parameter shards to host memory to free the accelerator for the rollout."""
+    if _is_on_cpu(model):
+        _warn_once("actor_rollout_ref.actor.fsdp_config.param_offload: parameters already live in host "
+                   "memory (CPU run or already offloaded); nothing to move.")
+        return
+    model.to("cpu")
+    torch.accelerator.empty_cache()
+
+
+@torch.no_grad()
+def load_fsdp_model_to_device(model: nn.Module, device: torch.device) -> None:
+    """Bring the parameter shards back to `device` for training."""
+    if device.type == "cpu":
+        _warn_once("actor_rollout_ref.actor.fsdp_config.param_offload: running on CPU; nothing to load.")
+        return
+    model.to(device)
+
+
+@torch.no_grad()
+def offload_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Move optimizer state (e.g. Adam moments) to host memory."""
+    _move_optimizer_state(optimizer, torch.device("cpu"), "optimizer_offload")
+
+
+@torch.no_grad()
+def load_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Bring optimizer state back to `device` before optimizer.step()."""
+    _move_optimizer_state(optimizer, device, "optimizer_offload")
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device, key: str) -> None:
+    tensors = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    if all(t.device.type == "cpu" for t in tensors) and device.type == "cpu":
+        _warn_once(f"actor_rollout_ref.actor.fsdp_config.{key}: optimizer state already lives in host "
+                   "memory; nothing to move.")
+        return
+    for state in optimizer.state.values():
+        for name, value in state.items():
+            if torch.is_tensor(value):
+                state[name] = value.to(device, non_blocking=True)
+    if device.type == "cpu":
+        torch.accelerator.synchronize()
+        torch.accelerator.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward helpers
+
+
+def compute_log_probs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response_len: int,
+    temperature: float,
+    micro_batch_size: int,
+    calc_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (B, response_len) of the last `response_len` tokens under logits / temperature,
+    and their entropies if asked. Grad flows if the caller has it enabled.
+
+    Only the last response_len + 1 positions go through the LM head (`logits_to_keep`), and the
+    log-prob is logit[target] - logsumexp(logits), so no full-vocab log_softmax copy is kept.
+    """
+    log_probs, entropies = [], []
+    for start in range(0, input_ids.shape[0], micro_batch_size):
+        rows = slice(start, start + micro_batch_size)
+        out = model(
+            input_ids=input_ids[rows], attention_mask=attention_mask[rows], position_ids=position_ids[rows],
+            use_cache=False, logits_to_keep=response_len + 1,
+        )
+        # Position t predicts token t+1: the last prompt token predicts the first response token,
+        # and the final position predicts past the end, so it is dropped.
+        logits = out.logits[:, :-1, :].float() / temperature  # (b, R, V)
+        targets = input_ids[rows, -response_len:]  # (b, R)
+        lse = torch.logsumexp(logits, dim=-1)  # (b, R)
+        log_probs.append(logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse)  # (b, R)
+        if calc_entropy:
+            probs = torch.softmax(logits, dim=-1)  # (b, R, V)
+            entropies.append(lse - (probs * logits).sum(-1))  # (b, R)
+    entropy = torch.cat(entropies) if calc_entropy else None
+    return torch.cat(log_probs), entropy
+
+
+def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF checkpoint name, full tensor) one parameter at a time, all-gathering each DTensor
+    shard as it goes, so at most one full parameter exists beyond the shards. A collective: every
+    rank of the FSDP mesh must consume the iterator in step.
+
+    A tied parameter comes under each of its names (model.embed_tokens.weight and lm_head.weight),
+    as in an HF state dict, gathered again for the second name rather than held: vLLM 0.32's
+    layerwise reload_weights unties the engine's lm_head while reloading, and an lm_head that
+    receives no tensor keeps its old weights.
+    """
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tensor = param.detach()
+        if isinstance(tensor, DTensor):
+            mesh_device = tensor.device_mesh.device_type
+            if tensor.device.type != mesh_device:  # shards offloaded to CPU gather on the mesh device
+                tensor = tensor.to(mesh_device)
+            tensor = tensor.full_tensor()
+        yield name, tensor if dtype is None else tensor.to(dtype)

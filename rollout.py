@@ -1,0 +1,350 @@
+"""Collocated vLLM rollout on the rollout tensor-parallel submesh: build, sync, generate, sleep, stop.
+
+Every rank holds one `vllm.LLM` (distributed_executor_backend="external_launcher"). The ranks
+of one row of rollout_mesh ('dp', 'infer_tp') form one vLLM tensor-parallel engine; they must
+call `generate` with the same prompts and parameters, and they get the same samples back.
+
+    llm = build_rollout_engine(model_path, rollout_mesh, max_model_len=1024,
+                               gpu_memory_utilization=0.5, dtype="bfloat16", enforce_eager=False)
+    sync_weights(llm, iter_full_params(actor))          # every step, after the optimizer
+    my_prompts = shard_for_dp(prompts, dp_rank, dp_size)
+    batch = generate(llm, my_prompts, n=12, ..., seed=0, step=step, prompt_indices=...)
+    my_share = split_for_training(batch, infer_tp_rank, infer_tp_size)
+    shutdown(llm)                                       # instead of dist.destroy_process_group()
+
+Every access to vLLM internals goes through `_vllm_internals`; the rest uses vLLM's public API.
+"""
+
+import functools
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from vllm import LLM, SamplingParams
+from vllm.platforms import current_platform
+
+logger = logging.getLogger(__name__)
+
+TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
+# ---------------------------------------------------------------------------------------------
+# The one place that touches vLLM internals (vLLM 0.32, V1 engine, in-process)
+
+
+@dataclass
+class _Internals:
+    worker: object  # vllm.v1.worker.{gpu,cpu}_worker.Worker: has reload_weights()
+    engine_core: object  # vllm.v1.engine.core_client.InprocClient: has shutdown()
+
+
+def _vllm_internals(llm: LLM) -> _Internals:
+    engine = llm.llm_engine
+    return _Internals(worker=engine.model_executor.driver_worker.worker, engine_core=engine.engine_core)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the engine
+
+
+def check_rollout_mesh(rollout_mesh: DeviceMesh) -> None:
+    """vLLM splits the default process group into TP groups of consecutive ranks
+    [g*tp, ..., g*tp + tp - 1]; rollout_mesh's rows must be exactly those groups."""
+    if rollout_mesh.mesh_dim_names != ("dp", "infer_tp"):
+        raise ValueError(f"rollout_mesh must have dims ('dp', 'infer_tp'), got {rollout_mesh.mesh_dim_names}")
+    dp, tp = rollout_mesh.size(0), rollout_mesh.size(1)
+    world = dist.get_world_size()
+    if dp * tp != world:
+        raise ValueError(
+            f"rollout_mesh ({dp} x {tp}) must cover all {world} ranks: vLLM's external launcher splits the "
+            f"whole default process group into TP groups. Set {TP_KEY} to a divisor of {world}."
+        )
+    expected = torch.arange(world).reshape(dp, tp)
+    if not torch.equal(rollout_mesh.mesh.cpu(), expected):
+        raise ValueError(
+            f"rollout_mesh rows {rollout_mesh.mesh.tolist()} are not the TP groups vLLM will form "
+            f"({expected.tolist()}: consecutive global ranks). Build the mesh as "
+            f"world_mesh._unflatten(0, ({dp}, {tp}), ('dp', 'infer_tp')) over ranks in order."
+        )
+
+
+def build_rollout_engine(
+    model_path: str,
+    rollout_mesh: DeviceMesh,
+    *,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+    dtype: str,
+    enforce_eager: bool,
+    cpu_kv_cache_gib: int = 1,
+    **engine_kwargs: object,
+) -> LLM:
+    """One vLLM engine per rank, TP over the rows of rollout_mesh, with random ("dummy") weights
+    that the first `sync_weights` replaces. Extra keyword arguments go to `vllm.LLM`."""
+    check_rollout_mesh(rollout_mesh)
+    # Keep the engine in this process (no engine-core subprocess), so all TP ranks step in lockstep.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if current_platform.is_cpu():
+        # The CPU backend sizes its KV cache from this (GiB), not from gpu_memory_utilization.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
+    return LLM(
+        model=model_path,
+        tensor_parallel_size=rollout_mesh.size(1),
+        distributed_executor_backend="external_launcher",
+        load_format="dummy",  # weights come from the actor, not from disk
+        skip_tokenizer_init=True,  # token ids in, token ids out
+        # TP ranks of one group share a seed so they sample alike; groups differ. Requests carry
+        # their own seeds (see sample_seed), so this only matters for unseeded requests.
+        seed=rollout_mesh.get_local_rank("dp"),
+        dtype=dtype,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        enforce_eager=enforce_eager,
+        enable_sleep_mode=current_platform.is_sleep_mode_available(),
+        # Logprobs of the distribution actually sampled from (after temperature), so they are
+        # comparable with the actor's log-probs of logits / temperature.
+        logprobs_mode="processed_logprobs",
+        **engine_kwargs,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight sync and checks that it landed
+
+
+def sync_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+    """Stream (HF name, full tensor) pairs into the engine; returns seconds taken.
+
+    `reload_weights` consumes the iterator lazily (vLLM buffers at most one layer's tensors),
+    so passing models.iter_full_params(actor) never builds a second full model copy.
+    Plain `model.load_weights` fails on the CPU backend, which repacks weights at start-up.
+    """
+    start = time.perf_counter()
+    _vllm_internals(llm).worker.reload_weights(weights_iterator=iter(named_tensors))
+    # Cached prompt KV blocks were computed with the old weights.
+    llm.reset_prefix_cache()
+    return time.perf_counter() - start
+
+
+def engine_fingerprint(llm: LLM, probe_token_ids: Sequence[int], max_tokens: int = 4) -> torch.Tensor:
+    """Greedy token ids and their logprobs on a fixed probe prompt, (2, max_tokens), float64.
+    Any real weight change moves the logprobs, so comparing two fingerprints shows whether a
+    sync reached the engine."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+    output = llm.generate([{"prompt_token_ids": list(probe_token_ids)}], params, use_tqdm=False)[0].outputs[0]
+    log_probs = [entry[tok].logprob for tok, entry in zip(output.token_ids, output.logprobs, strict=True)]
+    return torch.tensor([list(output.token_ids), log_probs], dtype=torch.float64)
+
+
+def assert_weights_changed(before: torch.Tensor, after: torch.Tensor) -> None:
+    """Raise if the engine's fingerprint did not change across a weight update."""
+    if torch.equal(before, after):
+        raise RuntimeError(
+            "The rollout engine's outputs on the probe prompt are bit-identical before and after "
+            "sync_weights: the update did not reach vLLM (or the optimizer step changed nothing). "
+            f"Fingerprint: {after.tolist()}"
+        )
+
+
+def logprob_diff(
+    rollout_log_probs: torch.Tensor, actor_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
+    """|vLLM logprob - actor logprob| over response tokens; near zero when the sync is right and
+    both use the same temperature (top_k/top_p renormalise vLLM's, so compare without them)."""
+    diff = (rollout_log_probs - actor_log_probs).abs()[response_mask.bool()]  # (num_tokens,)
+    return {"logprob_diff_mean": diff.mean().item(), "logprob_diff_max": diff.max().item()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+
+
+@dataclass
+class RolloutBatch:
+    """B prompts x n samples, in prompt-major order (prompt i's samples are rows i*n .. i*n+n-1)."""
+
+    prompts: torch.Tensor  # (B*n, P) left-padded with pad_token_id
+    responses: torch.Tensor  # (B*n, R) right-padded with pad_token_id, R = max_tokens
+    response_mask: torch.Tensor  # (B*n, R) 1 for generated tokens, EOS included
+    input_ids: torch.Tensor  # (B*n, P+R) prompts then responses
+    attention_mask: torch.Tensor  # (B*n, P+R)
+    position_ids: torch.Tensor  # (B*n, P+R)
+    rollout_log_probs: torch.Tensor  # (B*n, R) vLLM's logprob of each sampled token, 0 where masked
+    prompt_index: torch.Tensor  # (B*n,) global index of the prompt each sample came from
+
+    def __len__(self) -> int:
+        return self.prompts.shape[0]
+
+    def rows(self, index: slice) -> "RolloutBatch":
+        return RolloutBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+
+def sample_seed(base_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
+    """A per-request seed that depends only on what is sampled, never on the parallel layout."""
+    key = f"{base_seed}/{step}/{prompt_index}/{sample_index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1  # 63 bits
+
+
+def generate(
+    llm: LLM,
+    prompt_token_ids: list[list[int]],
+    *,
+    n: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    max_tokens: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    seed: int,
+    step: int = 0,
+    prompt_indices: Sequence[int] | None = None,
+    max_prompt_length: int | None = None,
+) -> RolloutBatch:
+    """Sample n responses per prompt of this dp group. All TP ranks of the group must call this
+    with the same arguments. temperature=0 is greedy. top_k=-1 or 0 disables top-k.
+
+    prompt_indices are the prompts' global indices in the step's batch (default 0..B-1); with
+    `seed` and `step` they fix each request's seed, so samples do not depend on the dp/tp layout.
+    Prompts are left-padded to max_prompt_length (default: the longest here).
+    """
+    prompt_indices = list(range(len(prompt_token_ids))) if prompt_indices is None else list(prompt_indices)
+    if len(prompt_indices) != len(prompt_token_ids):
+        raise ValueError(f"{len(prompt_indices)} prompt_indices for {len(prompt_token_ids)} prompts")
+    requests, params = [], []
+    for prompt, index in zip(prompt_token_ids, prompt_indices, strict=True):
+        for sample in range(n):
+            requests.append({"prompt_token_ids": list(prompt)})
+            params.append(SamplingParams(
+                n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                # With skip_tokenizer_init vLLM knows no EOS id: without this, nothing stops early.
+                stop_token_ids=[eos_token_id], logprobs=0, seed=sample_seed(seed, step, index, sample),
+            ))
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    responses = [list(out.outputs[0].token_ids) for out in outputs]
+    log_probs = [
+        [entry[tok].logprob for tok, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True)]
+        for out in outputs
+    ]
+    sample_prompts = [list(p) for p in prompt_token_ids for _ in range(n)]
+    sample_indices = [i for i in prompt_indices for _ in range(n)]
+    return pad_rollout(sample_prompts, responses, log_probs, sample_indices, max_tokens, pad_token_id,
+                       max_prompt_length)
+
+
+def pad_rollout(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    log_probs: list[list[float]],
+    prompt_indices: list[int],
+    max_tokens: int,
+    pad_token_id: int,
+    max_prompt_length: int | None = None,
+) -> RolloutBatch:
+    """Pack ragged prompts/responses into the padded tensors that training consumes."""
+    longest = max(len(p) for p in prompts)
+    prompt_len = longest if max_prompt_length is None else max_prompt_length
+    if longest > prompt_len:
+        raise ValueError(f"a prompt has {longest} tokens, more than data.max_prompt_length={prompt_len}")
+    num = len(prompts)
+    prompt_ids = torch.full((num, prompt_len), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((num, prompt_len), dtype=torch.long)
+    response_ids = torch.full((num, max_tokens), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((num, max_tokens), dtype=torch.long)
+    response_log_probs = torch.zeros((num, max_tokens), dtype=torch.float32)
+    for row, (prompt, response, lp) in enumerate(zip(prompts, responses, log_probs, strict=True)):
+        if len(prompt) > 0:
+            prompt_ids[row, -len(prompt):] = torch.tensor(prompt)
+            prompt_mask[row, -len(prompt):] = 1
+        response_ids[row, :len(response)] = torch.tensor(response, dtype=torch.long)
+        response_mask[row, :len(response)] = 1
+        response_log_probs[row, :len(response)] = torch.tensor(lp, dtype=torch.float32)
+    # Positions count real prompt tokens from 0 and continue through the response (as verl does).
+    prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # (N, P)
+    response_positions = prompt_positions[:, -1:] + torch.arange(1, max_tokens + 1)  # (N, R)
+    return RolloutBatch(
+        prompts=prompt_ids,
+        responses=response_ids,
+        response_mask=response_mask,
+        input_ids=torch.cat([prompt_ids, response_ids], dim=1),
+        attention_mask=torch.cat([prompt_mask, response_mask], dim=1),
+        position_ids=torch.cat([prompt_positions, response_positions], dim=1),
+        rollout_log_probs=response_log_probs,
+        prompt_index=torch.tensor(prompt_indices, dtype=torch.long),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Splitting the batch: prompts over dp groups, samples over all ranks for training
+
+
+def shard_for_dp(items: Sequence, dp_rank: int, dp_size: int) -> list:
+    """The contiguous share of the step's prompts that rollout dp group `dp_rank` generates for."""
+    if len(items) % dp_size:
+        raise ValueError(
+            f"{len(items)} prompts (data.train_batch_size) cannot be split evenly over {dp_size} rollout "
+            f"dp groups (world size / {TP_KEY}); use a multiple of {dp_size}."
+        )
+    per_group = len(items) // dp_size
+    return list(items[dp_rank * per_group:(dp_rank + 1) * per_group])
+
+
+def split_for_training(batch: RolloutBatch, infer_tp_rank: int, infer_tp_size: int) -> RolloutBatch:
+    """Training is data parallel over all ranks: TP rank r of a group keeps slice r of the
+    group's B*n samples. Compute anything that needs all n samples of a prompt (GRPO group
+    baselines) before this, or keep B divisible by infer_tp_size so a prompt's samples stay
+    together."""
+    if len(batch) % infer_tp_size:
+        raise ValueError(
+            f"{len(batch)} samples of a rollout group cannot be split evenly over its {infer_tp_size} "
+            f"ranks; make (prompts per dp group x actor_rollout_ref.rollout.n) a multiple of {TP_KEY}."
+        )
+    per_rank = len(batch) // infer_tp_size
+    return batch.rows(slice(infer_tp_rank * per_rank, (infer_tp_rank + 1) * per_rank))
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory phases and shutdown
+
+
+def sleep(llm: LLM, level: int = 1) -> bool:
+    """Free the accelerator memory the engine holds before training. Level 1 keeps the weights in
+    host memory; level 2 discards them (fine when every wake-up is followed by sync_weights).
+    Returns False, doing nothing, where the platform has no sleep mode (CPU)."""
+    if not current_platform.is_sleep_mode_available():
+        _warn_once(f"vLLM sleep mode is not available on {current_platform.device_name}; the rollout "
+                   "engine keeps its memory during training.")
+        return False
+    llm.sleep(level=level)
+    return True
+
+
+def wake_up(llm: LLM, tags: list[str] | None = None) -> bool:
+    """Re-allocate engine memory: tags=["weights"] before sync_weights, then ["kv_cache"] before
+    generate, keeps the peak low. Returns False, doing nothing, without sleep mode (CPU)."""
+    if not current_platform.is_sleep_mode_available():
+        _warn_once(f"vLLM sleep mode is not available on {current_platform.device_name}; nothing to wake.")
+        return False
+    llm.wake_up(tags=tags)
+    return True
+
+
+def shutdown(llm: LLM) -> None:
+    """Stop the engine, then the default process group. Call this instead of
+    dist.destroy_process_group(): vLLM's shutdown destroys its own groups and the default one,
+    and if it runs later (at interpreter exit) after the caller destroyed the default group, it
+    fails with 'Invalid process group specified'."""
+    _vllm_internals(llm).engine_core.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()

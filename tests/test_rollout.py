@@ -1,0 +1,203 @@
+"""Collocated vLLM rollout against the FSDP2 actor, on real torchrun/gloo process groups and the real
+vLLM CPU engine, plus the pure pieces (padding, splitting, seeds, tokenizer) without any engine.
+
+Three torchrun launches, each running every check of tests/dist_rollout_check.py on one engine
+start-up (the expensive part), cached for the whole module:
+  world 2, TP 2, tiny-qwen2          one TP group of two ranks
+  world 2, TP 1, tiny-qwen2          two dp groups; also the other layout for reproducibility
+  world 4, TP 2, tiny-llama-tied     two TP pairs, tied embeddings (a second architecture), HSDP 2x2
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import make_assets
+import models
+import rollout
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "dist_rollout_check.py"
+N_PROMPTS, N_SAMPLES, MAX_TOKENS = 8, 4, 16  # as in the worker
+
+# name -> (world size, model, rollout TP, fsdp_size)
+LAUNCHES = {
+    "w2_tp2_qwen2": (2, "tiny-qwen2", 2, -1),
+    "w2_tp1_qwen2": (2, "tiny-qwen2", 1, -1),
+    "w4_tp2_llama_tied_hsdp": (4, "tiny-llama-tied", 2, 2),
+}
+_RESULTS: dict[str, list[dict]] = {}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    return make_assets.build_default_assets(tmp_path_factory.mktemp("assets"))
+
+
+def run_launch(name: str, assets: dict[str, Path], tmp_path_factory) -> list[dict]:
+    if name in _RESULTS:
+        return _RESULTS[name]
+    world, model, tp, fsdp_size = LAUNCHES[name]
+    out_dir = tmp_path_factory.mktemp(name)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           str(WORKER), str(out_dir), str(assets[model]), str(tp), str(fsdp_size)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    _RESULTS[name] = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
+    return _RESULTS[name]
+
+
+@pytest.fixture(params=list(LAUNCHES))
+def launch(request, assets, tmp_path_factory) -> list[dict]:
+    return run_launch(request.param, assets, tmp_path_factory)
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-rank: engine vs actor
+
+
+def test_sync_makes_vllm_greedy_equal_actor_greedy(launch):
+    for rank in launch:
+        assert rank["empty_sync_detected"], "assert_weights_changed did not notice a sync that did nothing"
+        assert rank["greedy_before"]["vllm"] == rank["greedy_before"]["actor"], rank["rank"]
+        # After one optimizer step and a re-sync: still equal, and not what it was.
+        assert rank["greedy_after"]["vllm"] == rank["greedy_after"]["actor"], rank["rank"]
+        assert rank["greedy_after"]["vllm"] != rank["greedy_before"]["vllm"], rank["rank"]
+
+
+def test_vllm_logprobs_equal_actor_logprobs(launch):
+    for rank in launch:
+        for phase in ("sampling_before", "sampling_after"):
+            assert rank[phase]["logprob_diff_max"] < 1e-4, (rank["rank"], phase, rank[phase])
+
+
+def test_tp_ranks_agree_and_dp_groups_split_the_prompts(launch):
+    world, tp = launch[0]["world"], launch[0]["tp"]
+    groups: dict[int, list[dict]] = {}
+    for rank in launch:
+        groups.setdefault(rank["dp_rank"], []).append(rank)
+    assert len(groups) == world // tp
+    seen_prompts = []
+    for dp_rank, members in groups.items():
+        assert [m["rank"] for m in members] == [dp_rank * tp + i for i in range(tp)]  # vLLM's TP groups
+        for phase in ("greedy_before", "greedy_after"):
+            assert all(m[phase] == members[0][phase] for m in members), f"TP ranks of group {dp_rank} differ"
+        for phase in ("sampling_before", "sampling_after"):
+            samples = [m[phase]["samples"] for m in members]
+            assert all(s == samples[0] for s in samples), f"TP ranks of group {dp_rank} sampled differently"
+        prompt_index = members[0]["sampling_before"]["prompt_index"]
+        assert all(prompt_index.count(i) == N_SAMPLES for i in set(prompt_index))  # each prompt n times
+        seen_prompts += sorted(set(prompt_index))
+        # Training shares: slice r of the group's samples for TP rank r, together the whole group.
+        shares = [m["training_share_prompt_index"] for m in members]
+        assert sum(shares, []) == members[0]["sampling_after"]["prompt_index"]
+    assert sorted(seen_prompts) == list(range(N_PROMPTS))  # every prompt in exactly one dp group
+    if len(groups) > 1:
+        samples = [json.dumps(g[0]["sampling_before"]["samples"]) for g in groups.values()]
+        assert len(set(samples)) == len(samples), "dp groups returned the same samples"
+
+
+def test_masks_padding_and_early_stop(launch):
+    stopped_early = 0
+    for rank in launch:
+        for phase in ("sampling_before", "sampling_after"):
+            result = rank[phase]
+            assert result["mask_errors"] == [], result["mask_errors"][:3]
+            rows = len(result["prompt_index"])
+            prompt_len = result["shape_ok"][0][1]
+            assert result["shape_ok"] == [[rows, prompt_len], [rows, MAX_TOKENS], [rows, prompt_len + MAX_TOKENS]]
+            stopped_early += result["num_stopped_early"]
+        # Greedy responses too: cut right after the first EOS, or full length without one.
+        for tokens in rank["greedy_before"]["vllm"] + rank["greedy_after"]["vllm"]:
+            eos = rank["eos_token_id"]
+            assert tokens.index(eos) == len(tokens) - 1 if eos in tokens else len(tokens) == MAX_TOKENS
+            stopped_early += eos in tokens
+    assert stopped_early > 0, "no response stopped early: stop_token_ids / EOS handling untested"
+
+
+def test_rollout_mesh_that_is_not_vllms_tp_groups_is_refused(launch):
+    for rank in launch:
+        assert rank["bad_mesh_error"] is not None and "consecutive global ranks" in rank["bad_mesh_error"]
+
+
+def test_same_seed_same_samples_in_two_layouts(assets, tmp_path_factory):
+    """World 2 as one TP=2 engine vs two TP=1 engines: per-request seeds make samples identical."""
+    by_layout = []
+    for name in ("w2_tp2_qwen2", "w2_tp1_qwen2"):
+        samples = {}
+        for rank in run_launch(name, assets, tmp_path_factory):
+            for s in rank["sampling_before"]["samples"]:
+                samples[(s["prompt_index"], s["sample_index"])] = s["tokens"]
+        assert len(samples) == N_PROMPTS * N_SAMPLES
+        by_layout.append(samples)
+    assert by_layout[0] == by_layout[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Single process, no engine
+
+
+def test_tokenizer_is_char_level_with_chat_template(assets):
+    for path in (assets["tokenizer"], assets["tiny-qwen2"], assets["tiny-llama-tied"]):
+        tok = AutoTokenizer.from_pretrained(path)
+        ids = tok("What is 12+7?")["input_ids"]
+        assert len(ids) == len("What is 12+7?") and tok.decode(ids) == "What is 12+7?"
+        chat = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                                       tokenize=True)["input_ids"]
+        assert chat == tok("hi\nyo")["input_ids"] + [tok.eos_token_id]
+        assert tok.pad_token_id != tok.eos_token_id
+
+
+def test_compute_log_probs_matches_naive_log_softmax(assets):
+    model = AutoModelForCausalLM.from_pretrained(assets["tiny-llama-tied"], dtype=torch.float32)
+    assert len(models.decoder_layers(model)) == model.config.num_hidden_layers
+    ids = torch.randint(3, 100, (3, 10))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, :4] = 0  # left padding
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        log_probs, entropy = models.compute_log_probs(model, ids, attention_mask, position_ids, response_len=5,
+                                                      temperature=0.7, micro_batch_size=2, calc_entropy=True)
+        logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids).logits / 0.7
+    reference = torch.log_softmax(logits[:, -6:-1], -1)  # (3, 5, V)
+    expected = reference.gather(-1, ids[:, -5:, None]).squeeze(-1)
+    torch.testing.assert_close(log_probs, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, -(reference.exp() * reference).sum(-1), rtol=0, atol=1e-5)
+
+
+def test_pad_rollout_layout():
+    batch = rollout.pad_rollout(prompts=[[5, 6, 7], [8]], responses=[[9, 1], [10, 11, 12]],
+                                log_probs=[[-0.5, -0.25], [-1.0, -2.0, -3.0]], prompt_indices=[4, 5],
+                                max_tokens=4, pad_token_id=0)
+    assert batch.prompts.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert batch.responses.tolist() == [[9, 1, 0, 0], [10, 11, 12, 0]]
+    assert batch.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 0]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 6], [0, 0, 0, 1, 2, 3, 4]]
+    assert batch.rollout_log_probs.tolist() == [[-0.5, -0.25, 0, 0], [-1.0, -2.0, -3.0, 0]]
+    assert batch.prompt_index.tolist() == [4, 5]
+    with pytest.raises(ValueError, match="max_prompt_length=2"):
+        rollout.pad_rollout([[5, 6, 7]], [[1]], [[0.0]], [0], max_tokens=2, pad_token_id=0, max_prompt_length=2)
+
+
+def test_splitting_errors_name_the_config_keys():
+    assert rollout.shard_for_dp(list(range(6)), 1, 3) == [2, 3]
+    with pytest.raises(ValueError, match="data.train_batch_size"):
+        rollout.shard_for_dp(list(range(7)), 0, 3)
+    batch = rollout.pad_rollout([[1]] * 6, [[2]] * 6, [[0.0]] * 6, list(range(6)), max_tokens=1, pad_token_id=0)
+    assert rollout.split_for_training(batch, 1, 2).prompt_index.tolist() == [3, 4, 5]
+    with pytest.raises(ValueError, match="tensor_model_parallel_size"):
+        rollout.split_for_training(batch, 0, 4)
+
+
+def test_sample_seed_depends_on_every_coordinate():
+    seeds = {rollout.sample_seed(b, s, p, i) for b in (0, 1) for s in (0, 1) for p in (0, 1) for i in (0, 1)}
+    assert len(seeds) == 16 and all(0 <= x < 2**63 for x in seeds)
+    assert rollout.sample_seed(3, 2, 1, 0) == rollout.sample_seed(3, 2, 1, 0)
