@@ -112,7 +112,7 @@ SCHEMA: dict[str, Any] = {
             "max_num_seqs": (int, 1024),
             "max_num_batched_tokens": (int, 8192),
             "log_prob_micro_batch_size_per_gpu": (int, 8),
-            "cpu_kv_cache_space_gb": (float, 1.0),  # VLLM_CPU_KVCACHE_SPACE on the CPU backend
+            "cpu_kv_cache_space_gb": (int, 1),  # VLLM_CPU_KVCACHE_SPACE (whole GiB) on the CPU backend
             "val_kwargs": {
                 "n": (int, 1),
                 "temperature": (float, 0.0),
@@ -334,7 +334,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def to_yaml(cfg: dict[str, Any]) -> str:
     """The resolved config as YAML, for the start-up print and the run directory."""
-    return yaml.safe_dump(_plain(cfg), sort_keys=False, default_flow_style=None)
+    return yaml.safe_dump(_plain(cfg), sort_keys=False, default_flow_style=False)
 
 
 def _plain(node: Any) -> Any:

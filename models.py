@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +117,55 @@ def load_causal_lm(
     Every rank builds the model on the meta device (no memory), shards it, allocates only its
     shard, then rank 0 alone reads the checkpoint and broadcasts it tensor by tensor.
     """
-    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    return _load_sharded(
+        AutoModelForCausalLM, name_or_path, fsdp_mesh, device=device, param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
+        activation_checkpointing=activation_checkpointing, attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+    )
+
+
+def load_value_model(
+    name_or_path: str,
+    fsdp_mesh: DeviceMesh,
+    *,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    cpu_offload: bool = False,
+    activation_checkpointing: bool = False,
+    trust_remote_code: bool = False,
+) -> nn.Module:
+    """The critic: the same transformer with a scalar head per token (verl's choice,
+    AutoModelForTokenClassification with num_labels=1). From a causal-LM checkpoint the body is
+    loaded and the head starts at zero, so the first value estimates are 0 rather than noise."""
+    return _load_sharded(
+        AutoModelForTokenClassification, name_or_path, fsdp_mesh, device=device, param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype, cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
+        trust_remote_code=trust_remote_code, config_overrides={"num_labels": 1, "classifier_dropout": 0.0},
+        zero_init_head=True,
+    )
+
+
+def _load_sharded(
+    auto_cls: type,
+    name_or_path: str,
+    fsdp_mesh: DeviceMesh,
+    *,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+    activation_checkpointing: bool = False,
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+    config_overrides: dict | None = None,
+    zero_init_head: bool = False,
+) -> nn.Module:
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **(config_overrides or {}))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
+        model = auto_cls.from_config(
             config, dtype=torch.float32, attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
@@ -128,21 +174,28 @@ def load_causal_lm(
     apply_fsdp(model, fsdp_mesh, param_dtype, reduce_dtype, reshard_after_forward, cpu_offload)
     shard_device = torch.device("cpu") if cpu_offload else device
     model.to_empty(device=shard_device)
-    _load_weights_from_rank0(model, name_or_path, shard_device, trust_remote_code)
+    _load_weights_from_rank0(model, auto_cls, name_or_path, config, trust_remote_code, zero_init_head)
     _check_tied_embeddings(model)
     return model
 
 
 def _load_weights_from_rank0(
-    model: nn.Module, name_or_path: str, device: torch.device, trust_remote_code: bool
+    model: nn.Module, auto_cls: type, name_or_path: str, config: object, trust_remote_code: bool,
+    zero_init_head: bool,
 ) -> None:
     """Fill the sharded (empty) model from the checkpoint that only rank 0 reads."""
     full_state: dict[str, torch.Tensor] = {}
     source = None
     if dist.get_rank() == 0:
-        source = AutoModelForCausalLM.from_pretrained(
-            name_or_path, dtype=torch.float32, trust_remote_code=trust_remote_code
+        source = auto_cls.from_pretrained(
+            name_or_path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code
         )
+        if zero_init_head:
+            head = getattr(source, "score", None) or getattr(source, "classifier", None)
+            if head is None:
+                raise RuntimeError(f"{type(source).__name__} has no output head to zero-initialise.")
+            for p in head.parameters():
+                p.data.zero_()
         full_state = source.state_dict()
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full_state, options=options)
@@ -269,6 +322,25 @@ def compute_log_probs(
             entropies.append(lse - (probs * logits).sum(-1))  # (b, R)
     entropy = torch.cat(entropies) if calc_entropy else None
     return torch.cat(log_probs), entropy
+
+
+def compute_values(
+    critic: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response_len: int,
+    micro_batch_size: int,
+) -> torch.Tensor:
+    """V(s_t) for each response token (B, response_len): the critic's output at the position that
+    predicts that token (the last prompt token for the first response token). Grad flows if enabled."""
+    values = []
+    for start in range(0, input_ids.shape[0], micro_batch_size):
+        rows = slice(start, start + micro_batch_size)
+        out = critic(input_ids=input_ids[rows], attention_mask=attention_mask[rows],
+                     position_ids=position_ids[rows], use_cache=False)
+        values.append(out.logits[:, -response_len - 1:-1, 0].float())  # (b, R)
+    return torch.cat(values)
 
 
 def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:

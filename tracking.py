@@ -1,0 +1,116 @@
+"""Metrics out: one JSON line per step, a compact console line, optional TensorBoard / W&B, a plot.
+
+Rank 0 writes; the training loop reduces metrics over ranks before handing them here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+# The console line: (metric, short label, format). Everything else goes to the JSON file only.
+CONSOLE = [
+    ("critic/score/mean", "score", "{:.3f}"),
+    ("val/score", "val", "{:.3f}"),
+    ("response_length/mean", "len", "{:.1f}"),
+    ("actor/pg_loss", "pg", "{:+.4f}"),
+    ("actor/entropy", "ent", "{:.3f}"),
+    ("actor/ppo_kl", "kl", "{:+.1e}"),
+    ("critic/vf_loss", "vf", "{:.4f}"),
+    ("rollout/logprob_diff_max", "lpdiff", "{:.1e}"),
+    ("timing_s/step", "s", "{:.1f}"),
+]
+
+
+class Tracker:
+    def __init__(self, out_dir: str | Path, loggers: list[str], project: str, experiment: str,
+                 config: dict[str, Any], total_steps: int, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.out_dir = Path(out_dir)
+        unknown = set(loggers) - {"console", "tensorboard", "wandb"}
+        if unknown:
+            raise ValueError(f"trainer.logger has unknown entries {sorted(unknown)}; valid: console, tensorboard, wandb.")
+        self.console = "console" in loggers
+        self.tb = self.wandb = None
+        if not enabled:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.out_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        if "tensorboard" in loggers:
+            from torch.utils.tensorboard import SummaryWriter  # optional install: tensorboard
+
+            self.tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+        if "wandb" in loggers:
+            import wandb  # optional install
+
+            self.wandb = wandb.init(project=project, name=experiment, config=config)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if self.console:
+            parts = [f"step {step}/{self.total_steps}"]
+            parts += [f"{label} {fmt.format(metrics[k])}" for k, label, fmt in CONSOLE if k in metrics]
+            print(" | ".join(parts), flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+@contextmanager
+def timed(metrics: dict[str, float], name: str):  # noqa: ANN201 - a context manager
+    """Add the block's wall time to metrics['timing_s/<name>']."""
+    start = time.perf_counter()
+    yield
+    metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
+
+
+def read_metrics(path: str | Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_metrics(metrics_file: str | Path, out_png: str | Path) -> Path:
+    """Score, validation score and response length per step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_file)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for key, style in (("critic/score/mean", "-"), ("val/score", "o-")):
+        pts = [(r["step"], r[key]) for r in rows if key in r and math.isfinite(r[key])]
+        if pts:
+            ax1.plot(*zip(*pts, strict=True), style, label=key)
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("score")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    pts = [(r["step"], r["response_length/mean"]) for r in rows if "response_length/mean" in r]
+    if pts:
+        ax2.plot(*zip(*pts, strict=True), "-", color="tab:green")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("response length (tokens)")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return Path(out_png)
