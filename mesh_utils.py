@@ -346,6 +346,23 @@ def init_distributed(timeout_minutes: int = 30) -> DistEnv:
     return DistEnv(rank, local_rank, world, device_type, device)
 
 
+def check_launch(dims: ParallelDims, env: DistEnv) -> None:
+    """What torchrun launched must be what the config plans: processes per node included, since
+    the node boundaries decide which TP groups stay on one node."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    if local_world != dims.n_gpus_per_node:
+        raise ConfigError(
+            f"torchrun launched {local_world} processes on this node but trainer.n_gpus_per_node="
+            f"{dims.n_gpus_per_node}. Launch with --nproc_per_node={dims.n_gpus_per_node}, or set "
+            f"trainer.n_gpus_per_node={local_world} trainer.nnodes={env.world_size // max(local_world, 1)}."
+        )
+
+
+def node_rank() -> int:
+    """This process's node index as torchrun assigned it (GROUP_RANK), 0 outside torchrun."""
+    return int(os.environ.get("GROUP_RANK", 0))
+
+
 @dataclass
 class Meshes:
     world: Any  # 1D ('world',): the one mesh every domain below is a view of

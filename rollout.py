@@ -49,6 +49,24 @@ class _Internals:
     engine_core: object  # vllm.v1.engine.core_client.InprocClient: has shutdown()
 
 
+class _DropKnownNoise(logging.Filter):
+    """vLLM logs these on every weight sync; both are expected here and would bury the step lines:
+    the rotary embedding's cache is derived from the config, never loaded, and the prefix cache
+    is reset on purpose after each sync."""
+
+    MESSAGES = ("RotaryEmbedding: Failed to load weights", "Successfully reset prefix cache")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() not in self.MESSAGES
+
+
+def _quiet_sync_logs() -> None:
+    for name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.core.block_pool"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropKnownNoise) for f in log.filters):
+            log.addFilter(_DropKnownNoise())
+
+
 def _vllm_internals(llm: LLM) -> _Internals:
     engine = llm.llm_engine
     return _Internals(worker=engine.model_executor.driver_worker.worker, engine_core=engine.engine_core)
@@ -93,6 +111,7 @@ def build_rollout_engine(
     """One vLLM engine per rank, TP over the rows of rollout_mesh, with random ("dummy") weights
     that the first `sync_weights` replaces. Extra keyword arguments go to `vllm.LLM`."""
     check_rollout_mesh(rollout_mesh)
+    _quiet_sync_logs()
     # Keep the engine in this process (no engine-core subprocess), so all TP ranks step in lockstep.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if current_platform.is_cpu():

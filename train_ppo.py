@@ -20,6 +20,7 @@ GAE / REINFORCE++ advantages are whitened over each rank's share rather than the
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
@@ -33,7 +34,7 @@ import torch.distributed as dist
 import ppo_core as core
 from config import ConfigError, load_config, to_yaml
 from data import PromptSampler, load_prompts
-from mesh_utils import build_meshes, describe, init_distributed, print0, validate
+from mesh_utils import build_meshes, check_launch, describe, init_distributed, node_rank, print0, validate
 from rewards import load_reward_fn, score_responses
 from tracking import Tracker, plot_metrics, timed
 
@@ -107,6 +108,18 @@ def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+
+
+def write_rank_layout(out_dir: Path, rank: int, meshes) -> None:  # noqa: ANN001
+    """Each rank records the groups it actually joined, to compare with the planner's map."""
+    def ranks(mesh, dim: str) -> list[int]:  # noqa: ANN001
+        return dist.get_process_group_ranks(mesh.get_group(dim))
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    layout = {"rank": rank, "node_rank": node_rank(), "hostname": os.uname().nodename,
+              "fsdp_group": ranks(meshes.fsdp, "fsdp"), "rollout_tp_group": ranks(meshes.rollout, "infer_tp"),
+              "rollout_dp_rank": meshes.rollout.get_local_rank("dp")}
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(layout))
 
 
 def stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
@@ -281,6 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(args.config, args.overrides)
     env = init_distributed()
     dims, plan = validate(cfg, env.world_size)
+    check_launch(dims, env)
     if dims.sp > 1:
         raise ConfigError(
             f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={dims.sp}: the ('dp','sp') mesh is built "
@@ -291,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     meshes = build_meshes(dims, env.device_type)
     arr, algo = cfg.actor_rollout_ref, cfg.algorithm
     rank, world, device = env.rank, env.world_size, env.device
+    write_rank_layout(Path(cfg.trainer.default_local_dir) / "layout", env.rank, meshes)
     tp_rank, tp_size = meshes.rollout.get_local_rank("infer_tp"), dims.infer_tp
     dp_rank = meshes.rollout.get_local_rank("dp")
     random.seed(cfg.trainer.seed)
