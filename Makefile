@@ -25,8 +25,15 @@ setup-gpu:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -r requirements.txt
 
+# The embedded default: build a tiny model, tokenizer and task (no downloads), warm the model with
+# a short supervised pass, then GRPO on 2 CPU ranks with the real vLLM CPU engine. Prints the
+# validation score before and after and writes outputs/tiny_cpu/metrics.{jsonl,png}.
+NPROC ?= 2
 demo: setup
-	$(PY) mesh_utils.py --config configs/seed_1node_6gpu.yaml
+	$(PY) make_assets.py --out assets
+	$(PY) sft_warmup.py --model assets/tiny-qwen2 --data assets/data/train.parquet --out assets/tiny-qwen2-sft --steps 75
+	rm -rf outputs/tiny_cpu
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train_ppo.py --config configs/tiny_cpu.yaml $(ARGS)
 
 plan: setup
 	$(PY) mesh_utils.py --config $(or $(CONFIG),configs/seed_1node_6gpu.yaml)

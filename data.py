@@ -168,7 +168,7 @@ def arithmetic_rows(num: int, seed: int, max_operand: int = 9) -> list[dict[str,
     return rows
 
 
-def write_arithmetic_dataset(out_dir: str | Path, num_train: int = 2000, num_val: int = 64, seed: int = 0) -> dict:
+def write_arithmetic_dataset(out_dir: str | Path, num_train: int = 2000, num_val: int = 128, seed: int = 0) -> dict:
     """Write train/val parquet files of the demo task (disjoint seeds); skip if present."""
     import datasets
 

@@ -28,6 +28,8 @@ from transformers import (
     Qwen2Config,
 )
 
+from data import write_arithmetic_dataset
+
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 # vLLM pads the embedding to a multiple of 64 anyway; choosing it up front keeps HF and vLLM alike.
 VOCAB_SIZE = 128
@@ -119,12 +121,15 @@ def build_tokenizer_dir(out_dir: Path, force: bool = False) -> bool:
 
 
 def build_default_assets(out: Path, force: bool = False, seed: int = 0) -> dict[str, Path]:
-    """The tokenizer, tiny-qwen2 (untied) and tiny-llama-tied (a second architecture, tied)."""
+    """The tokenizer, tiny-qwen2 (untied), tiny-llama-tied (a second architecture, tied) and the
+demo data set (data/train.parquet, data/val.parquet)."""
     tiny = PRESETS["tiny"]
     paths = {name: out / name for name in ("tokenizer", "tiny-qwen2", "tiny-llama-tied")}
     build_tokenizer_dir(paths["tokenizer"], force)
     build_model(paths["tiny-qwen2"], model_config("qwen2", **tiny, tied=False), seed, force)
     build_model(paths["tiny-llama-tied"], model_config("llama", **tiny, tied=True), seed + 1, force)
+    # The demo task's prompts, in verl's row format (data.py): train/val parquet under data/.
+    paths.update(write_arithmetic_dataset(out / "data"))
     return paths
 
 

@@ -87,6 +87,23 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def summary(metrics_file: str | Path) -> str:
+    """The run in three lines: validation score before -> after, and where the step time went."""
+    rows = read_metrics(metrics_file)
+    val = [(r["step"], r["val/score"]) for r in rows if "val/score" in r]
+    lines = []
+    if val:
+        (s0, v0), (s1, v1) = val[0], val[-1]
+        lines.append(f"val/score: {v0:.3f} (step {s0}) -> {v1:.3f} (step {s1})")
+    steps = [r for r in rows if "timing_s/step" in r]
+    if steps:
+        phases = sorted({k for r in steps for k in r if k.startswith("timing_s/") and k != "timing_s/step"})
+        mean = {k: sum(r.get(k, 0.0) for r in steps) / len(steps) for k in phases + ["timing_s/step"]}
+        split = ", ".join(f"{k[9:]} {mean[k]:.2f}" for k in phases)
+        lines.append(f"mean step {mean['timing_s/step']:.2f}s over {len(steps)} steps: {split}")
+    return "\n".join(lines)
+
+
 def plot_metrics(metrics_file: str | Path, out_png: str | Path) -> Path:
     """Score, validation score and response length per step, as a PNG."""
     import matplotlib

@@ -36,7 +36,7 @@ from config import ConfigError, load_config, to_yaml
 from data import PromptSampler, load_prompts
 from mesh_utils import build_meshes, check_launch, describe, init_distributed, node_rank, print0, validate
 from rewards import load_reward_fn, score_responses
-from tracking import Tracker, plot_metrics, timed
+from tracking import Tracker, plot_metrics, summary, timed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -214,8 +214,9 @@ def update_actor(actor, optimizer, batch: dict, cfg, plan, world: int, generator
                 # A non-finite loss still goes through backward: its NaN reaches every rank's
                 # gradient through the reduce-scatter, so all ranks skip the step together below.
                 loss.backward()
-                # per-micro-batch shares: summed over the mini batch they give its loss (x world)
-                sums["actor/pg_loss"] += pg_loss.item() / world
+                # micro-batch shares: their sum over the mini batch, averaged over ranks (reduce_metrics),
+                # is the mini batch's loss, because each share is scaled by dp_size / global count
+                sums["actor/pg_loss"] += pg_loss.item()
                 sums["actor/pg_clipfrac"] += clipfrac.item() / len(mini)
                 sums["actor/ppo_kl"] += ppo_kl.item() / len(mini)
                 sums["actor/pg_clipfrac_lower"] += clipfrac_lower.item() / len(mini)
@@ -248,7 +249,7 @@ def update_critic(critic, optimizer, batch: dict, cfg, plan, world: int, generat
                     global_num_tokens=num_tokens, global_num_seqs=num_seqs, dp_size=world,
                     loss_scale_factor=cfg.data.max_response_length)
                 vf_loss.backward()
-                sums["critic/vf_loss"] += vf_loss.item() / world
+                sums["critic/vf_loss"] += vf_loss.item()
                 sums["critic/vf_clipfrac"] += vf_clipfrac.item() / len(mini)
             optimizer_step(critic, optimizer, c.grad_clip, "critic", metrics)
             updates += 1
@@ -527,6 +528,7 @@ def main(argv: list[str] | None = None) -> None:
     tracker.close()
     if rank == 0 and (out_dir / "metrics.jsonl").is_file():
         png = plot_metrics(out_dir / "metrics.jsonl", out_dir / "metrics.png")
+        print0(summary(out_dir / "metrics.jsonl"))
         print0(f"metrics: {out_dir / 'metrics.jsonl'}, plot: {png}")
     ro.shutdown(llm)  # stops the engine, then the process group, in the order vLLM needs
 

@@ -1,0 +1,42 @@
+#!/bin/bash
+# One machine, no scheduler: check the layout, then torchrun --standalone (it picks a free port).
+#
+#   launch/run_local.sh                                     # configs/tiny_cpu.yaml, 2 processes
+#   launch/run_local.sh configs/seed_1node_6gpu.yaml trainer.total_training_steps=10
+#   NPROC_PER_NODE=4 launch/run_local.sh configs/X.yaml     # 4 processes, whatever the config says
+#
+# The config is the first argument (or $CONFIG); every key=value after it reaches train_ppo.py
+# unchanged and in order. The number of processes is the config's trainer.n_gpus_per_node (after the
+# overrides), so the launch always matches the plan; NPROC_PER_NODE=k instead sets
+# trainer.nnodes=1 trainer.n_gpus_per_node=k. An invalid layout, or a config for more than one
+# node, exits with status 1 before any process starts.
+#
+# Environment [default]:
+#   CONFIG          [configs/tiny_cpu.yaml]
+#   NPROC_PER_NODE  [the config's trainer.n_gpus_per_node]
+#   VENV            python environment whose bin/ goes first on PATH [<repo>/.venv]
+
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+if [[ $# -gt 0 && $1 != *=* ]]; then
+  CONFIG=$1
+  shift
+fi
+CONFIG=${CONFIG:-configs/tiny_cpu.yaml}
+VENV=${VENV:-$PWD/.venv}
+export PATH="$VENV/bin:$PATH"
+if [[ -n ${NPROC_PER_NODE:-} ]]; then
+  set -- trainer.nnodes=1 trainer.n_gpus_per_node="$NPROC_PER_NODE" "$@"
+fi
+
+# The planner resolves the config and checks the layout (exit 1 with the reason on stderr).
+plan=$(python mesh_utils.py --config "$CONFIG" --json "$@")
+read -r NNODES NPROC < <(python -c 'import json, sys; d = json.load(sys.stdin)["dims"]; print(d["nnodes"], d["n_gpus_per_node"])' <<<"$plan")
+if [[ $NNODES != 1 ]]; then
+  echo "run_local.sh runs one node, but trainer.nnodes=$NNODES: use launch/slurm_multinode.sbatch," \
+    "or set NPROC_PER_NODE=<processes> to run the job on this machine alone." >&2
+  exit 1
+fi
+
+torchrun --standalone --nproc_per_node="$NPROC" train_ppo.py --config "$CONFIG" "$@"
