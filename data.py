@@ -33,6 +33,15 @@ class Prompt:
     text: str  # the prompt after the chat template, for logs and reward functions
 
 
+def _num_rows(path: Path) -> int:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    with open(path) as f:
+        return sum(1 for line in f if line.strip())
+
+
 def _load_rows(files: str | list[str], key: str) -> list[dict[str, Any]]:
     """Rows from local parquet/jsonl files, or from a hub data set given as `name` or `name:split`."""
     import datasets
@@ -46,6 +55,9 @@ def _load_rows(files: str | list[str], key: str) -> list[dict[str, Any]]:
         if missing:
             raise ConfigError(f"{key}: file(s) not found: {', '.join(missing)} (make demo writes the demo's data "
                               f"under assets/data/; see data.write_arithmetic_dataset).")
+        empty = [str(p) for p in local if _num_rows(p) == 0]
+        if empty:  # `datasets` fails on these with an unhelpful generation error
+            raise ConfigError(f"{key}: the data set {', '.join(empty)} has no rows.")
         kinds = {_FILE_TYPES[p.suffix] for p in local}
         if len(kinds) > 1:
             raise ConfigError(f"{key} mixes file types {sorted(kinds)}; use one type per list.")

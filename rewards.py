@@ -13,6 +13,7 @@ reward bug silently scored 0 would look like a model that cannot learn.
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -88,6 +89,8 @@ def score_responses(
             if isinstance(value, dict):  # verl allows {"score": ..., ...}
                 value = value["score"]
             value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"returned {value}, not a finite number")
         except Exception as e:
             raise RewardError(
                 f"reward function {getattr(fn, '__name__', fn)} failed: {type(e).__name__}: {e}\n"
@@ -96,6 +99,3 @@ def score_responses(
         scores.append(value)
     return scores
 
-
-def describe_fn(fn: Any) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', fn)}"

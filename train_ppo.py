@@ -110,6 +110,19 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
+def check_model_length(path: str, needed: int, trust_remote_code: bool) -> None:
+    """Prompt + response must fit the model's context, or the engine refuses at start (or worse)."""
+    from transformers import AutoConfig
+
+    limit = getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
+                    "max_position_embeddings", None)
+    if limit is not None and needed > limit:
+        raise ConfigError(
+            f"data.max_prompt_length + data.max_response_length = {needed} tokens exceeds the model's "
+            f"max_position_embeddings={limit} ({path}); lower one of them so their sum is <= {limit}."
+        )
+
+
 def write_rank_layout(out_dir: Path, rank: int, meshes) -> None:  # noqa: ANN001
     """Each rank records the groups it actually joined, to compare with the planner's map."""
     def ranks(mesh, dim: str) -> list[int]:  # noqa: ANN001
@@ -334,6 +347,9 @@ def main(argv: list[str] | None = None) -> None:
     reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
     sampler = PromptSampler(len(train_prompts), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
     total_steps = cfg.trainer.total_training_steps or sampler.batches_per_epoch * cfg.trainer.total_epochs
+
+    check_model_length(arr.model.path, cfg.data.max_prompt_length + cfg.data.max_response_length,
+                       arr.model.trust_remote_code)
 
     # --- models: actor (+ reference for KL, + critic for GAE), FSDP2 on the FSDP mesh ---------------
     from models import default_dtypes, iter_full_params, load_causal_lm, load_value_model

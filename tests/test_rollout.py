@@ -18,7 +18,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import make_assets
 import models
 import rollout
 
@@ -36,8 +35,8 @@ _RESULTS: dict[str, list[dict]] = {}
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict[str, Path]:
-    return make_assets.build_default_assets(tmp_path_factory.mktemp("assets"))
+def assets(tiny_assets) -> dict[str, Path]:
+    return tiny_assets
 
 
 def run_launch(name: str, assets: dict[str, Path], tmp_path_factory) -> list[dict]:
