@@ -79,11 +79,12 @@ def parallel_dims(cfg: Config, world_size: int | None = None) -> ParallelDims:
     expected = nnodes * per_node
     world = expected if world_size is None else world_size
     if world != expected:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # processes per node, under torchrun
         raise ConfigError(
             f"torchrun launched {world} processes but trainer.nnodes x trainer.n_gpus_per_node = "
             f"{nnodes} x {per_node} = {expected}. Launch with --nnodes={nnodes} --nproc_per_node={per_node}, "
             f"or set trainer.nnodes / trainer.n_gpus_per_node to match the launch "
-            f"(e.g. trainer.nnodes=1 trainer.n_gpus_per_node={world})."
+            f"(e.g. trainer.nnodes={world // local} trainer.n_gpus_per_node={local})."
         )
 
     tp = arr.rollout.tensor_model_parallel_size

@@ -9,7 +9,7 @@ values -> advantages -> update. The device map is verl's (see `python mesh_utils
     torchrun --standalone --nproc_per_node=2 train_ppo.py --config configs/tiny_cpu.yaml
     # the seed's job: 1 node x 6 GPUs, GRPO on GSM8K
     torchrun --standalone --nproc_per_node=6 train_ppo.py --config configs/seed_1node_6gpu.yaml
-    # 2 nodes (SLURM): sbatch launch/multinode.sbatch configs/seed_2node_6gpu.yaml
+    # 2 nodes (SLURM): sbatch launch/slurm_multinode.sbatch configs/seed_2node_6gpu.yaml
     # any key can be overridden: ... actor_rollout_ref.rollout.n=8 trainer.total_training_steps=100
 
 Deliberate simplifications: rewards are rule functions (no reward model); Ulysses sequence
@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import ppo_core as core
+from checkpoint import find_resume_path, load_checkpoint, save_checkpoint, step_seed
 from config import ConfigError, load_config, to_yaml
 from data import PromptSampler, load_prompts
 from mesh_utils import build_meshes, check_launch, describe, init_distributed, node_rank, print0, validate
@@ -123,13 +124,20 @@ def check_model_length(path: str, needed: int, trust_remote_code: bool) -> None:
         )
 
 
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """On resume, drop metric lines of steps after the checkpoint: they are about to be redone."""
+    if path.is_file():
+        lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
+        path.write_text("".join(line + "\n" for line in lines))
+
+
 def write_rank_layout(out_dir: Path, rank: int, meshes) -> None:  # noqa: ANN001
     """Each rank records the groups it actually joined, to compare with the planner's map."""
     def ranks(mesh, dim: str) -> list[int]:  # noqa: ANN001
         return dist.get_process_group_ranks(mesh.get_group(dim))
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    layout = {"rank": rank, "node_rank": node_rank(), "hostname": os.uname().nodename,
+    layout = {"rank": rank, "node_rank": node_rank(), "hostname": os.uname().nodename, "pid": os.getpid(),
               "fsdp_group": ranks(meshes.fsdp, "fsdp"), "rollout_tp_group": ranks(meshes.rollout, "infer_tp"),
               "rollout_dp_rank": meshes.rollout.get_local_rank("dp")}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(layout))
@@ -276,6 +284,8 @@ def update_critic(critic, optimizer, batch: dict, cfg, plan, world: int, generat
 
 def run_validation(llm, prompts: list, tokenizer, reward_fn, cfg, meshes, step: int,  # noqa: ANN001
                    device: torch.device) -> dict:
+    """Greedy scores on the held-out prompts; each group's generations go to
+    <default_local_dir>/val_generations/step<N>_dp<g>.jsonl for a person (or a test) to read."""
     from rollout import generate
 
     vk = cfg.actor_rollout_ref.rollout.val_kwargs
@@ -292,6 +302,13 @@ def run_validation(llm, prompts: list, tokenizer, reward_fn, cfg, meshes, step: 
                                                                  strict=True)], skip_special_tokens=True)
     scores = score_responses(reward_fn, [p.data_source for p in rows], texts, [p.ground_truth for p in rows],
                              [p.text for p in rows])
+    if meshes.rollout.get_local_rank("infer_tp") == 0:
+        out = Path(cfg.trainer.default_local_dir) / "val_generations"
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / f"step{step}_dp{dp_rank}.jsonl", "w") as f:
+            for p, text, score in zip(rows, texts, scores, strict=True):
+                f.write(json.dumps({"prompt": p.text, "response": text, "ground_truth": p.ground_truth,
+                                    "score": score}) + "\n")
     # every rank of a TP group scored the same samples: sum over the dp dimension only
     t = torch.tensor([sum(scores), len(scores)], dtype=torch.float64, device=device)
     dist.all_reduce(t, group=meshes.rollout.get_group("dp"))
@@ -324,7 +341,6 @@ def main(argv: list[str] | None = None) -> None:
     dp_rank = meshes.rollout.get_local_rank("dp")
     random.seed(cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
-    generator = torch.Generator().manual_seed(cfg.trainer.seed + rank)  # mini-batch shuffling
 
     # --- data and reward -------------------------------------------------------------------------
     from transformers import AutoTokenizer
@@ -374,6 +390,22 @@ def main(argv: list[str] | None = None) -> None:
     kl_ctrl = (core.AdaptiveKLController(algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
                if algo.kl_ctrl.type == "adaptive" else core.FixedKLController(algo.kl_ctrl.kl_coef))
 
+    # --- resume: the latest complete checkpoint (DCP reshards it to this world size) ---------------
+    out_dir = Path(cfg.trainer.default_local_dir)
+    ckpt_models = {"actor": (actor, actor_optim, actor_sched)}
+    if critic is not None:
+        ckpt_models["critic"] = (critic, critic_optim, critic_sched)
+    start_step = 0
+    resume_path = find_resume_path(cfg.trainer.resume_mode, out_dir, cfg.trainer.resume_from_path)
+    if resume_path is not None:
+        state = load_checkpoint(resume_path, ckpt_models)
+        start_step = state["step"]
+        sampler.load_state_dict(state["sampler"])
+        kl_ctrl.load_state_dict(state["kl_ctrl"])
+        print0(f"resumed from {resume_path} (step {start_step}, written by {state['world_size']} ranks)")
+        if rank == 0:
+            truncate_metrics(out_dir / "metrics.jsonl", start_step)
+
     # --- rollout engine: one vLLM shard per rank, TP over the rows of the rollout mesh ---------------
     import rollout as ro
 
@@ -386,7 +418,6 @@ def main(argv: list[str] | None = None) -> None:
         max_num_batched_tokens=max(arr.rollout.max_num_batched_tokens,
                                    cfg.data.max_prompt_length + cfg.data.max_response_length))
     probe = train_prompts[0].token_ids  # a fixed prompt whose logprobs fingerprint the engine's weights
-    out_dir = Path(cfg.trainer.default_local_dir)
     tracker = Tracker(out_dir, cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
                       dict(cfg), total_steps, enabled=rank == 0)
     if rank == 0:
@@ -403,9 +434,12 @@ def main(argv: list[str] | None = None) -> None:
     fingerprint = None
     updated = False  # did the last step change the actor? (then the engine must change too)
     consecutive_skips = 0
-    for step in range(1, total_steps + 1):
+    for step in range(start_step + 1, total_steps + 1):
         metrics: dict[str, float] = {}
         step_start = time.perf_counter()
+        # Everything random in this step derives from (seed, step, rank): a resumed step repeats exactly.
+        torch.manual_seed(step_seed(cfg.trainer.seed, step, rank))
+        generator = torch.Generator().manual_seed(step_seed(cfg.trainer.seed, step, rank))
 
         # 1. weight sync: the engine samples from the current actor; check the update reached it
         metrics["timing_s/sync_weights"] = sync()
@@ -540,6 +574,14 @@ def main(argv: list[str] | None = None) -> None:
             with timed(metrics, "testing"):
                 metrics.update(run_validation(llm, val_prompts, tokenizer, reward_fn, cfg, meshes, step, device))
         tracker.log(step, metrics)
+
+        # 8. checkpoint: sharded, atomic, old ones pruned only after the new one is complete
+        if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or step == total_steps):
+            start = time.perf_counter()
+            path = save_checkpoint(out_dir, step, ckpt_models,
+                                   {"sampler": sampler.state_dict(), "kl_ctrl": kl_ctrl.state_dict()},
+                                   hf_source=(actor.config, tokenizer), keep=cfg.trainer.max_actor_ckpt_to_keep)
+            print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
 
     tracker.close()
     if rank == 0 and (out_dir / "metrics.jsonl").is_file():
