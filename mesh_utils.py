@@ -343,8 +343,29 @@ def init_distributed(timeout_minutes: int = 30) -> DistEnv:
     else:
         device_type, backend, device = "cpu", "gloo", torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+        timeout = timedelta(minutes=timeout_minutes)
+        store = _attempt_store(rank, world, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return DistEnv(rank, local_rank, world, device_type, device)
+
+
+def _attempt_store(rank: int, world: int, timeout: timedelta) -> Any:
+    """The store for this launch attempt, or None to let init_process_group use env://.
+
+    torchrun's agent keeps one TCPStore server for the whole job, restarts included
+    (TORCHELASTIC_USE_AGENT_STORE=True), and does not clear it: after `--max-restarts` brings the
+    workers back, they would read the dead attempt's process-group keys (its gloo/NCCL addresses)
+    and hang or fail connecting to them. Each rank counts its own start-ups in the store; all ranks
+    of one attempt get the same count, which prefixes every key of that attempt.
+    """
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=False, timeout=timeout)
+    attempt = store.add(f"train_ppo/starts/rank{rank}", 1)
+    return dist.PrefixStore(f"train_ppo/attempt{attempt}", store)
 
 
 def check_launch(dims: ParallelDims, env: DistEnv) -> None:

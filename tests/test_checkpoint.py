@@ -1,0 +1,131 @@
+"""Checkpoint, resume and export with real processes and real signals.
+
+  A  world 2, 6 steps, checkpoints at 3 and 6: the uninterrupted reference
+  B  the same run under `torchrun --max-restarts=1`, one rank SIGKILLed after step 4: torchrun
+     restarts the job, it resumes from step 3 on its own, and steps 4-6 must equal A's
+  C  world 4 for 2 steps, then D resumes it at world 2 (DCP reshards) for a third step
+  the export of A's final actor must answer greedily exactly as the trained actor did in A's
+  validation at that step (which vLLM produced from the synced actor), in HF and in vLLM
+"""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import ROOT, clean_env
+
+from checkpoint import complete_checkpoints, find_resume_path
+from tracking import read_metrics
+
+COMPARE = ["critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
+           "actor/ppo_kl", "critic/advantages/max"]
+
+
+def args_for(assets: dict, out: Path, *extra: str) -> list[str]:
+    return ["train_ppo.py", "--config", "configs/tiny_cpu.yaml", f"actor_rollout_ref.model.path={assets['tiny-qwen2']}",
+            f"data.train_files={assets['train']}", f"data.val_files={assets['val']}", f"trainer.default_local_dir={out}",
+            "trainer.total_training_steps=6", "trainer.save_freq=3", "trainer.val_before_train=false",
+            "trainer.test_freq=6", "data.max_val_samples=32", *extra]
+
+
+def torchrun(nproc: int, args: list[str], *launcher: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher, *args]
+
+
+def run(cmd: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    return proc
+
+
+def by_step(out: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
+
+
+def test_killed_rank_resumes_and_reproduces(tiny_assets, tmp_path):
+    ref_dir, run_dir = tmp_path / "A", tmp_path / "B"
+    run(torchrun(2, args_for(tiny_assets, ref_dir, "trainer.max_actor_ckpt_to_keep=2")))
+    assert [p.name for p in complete_checkpoints(ref_dir)] == ["global_step_3", "global_step_6"]
+
+    proc = subprocess.Popen(torchrun(2, args_for(tiny_assets, run_dir, "trainer.max_actor_ckpt_to_keep=1"),
+                                     "--max-restarts=1"),
+                            cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics, deadline, killed = run_dir / "metrics.jsonl", time.time() + 600, None
+    while killed is None and time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and any(r["step"] == 4 for r in read_metrics(metrics)):
+            killed = json.loads((run_dir / "layout" / "rank1.json").read_text())["pid"]
+            os.kill(killed, signal.SIGKILL)
+        time.sleep(0.2)
+    output, _ = proc.communicate(timeout=900)
+    assert killed is not None, "the run ended before step 4 was logged:\n" + output[-3000:]
+    assert proc.returncode == 0, output[-6000:]
+    assert "resumed from" in output and "global_step_3" in output
+
+    ref, resumed = by_step(ref_dir), by_step(run_dir)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        for key in COMPARE:
+            # CPU float32, same thread count, per-request sampling seeds: bit-for-bit in practice;
+            # the tolerance only absorbs reduction-order noise a different machine might show.
+            assert math.isclose(resumed[step][key], ref[step][key], rel_tol=1e-5, abs_tol=1e-7), (step, key)
+    # only the newest checkpoint is kept, and only after it was complete
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["global_step_6"]
+
+    # A checkpoint interrupted while writing (a .tmp dir, or a dir without its trainer state) is ignored.
+    (ref_dir / "global_step_9.tmp" / "actor").mkdir(parents=True)
+    (ref_dir / "global_step_8" / "actor").mkdir(parents=True)
+    assert find_resume_path("auto", ref_dir, None) == ref_dir / "global_step_6"
+
+    check_export(ref_dir, tmp_path / "exported")
+
+
+def check_export(run_dir: Path, out: Path) -> None:
+    run([sys.executable, "export_hf.py", str(run_dir), "--out", str(out)])
+    expected = [json.loads(line) for f in sorted((run_dir / "val_generations").glob("step6_*.jsonl"))
+                for line in f.read_text().splitlines()]
+    prompts = [r["prompt"] for r in expected]
+    code = f"""
+import json, sys
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained({str(out)!r}); model = AutoModelForCausalLM.from_pretrained({str(out)!r}).eval()
+out = []
+for p in json.loads(sys.argv[1]):
+    ids = tok(p, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    gen = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    out.append(tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True))
+hf = out
+from vllm import LLM, SamplingParams
+llm = LLM(model={str(out)!r}, dtype="float32", enforce_eager=True, max_model_len=64, gpu_memory_utilization=0.3)
+res = llm.generate([{{"prompt_token_ids": tok(p, add_special_tokens=False)["input_ids"]}} for p in json.loads(sys.argv[1])],
+                   SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[tok.eos_token_id]), use_tqdm=False)
+print("RESULT" + json.dumps({{"hf": hf, "vllm": [tok.decode(r.outputs[0].token_ids, skip_special_tokens=True) for r in res]}}))
+"""
+    env = dict(clean_env(), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(prompts)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    got = json.loads(proc.stdout.split("RESULT", 1)[1])
+    want = [r["response"] for r in expected]
+    assert got["hf"] == want
+    assert got["vllm"] == want
+
+
+def test_resume_at_a_smaller_world_size(tiny_assets, tmp_path):
+    out = tmp_path / "reshard"
+    four = ["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1"]
+    run(torchrun(4, args_for(tiny_assets, out, *four)))
+    assert [p.name for p in complete_checkpoints(out)] == ["global_step_2"]
+    two = ["trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.test_freq=-1"]
+    proc = run(torchrun(2, args_for(tiny_assets, out, *two)))
+    assert "resumed from" in proc.stdout and "written by 4 ranks" in proc.stdout
+    rows = by_step(out)
+    assert sorted(rows) == [1, 2, 3]
+    # the resharded weights reached both the actor and the engine: their logprobs agree
+    assert rows[3]["rollout/logprob_diff_max"] < 1e-3 and math.isfinite(rows[3]["actor/pg_loss"])
+    assert rows[3]["training/epoch"] == 0 and rows[3]["batch/num_prompts"] == 32
