@@ -36,6 +36,18 @@ from checkpoint import find_resume_path, load_checkpoint, save_checkpoint, step_
 from config import ConfigError, load_config, to_yaml
 from data import PromptSampler, load_prompts
 from mesh_utils import build_meshes, check_launch, describe, init_distributed, node_rank, print0, validate
+from models import (
+    compute_log_probs,
+    compute_values,
+    default_dtypes,
+    iter_full_params,
+    load_causal_lm,
+    load_fsdp_model_to_device,
+    load_optimizer,
+    load_value_model,
+    offload_fsdp_model_to_cpu,
+    offload_optimizer,
+)
 from rewards import load_reward_fn, score_responses
 from tracking import Tracker, plot_metrics, summary, timed
 
@@ -154,18 +166,16 @@ def stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 
 
 @torch.no_grad()
-def forward_log_probs(model, batch: dict, micro: int, temperature: float, entropy: bool = False):  # noqa: ANN001,ANN201
-    from models import compute_log_probs
-
+def forward_log_probs(model: torch.nn.Module, batch: dict, micro: int, temperature: float,
+                      entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     return compute_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
                              batch["responses"].shape[1], temperature, micro, calc_entropy=entropy)
 
 
-def compute_values(critic, batch: dict, micro: int) -> torch.Tensor:  # noqa: ANN001
+@torch.no_grad()
+def forward_values(critic: torch.nn.Module, batch: dict, micro: int) -> torch.Tensor:
     """V(s_t) for each response token: the critic's output at the position that predicts it."""
-    from models import compute_values as values_fn
-
-    return values_fn(critic, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+    return compute_values(critic, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
                      batch["responses"].shape[1], micro)
 
 
@@ -190,14 +200,11 @@ def optimizer_step(model, optimizer, grad_clip: float, prefix: str, metrics: dic
               f"skipping this update", flush=True)
         metrics[f"{prefix}/skipped_steps"] = metrics.get(f"{prefix}/skipped_steps", 0) + 1
     optimizer.zero_grad(set_to_none=True)
-    metrics.setdefault(f"{prefix}/grad_norm", 0.0)
     metrics[f"{prefix}/grad_norm"] = grad_norm.item() if ok else float("nan")
     return ok
 
 
 def update_actor(actor, optimizer, batch: dict, cfg, plan, world: int, generator: torch.Generator) -> dict:  # noqa: ANN001
-    from models import compute_log_probs
-
     a = cfg.actor_rollout_ref.actor
     temperature = cfg.actor_rollout_ref.rollout.temperature
     metrics: dict[str, float] = {}
@@ -248,8 +255,6 @@ def update_actor(actor, optimizer, batch: dict, cfg, plan, world: int, generator
 
 
 def update_critic(critic, optimizer, batch: dict, cfg, plan, world: int, generator: torch.Generator) -> dict:  # noqa: ANN001
-    from models import compute_values as values_fn
-
     c = cfg.critic
     metrics: dict[str, float] = {}
     sums = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0}
@@ -263,7 +268,7 @@ def update_critic(critic, optimizer, batch: dict, cfg, plan, world: int, generat
             num_tokens, num_seqs = core.global_num_tokens_and_seqs([mb["response_mask"] for mb in mini])
             for i, mb in enumerate(mini):
                 critic.set_requires_gradient_sync(i == len(mini) - 1)
-                vpreds = values_fn(critic, mb["input_ids"], mb["attention_mask"], mb["position_ids"],
+                vpreds = compute_values(critic, mb["input_ids"], mb["attention_mask"], mb["position_ids"],
                                    mb["responses"].shape[1], micro)
                 vf_loss, vf_clipfrac = core.compute_value_loss(
                     vpreds, mb["returns"], mb["values"], mb["response_mask"], c.cliprange_value, c.loss_agg_mode,
@@ -368,8 +373,6 @@ def main(argv: list[str] | None = None) -> None:
                        arr.model.trust_remote_code)
 
     # --- models: actor (+ reference for KL, + critic for GAE), FSDP2 on the FSDP mesh ---------------
-    from models import default_dtypes, iter_full_params, load_causal_lm, load_value_model
-
     param_dtype, reduce_dtype = default_dtypes(env.device_type)
     fsdp_kwargs = dict(device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                        trust_remote_code=arr.model.trust_remote_code)
@@ -407,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
             truncate_metrics(out_dir / "metrics.jsonl", start_step)
 
     # --- rollout engine: one vLLM shard per rank, TP over the rows of the rollout mesh ---------------
-    import rollout as ro
+    import rollout as ro  # imported here: vLLM takes seconds to import, config errors should not wait
 
     llm = ro.build_rollout_engine(
         arr.model.path, meshes.rollout,
@@ -451,8 +454,7 @@ def main(argv: list[str] | None = None) -> None:
             val = run_validation(llm, val_prompts, tokenizer, reward_fn, cfg, meshes, 0, device)
             print0(f"validation before training: val/score {val['val/score']:.3f}")
             tracker.log(0, val)
-        if arr.actor.fsdp_config.param_offload:
-            from models import offload_fsdp_model_to_cpu
+        if arr.actor.fsdp_config.param_offload:  # free the accelerator for the engine (seed, 3.2)
             offload_fsdp_model_to_cpu(actor)
 
         # 2. generate: this rollout dp group's share of the step's prompts, n samples each
@@ -467,7 +469,6 @@ def main(argv: list[str] | None = None) -> None:
                                 max_prompt_length=cfg.data.max_prompt_length)
         ro.sleep(llm)
         if arr.actor.fsdp_config.param_offload:
-            from models import load_fsdp_model_to_device
             load_fsdp_model_to_device(actor, device)
         # training is data parallel over all ranks: TP rank r keeps slice r of its group's samples
         share = ro.split_for_training(group, tp_rank, tp_size)
@@ -501,8 +502,7 @@ def main(argv: list[str] | None = None) -> None:
                     arr.rollout.temperature)
         if critic is not None:
             with timed(metrics, "values"):
-                with torch.no_grad():
-                    batch["values"] = compute_values(critic, batch, plan.log_prob_micro_batch_size_per_gpu)
+                batch["values"] = forward_values(critic, batch, plan.log_prob_micro_batch_size_per_gpu)
 
         # 5. advantages
         with timed(metrics, "adv"):
@@ -535,10 +535,18 @@ def main(argv: list[str] | None = None) -> None:
         # 6. updates: critic first (verl's order), then the actor
         if critic is not None:
             with timed(metrics, "update_critic"):
+                if cfg.critic.fsdp_config.optimizer_offload:
+                    load_optimizer(critic_optim, device)
                 metrics.update(update_critic(critic, critic_optim, batch, cfg, plan, world, generator))
+                if cfg.critic.fsdp_config.optimizer_offload:
+                    offload_optimizer(critic_optim)
             critic_sched.step()
         with timed(metrics, "update_actor"):
+            if arr.actor.fsdp_config.optimizer_offload:  # Adam moments live on the host between updates
+                load_optimizer(actor_optim, device)
             actor_metrics = update_actor(actor, actor_optim, batch, cfg, plan, world, generator)
+            if arr.actor.fsdp_config.optimizer_offload:
+                offload_optimizer(actor_optim)
         metrics.update(actor_metrics)
         metrics["actor/lr"] = actor_sched.get_last_lr()[0]
         actor_sched.step()
