@@ -427,7 +427,8 @@ def main(argv: list[str] | None = None) -> None:
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
 
     def sync() -> float:
-        """Actor -> engine, with the actor's shards offloaded around it as configured."""
+        """Actor -> engine: wake the engine's weights, stream the actor in, then wake its KV cache,
+        so the peak holds weights twice at most (the wake-ups do nothing where vLLM cannot sleep)."""
         ro.wake_up(llm, ["weights"])
         seconds = ro.sync_weights(llm, iter_full_params(actor, dtype=param_dtype))
         ro.wake_up(llm, ["kv_cache"])
