@@ -1,0 +1,298 @@
+"""Rollout throughput: the vLLM engine alone, the same engine collocated with a training FSDP actor,
+and HF `generate` on the same model and batch (what a TRL-PPO user gets).
+
+    python bench/bench_rollout.py                 # sizes 5m,30m,100m; table + outputs/bench/rollout.json
+    python bench/bench_rollout.py --models 30m --prompts 32 --rollout-n 8 --max-tokens 256
+
+One process (torchrun, 1 rank) holds one engine per model and, for each, in this order:
+  standalone        engine only (weights synced once from the checkpoint): rollout.generate x reps
+  hf_generate       AutoModelForCausalLM.generate: same prompts, n, max_new_tokens, sampling and EOS
+  resident / collocated, in back-to-back pairs x reps, with an FSDP2 actor and its AdamW state loaded
+                    beside the engine: `resident` generates with the actor idle; `collocated` does
+                    what a training step does around generation first (engine asleep on CUDA, a real
+                    optimizer step, wake up, sync_weights(iter_full_params(actor))), then generates
+  standalone_after  actor and optimizer deleted again: engine only, x reps
+Two ratios: collocated / mean(standalone, standalone_after), and the median over pairs of
+collocated / resident. On a shared machine the second is the one to trust: each pair is measured
+within seconds, so the machine's drift cancels; the gap between standalone and standalone_after
+shows how large that drift was. `cpu_util` (process CPU seconds per wall second) well below the
+thread count means the process was waiting for cores.
+
+Responses stop at EOS: a randomly initialised model over the 128-token vocabulary puts roughly
+1/128 of its mass on EOS at each step, so lengths are near-geometric (mean ~85 of max 128, about
+half stop early). Every request carries its own seed (rollout.sample_seed) and the update uses a
+tiny learning rate, so every phase samples (nearly) the same tokens; generated-token counts are
+reported per phase. Tokens/s counts generated tokens (EOS included), never padding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import bench_common as bc
+
+PROMPT_LEN = (8, 32)  # prompt lengths are uniform in [8, 32] tokens
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="5m,30m,100m", help=f"comma list: sizes {list(bc.SIZES)}, tiny, or paths")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per batch")
+    # not --n: torchrun's own parser would take it for an abbreviation of its options
+    ap.add_argument("--rollout-n", dest="n", type=int, default=4, help="samples per prompt (rollout.n)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="response budget; EOS stops earlier")
+    ap.add_argument("--reps", type=int, default=2, help="timed generate calls per phase (median)")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-hf", action="store_true", help="skip HF generate (slow on big models)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--assets", type=Path, default=bc.DEFAULT_ASSETS)
+    ap.add_argument("--out", type=Path, default=bc.DEFAULT_OUT / "rollout.json")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank-dir", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--model-paths", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker (runs under torchrun, one rank)
+
+
+def length_stats(lengths: list[int], seconds: float, cpu_s: float, max_tokens: int) -> dict:
+    tokens = sum(lengths)
+    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+            "mean_len": tokens / len(lengths), "min_len": min(lengths), "max_len": max(lengths),
+            "stopped_frac": sum(n < max_tokens for n in lengths) / len(lengths), "cpu_util": cpu_s / seconds}
+
+
+def generate_once(llm, prompts: list[list[int]], args: argparse.Namespace) -> dict:  # noqa: ANN001
+    """One timed rollout.generate of the whole batch (what train_ppo.py calls), same seeds every time."""
+    import rollout as ro
+
+    cpu = time.process_time()
+    seconds, batch = bc.timed(lambda: ro.generate(
+        llm, prompts, n=args.n, temperature=args.temperature, top_p=1.0, top_k=-1, max_tokens=args.max_tokens,
+        eos_token_id=bc.EOS_TOKEN_ID, pad_token_id=bc.PAD_TOKEN_ID, seed=args.seed, step=1))
+    return length_stats(batch.response_mask.sum(-1).tolist(), seconds, time.process_time() - cpu, args.max_tokens)
+
+
+def summarize(reps: list[dict]) -> dict:
+    """Median tokens/s and seconds over reps, every rep's tokens/s, the length statistics of the
+    middle rep (all reps sample the same tokens) and the median of the update/sync timings."""
+    ordered = sorted(reps, key=lambda r: r["tokens_per_s"])
+    out = dict(ordered[len(ordered) // 2])
+    out["tokens_per_s"] = bc.median([r["tokens_per_s"] for r in reps])
+    out["seconds"] = bc.median([r["seconds"] for r in reps])
+    out["tokens_per_s_reps"] = [r["tokens_per_s"] for r in reps]
+    for key in ("update_s", "sync_s"):
+        if key in reps[0]:
+            out[key] = bc.median([r[key] for r in reps])
+    return out
+
+
+def hf_generate(model, prompts: list[list[int]], args: argparse.Namespace, device) -> dict:  # noqa: ANN001
+    """HF generate on the whole batch at once (its best case): left-padded prompts, n return sequences."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), bc.PAD_TOKEN_ID, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    kwargs = dict(do_sample=args.temperature > 0, temperature=args.temperature or None, top_k=0, top_p=1.0,
+                  max_new_tokens=args.max_tokens, eos_token_id=bc.EOS_TOKEN_ID, pad_token_id=bc.PAD_TOKEN_ID,
+                  num_return_sequences=args.n)
+    torch.manual_seed(args.seed)
+    with torch.no_grad():
+        model.generate(input_ids=ids[:2].to(device), attention_mask=mask[:2].to(device),
+                       **{**kwargs, "max_new_tokens": 4})  # warm-up
+        cpu = time.process_time()
+        seconds, out = bc.timed(lambda: model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                                       **kwargs))
+        cpu = time.process_time() - cpu
+    # finished rows are padded to the longest: count each row up to and including its EOS
+    lengths = [r.index(bc.EOS_TOKEN_ID) + 1 if bc.EOS_TOKEN_ID in r else len(r) for r in out[:, width:].tolist()]
+    return length_stats(lengths, seconds, cpu, args.max_tokens)
+
+
+def train_step(actor, optimizer, batch, device) -> float:  # noqa: ANN001
+    """One real optimizer step on (up to) 16 of the batch's samples: log-likelihood of the sampled
+    responses, so activations, gradients and AdamW state are those of an actor update."""
+    import torch
+
+    from models import compute_log_probs
+
+    rows = slice(0, min(16, len(batch)))
+    mask = batch.response_mask[rows].to(device).float()  # (b, R)
+
+    def step() -> None:
+        log_probs, _ = compute_log_probs(actor, batch.input_ids[rows].to(device),
+                                         batch.attention_mask[rows].to(device), batch.position_ids[rows].to(device),
+                                         batch.responses.shape[1], temperature=1.0, micro_batch_size=8)  # (b, R)
+        loss = -(log_probs * mask).sum() / mask.sum().clamp(min=1)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(actor.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return bc.timed(step)[0]
+
+
+def collocated_pairs(llm, path: Path, prompts: list[list[int]], meshes, env,  # noqa: ANN001
+                     args: argparse.Namespace) -> dict:
+    """An FSDP2 actor and its AdamW state beside the engine, as in train_ppo.py; reps back-to-back
+    pairs of (generate with the actor idle, then a training step's order around a generate)."""
+    import torch
+
+    import rollout as ro
+    from models import default_dtypes, iter_full_params, load_causal_lm
+
+    param_dtype, reduce_dtype = default_dtypes(env.device_type)
+    actor = load_causal_lm(str(path), meshes.fsdp, device=env.device, param_dtype=param_dtype,
+                           reduce_dtype=reduce_dtype)
+    optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-7)  # tiny: sample the same tokens as standalone
+    batch = ro.generate(llm, prompts, n=args.n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.max_tokens,
+                        eos_token_id=bc.EOS_TOKEN_ID, pad_token_id=bc.PAD_TOKEN_ID, seed=args.seed + 2)
+    resident, collocated = [], []
+    for _ in range(args.reps):
+        resident.append(generate_once(llm, prompts, args))
+        ro.sleep(llm)  # CUDA: free the engine's memory for training (no-op on CPU)
+        update_s = train_step(actor, optimizer, batch, env.device)
+        sync_s, _ = bc.timed(lambda: (ro.wake_up(llm, ["weights"]),
+                                      ro.sync_weights(llm, iter_full_params(actor, dtype=param_dtype)),
+                                      ro.wake_up(llm, ["kv_cache"])))
+        collocated.append({**generate_once(llm, prompts, args), "update_s": update_s, "sync_s": sync_s})
+    ratios = [c["tokens_per_s"] / r["tokens_per_s"] for c, r in zip(collocated, resident, strict=True)]
+    return {"resident": summarize(resident), "collocated": summarize(collocated),
+            "collocated_vs_resident": bc.median(ratios)}
+
+
+def bench_model(label: str, path: Path, meshes, env,  # noqa: ANN001
+                args: argparse.Namespace) -> tuple[dict, object]:
+    """Every phase for one model; returns the result and the (still running) engine."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import rollout as ro
+    from models import default_dtypes
+
+    device_type, engine_dtype = bc.device_and_dtype()
+    device = env.device
+    param_dtype, _ = default_dtypes(device_type)
+    max_model_len = PROMPT_LEN[1] + args.max_tokens
+    llm = ro.build_rollout_engine(str(path), meshes.rollout, max_model_len=max_model_len,
+                                  gpu_memory_utilization=args.gpu_memory_utilization, dtype=engine_dtype,
+                                  enforce_eager=device_type == "cpu", max_num_seqs=max(256, args.prompts * args.n),
+                                  max_num_batched_tokens=max(8192, max_model_len))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=param_dtype).to(device).eval()
+    ro.sync_weights(llm, ((n, t.detach()) for n, t in hf.named_parameters()))  # dummy weights -> the checkpoint
+    prompts = bc.random_prompts(args.prompts, hf.config.vocab_size, PROMPT_LEN, args.seed)
+    ro.generate(llm, prompts, n=args.n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=16,
+                eos_token_id=bc.EOS_TOKEN_ID, pad_token_id=bc.PAD_TOKEN_ID, seed=args.seed + 1)  # warm-up
+    result: dict = {"model": label, "params_m": sum(p.numel() for p in hf.parameters()) / 1e6,
+                    "prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens}
+
+    result["standalone"] = summarize([generate_once(llm, prompts, args) for _ in range(args.reps)])
+    if not args.skip_hf:
+        result["hf_generate"] = hf_generate(hf, prompts, args, device)
+    del hf
+    gc.collect()
+
+    result.update(collocated_pairs(llm, path, prompts, meshes, env, args))
+    gc.collect()
+    if device_type == "cuda":
+        torch.cuda.empty_cache()
+    result["standalone_after"] = summarize([generate_once(llm, prompts, args) for _ in range(args.reps)])
+
+    standalone = (result["standalone"]["tokens_per_s"] + result["standalone_after"]["tokens_per_s"]) / 2
+    result["collocated_vs_standalone"] = result["collocated"]["tokens_per_s"] / standalone
+    if "hf_generate" in result:
+        result["vllm_vs_hf"] = standalone / result["hf_generate"]["tokens_per_s"]
+    return result, llm
+
+
+def worker(args: argparse.Namespace) -> None:
+    import rollout as ro
+    from mesh_utils import ParallelDims, build_meshes, init_distributed
+
+    env = init_distributed()
+    if env.world_size != 1:
+        raise SystemExit("bench_rollout's worker runs on one rank")
+    meshes = build_meshes(ParallelDims(1, 1, 1, 1, 1, 1), env.device_type)
+    results, engines = [], []
+    for label, path in zip(bc.split_list(args.models), bc.split_list(args.model_paths), strict=True):
+        # Earlier engines stay referenced and idle: a collected engine shuts itself down, and that
+        # tears down the process group the next one needs.
+        result, llm = bench_model(label, Path(path), meshes, env, args)
+        results.append(result)
+        engines.append(llm)
+        print(json.dumps(result), flush=True)
+    bc.write_json(args.rank_dir / "rank0.json", {"machine": bc.machine_info(), "results": results})
+    if engines:
+        ro.shutdown(engines[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+
+
+COLUMNS = [("model", "model", ""), ("params_m", "params M", ".1f"), ("mean_len", "mean len", ".0f"),
+           ("stopped_frac", "EOS-stopped", ".0%"), ("standalone", "standalone", ".0f"),
+           ("standalone_after", "standalone again", ".0f"), ("resident", "resident", ".0f"),
+           ("collocated", "collocated", ".0f"), ("collocated_vs_standalone", "colloc/standalone", ".2f"),
+           ("collocated_vs_resident", "colloc/resident (paired)", ".2f"), ("hf_generate", "HF generate", ".0f"),
+           ("vllm_vs_hf", "vLLM/HF", ".1f")]
+
+
+def table_rows(results: list[dict]) -> list[dict]:
+    rows = []
+    for r in results:
+        row = {k: r.get(k) for k in ("model", "params_m", "collocated_vs_standalone", "collocated_vs_resident",
+                                     "vllm_vs_hf")}
+        row.update(mean_len=r["standalone"]["mean_len"], stopped_frac=r["standalone"]["stopped_frac"])
+        for phase in ("standalone", "standalone_after", "resident", "collocated", "hf_generate"):
+            row[phase] = r[phase]["tokens_per_s"] if phase in r else None
+        rows.append(row)
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict:
+    specs = bc.split_list(args.models)
+    paths = [str(bc.resolve_model(s, args.assets)) for s in specs]
+    with tempfile.TemporaryDirectory() as tmp:
+        wall = bc.torchrun(Path(__file__), 1, [
+            "--worker", "--rank-dir", tmp, "--models", ",".join(bc.model_label(s) for s in specs),
+            "--model-paths", ",".join(paths), "--prompts", args.prompts, "--rollout-n", args.n, "--max-tokens",
+            args.max_tokens, "--reps", args.reps, "--temperature", args.temperature, "--seed", args.seed,
+            "--gpu-memory-utilization", args.gpu_memory_utilization, *(["--skip-hf"] if args.skip_hf else [])],
+            args.out.parent / "logs" / "rollout.log")
+        rank0 = bc.read_rank_files(Path(tmp), 1)[0]
+    report = {"benchmark": "rollout", "machine": rank0["machine"], "wall_s": wall,
+              "settings": {"prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens, "reps": args.reps,
+                           "temperature": args.temperature, "prompt_len": list(PROMPT_LEN)},
+              "results": rank0["results"]}
+    bc.write_json(args.out, report)
+    print(f"rollout, generated tokens/s ({args.prompts} prompts x n={args.n}, max {args.max_tokens} tokens, "
+          f"EOS-stopped; {wall:.0f}s)")
+    print(bc.table(table_rows(report["results"]), COLUMNS))
+    print(f"-> {args.out}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

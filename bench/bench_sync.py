@@ -1,0 +1,237 @@
+"""Weight sync (FSDP2 actor -> collocated vLLM engine): seconds per sync against the memory-copy floor
+measured in the same run, where the time goes, and the extra peak memory a sync needs.
+
+    python bench/bench_sync.py                                   # layouts 2x1,2x2; sizes 5m,30m,100m
+    python bench/bench_sync.py --layouts 1x1,2x2 --models 100m --reps 5
+
+A layout WxT is torchrun --nproc_per_node=W with vLLM tensor parallel size T (FSDP over all W ranks,
+as train_ppo.py does): 2x1 is two engines of one rank each (configs/tiny_cpu.yaml), 2x2 one engine
+over two ranks. For each model, on every rank at once:
+  copy_floor   bytes / bandwidth of one torch copy_ of the same number of bytes: the floor for moving
+               the parameters once (bytes = every full parameter as iter_full_params yields it)
+  gather       iterating models.iter_full_params(actor) alone: FSDP all-gathers, no engine
+  engine_load  rollout.sync_weights from already-gathered tensors: vLLM's side alone
+  sync         rollout.sync_weights(llm, iter_full_params(actor)), what train_ppo.py does every step
+  extra_peak   peak memory during one sync minus memory before it (CUDA: torch's peak allocation;
+               CPU: peak resident set, reset per sync through /proc/self/clear_refs)
+Also, in bf16, gathering full fp32 parameters then casting (what iter_full_params does with
+dtype=bf16 on CUDA) against casting each shard first and gathering half the bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import bench_common as bc
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="5m,30m,100m", help=f"comma list: sizes {list(bc.SIZES)}, tiny, or paths")
+    ap.add_argument("--layouts", default="2x1,2x2", help="comma list of WORLDxTP")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions of each measurement (median)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--assets", type=Path, default=bc.DEFAULT_ASSETS)
+    ap.add_argument("--out", type=Path, default=bc.DEFAULT_OUT / "sync.json")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--rank-dir", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--model-paths", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker (every rank)
+
+
+def iter_full_params_cast_first(model, dtype):  # noqa: ANN001, ANN201 - a generator of (name, tensor)
+    """iter_full_params, except each shard is cast before the all-gather (half the bytes in bf16)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tensor = param.detach().to(dtype)
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def repeat(fn, reps: int) -> list[float]:  # noqa: ANN001
+    """reps timings of fn(), every rank starting together (they move weights together in training)."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        times.append(bc.timed(fn)[0])
+    return times
+
+
+def copy_floor(nbytes: int, numels: list[int], dtype, device, reps: int) -> tuple[float, float]:  # noqa: ANN001
+    """Seconds for one torch copy_ of nbytes, and for per-parameter copies of the same sizes (the floor
+    for a loader that copies tensor by tensor), on every rank at once."""
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.zeros_like(src)  # both written, so no first-touch page faults inside the timing
+    bulk = bc.median(repeat(lambda: dst.copy_(src), reps))
+    srcs = [torch.ones(n, dtype=dtype, device=device) for n in numels]
+    dsts = [torch.zeros_like(s) for s in srcs]
+    per_tensor = bc.median(repeat(lambda: [d.copy_(s) for d, s in zip(dsts, srcs, strict=True)], reps))
+    return bulk, per_tensor
+
+
+def engine_load(llm, actor, dtype, reps: int) -> float:  # noqa: ANN001
+    """sync_weights from tensors gathered beforehand: vLLM's side of the sync alone."""
+    import rollout as ro
+    from models import iter_full_params
+
+    gathered = list(iter_full_params(actor, dtype=dtype))
+    return bc.median(repeat(lambda: ro.sync_weights(llm, iter(gathered)), reps))
+
+
+def bench_model(label: str, path: Path, meshes, env,  # noqa: ANN001
+                args: argparse.Namespace) -> tuple[dict, object]:
+    import torch
+    import torch.distributed as dist
+
+    import rollout as ro
+    from models import default_dtypes, iter_full_params, load_causal_lm
+
+    device_type, engine_dtype = bc.device_and_dtype()
+    device = env.device
+    param_dtype, reduce_dtype = default_dtypes(device_type)
+    actor = load_causal_lm(str(path), meshes.fsdp, device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    llm = ro.build_rollout_engine(str(path), meshes.rollout, max_model_len=64,
+                                  gpu_memory_utilization=args.gpu_memory_utilization, dtype=engine_dtype,
+                                  enforce_eager=device_type == "cpu", max_num_seqs=16)
+    elem = torch.empty((), dtype=param_dtype).element_size()
+    numels = [p.numel() for _, p in actor.named_parameters(remove_duplicate=False)]  # global sizes, tied twice
+    nbytes = sum(numels) * elem
+    ro.sync_weights(llm, iter_full_params(actor, dtype=param_dtype))  # warm-up: vLLM records layer metadata once
+    copy_s, per_tensor_copy_s = copy_floor(nbytes, numels, param_dtype, device, args.reps)
+    gather_s = bc.median(repeat(lambda: sum(1 for _ in iter_full_params(actor, dtype=param_dtype)), args.reps))
+    engine_s = engine_load(llm, actor, param_dtype, args.reps)
+
+    mem = bc.PeakMemory()
+    sync_times, extra_peaks = [], []
+    for _ in range(args.reps):
+        dist.barrier()
+        mem.reset()
+        before = mem.current_gb()
+        sync_times.append(bc.timed(lambda: ro.sync_weights(llm, iter_full_params(actor, dtype=param_dtype)))[0])
+        extra_peaks.append(mem.peak_gb() - before)
+
+    bf16 = torch.bfloat16
+    gather_bf16_after = bc.median(repeat(lambda: sum(1 for _ in iter_full_params(actor, dtype=bf16)), args.reps))
+    gather_bf16_first = bc.median(repeat(lambda: sum(1 for _ in iter_full_params_cast_first(actor, bf16)),
+                                         args.reps))
+
+    world = dist.get_world_size()
+    result = {
+        "model": label, "params_m": sum(p.numel() for p in actor.parameters()) / 1e6,
+        "world": world, "tp": args.tp, "fsdp": world, "dtype": str(param_dtype).removeprefix("torch."),
+        "bytes_gb": nbytes / 1e9,
+        "copy_floor_s": copy_s, "copy_gbps": nbytes / copy_s / 1e9, "per_tensor_copy_s": per_tensor_copy_s,
+        "gather_s": gather_s,
+        # each rank receives (world - 1) / world of every parameter
+        "gather_recv_gbps": nbytes * (world - 1) / world / gather_s / 1e9 if world > 1 else None,
+        "engine_load_s": engine_s,
+        "sync_s": bc.median(sync_times), "sync_s_reps": sync_times,
+        "extra_peak_gb": max(extra_peaks),
+        "bf16_gather_then_cast_s": gather_bf16_after, "bf16_cast_then_gather_s": gather_bf16_first,
+    }
+    result["sync_vs_floor"] = result["sync_s"] / copy_s
+    result["extra_peak_vs_bytes"] = result["extra_peak_gb"] / result["bytes_gb"]
+    return result, llm
+
+
+def worker(args: argparse.Namespace) -> None:
+    import rollout as ro
+    from mesh_utils import ParallelDims, build_meshes, init_distributed
+
+    env = init_distributed()
+    world = env.world_size
+    meshes = build_meshes(ParallelDims(world, 1, world, world, args.tp, 1), env.device_type)
+    results, engines = [], []
+    for label, path in zip(bc.split_list(args.models), bc.split_list(args.model_paths), strict=True):
+        # Earlier engines stay referenced and idle: a collected engine shuts itself down, and that
+        # tears down the process group the next one needs.
+        result, llm = bench_model(label, Path(path), meshes, env, args)
+        results.append(result)
+        engines.append(llm)
+        print(json.dumps(result), flush=True)
+    bc.write_json(args.rank_dir / f"rank{env.rank}.json", {"machine": bc.machine_info(), "results": results})
+    if engines:
+        ro.shutdown(engines[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+
+
+COLUMNS = [("layout", "WxTP", ""), ("model", "model", ""), ("bytes_gb", "GB moved", ".3f"),
+           ("copy_floor_s", "copy floor s", ".4f"), ("gather_s", "gather s", ".3f"),
+           ("engine_load_s", "engine load s", ".3f"), ("sync_s", "sync s", ".3f"),
+           ("sync_vs_floor", "sync/floor", ".1f"), ("extra_peak_gb", "extra peak GB", ".3f")]
+
+# Over ranks: a sync ends when the slowest rank ends, so times take the max; so do memory peaks.
+MAX_KEYS = ("copy_floor_s", "per_tensor_copy_s", "gather_s", "engine_load_s", "sync_s", "extra_peak_gb",
+            "bf16_gather_then_cast_s", "bf16_cast_then_gather_s")
+
+
+def merge_ranks(per_rank: list[dict]) -> dict:
+    merged = dict(per_rank[0])
+    for key in MAX_KEYS:
+        merged[key] = max(r[key] for r in per_rank)
+    merged["sync_vs_floor"] = merged["sync_s"] / merged["copy_floor_s"]
+    merged["extra_peak_vs_bytes"] = merged["extra_peak_gb"] / merged["bytes_gb"]
+    merged["layout"] = f"{merged['world']}x{merged['tp']}"
+    merged["per_rank"] = [{k: r[k] for k in MAX_KEYS} for r in per_rank]
+    return merged
+
+
+def run(args: argparse.Namespace) -> dict:
+    specs = bc.split_list(args.models)
+    paths = [str(bc.resolve_model(s, args.assets)) for s in specs]
+    results, machine, skipped, wall = [], None, [], 0.0
+    layouts = bc.split_list(args.layouts)
+    if not any(bc.cuda_world_fits(int(x.split("x")[0])) for x in layouts):
+        layouts.append("1x1")  # a single-GPU machine: at least the engine-side numbers
+    for layout in layouts:
+        world, tp = (int(x) for x in layout.split("x"))
+        if not bc.cuda_world_fits(world):
+            skipped.append(f"{layout}: needs {world} GPUs")
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            wall += bc.torchrun(Path(__file__), world, [
+                "--worker", "--tp", tp, "--rank-dir", tmp, "--models", ",".join(bc.model_label(s) for s in specs),
+                "--model-paths", ",".join(paths), "--reps", args.reps,
+                "--gpu-memory-utilization", args.gpu_memory_utilization],
+                args.out.parent / "logs" / f"sync_{layout}.log")
+            ranks = bc.read_rank_files(Path(tmp), world)
+        machine = ranks[0]["machine"]
+        for i in range(len(specs)):
+            results.append(merge_ranks([r["results"][i] for r in ranks]))
+    report = {"benchmark": "sync", "machine": machine, "wall_s": wall, "settings": {"reps": args.reps},
+              "skipped": skipped, "results": results}
+    bc.write_json(args.out, report)
+    print(f"weight sync, FSDP actor -> vLLM (max over ranks; {wall:.0f}s)")
+    print(bc.table(results, COLUMNS))
+    for s in skipped:
+        print(f"skipped {s}")
+    print(f"-> {args.out}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,110 @@
+"""The whole benchmark suite (what `make bench` runs): rollout, weight sync, step breakdown and growth,
+memory. Prints each table, then the targets, and writes outputs/bench/results.json (every number)
+plus outputs/bench/step_growth.png. On a GPU machine the same scripts use CUDA and bf16.
+
+    python bench/run_all.py                                  # ~10-15 min on 2 CPU cores
+    python bench/run_all.py --rollout-sizes 5m,30m --step-sizes 5m,15m --only rollout,step
+    python bench/run_all.py --quick                          # every script at the smallest sizes (~3 min)
+
+Targets: collocated rollout >= 0.9 x standalone; sync <= 2 x the copy floor; step time growing no
+worse than linearly in samples per step (exponent <= 1 over the rollout.n sweep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import bench_common as bc
+import bench_memory
+import bench_rollout
+import bench_step
+import bench_sync
+
+BENCHMARKS = ("rollout", "sync", "step", "memory")
+COLLOCATED_MIN, SYNC_MAX, GROWTH_MAX = 0.9, 2.0, 1.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=",".join(BENCHMARKS), help=f"comma list of {BENCHMARKS}")
+    ap.add_argument("--rollout-sizes", default="5m,30m,100m")
+    ap.add_argument("--sync-sizes", default="5m,30m,100m")
+    ap.add_argument("--sync-layouts", default="2x1,2x2")
+    ap.add_argument("--step-sizes", default="5m,15m,30m", help="100m trains at ~1 min per step on 2 cores: too slow")
+    ap.add_argument("--n-values", default="2,4,8")
+    ap.add_argument("--response-lengths", default="32,64,128")
+    ap.add_argument("--memory-sizes", default="30m")
+    ap.add_argument("--quick", action="store_true", help="smallest sizes and sweeps: a smoke run of everything")
+    ap.add_argument("--assets", type=Path, default=bc.DEFAULT_ASSETS)
+    ap.add_argument("--out-dir", type=Path, default=bc.DEFAULT_OUT)
+    return ap.parse_args(argv)
+
+
+def targets(reports: dict[str, dict]) -> list[dict]:
+    """Each target against each measurement that speaks to it: {target, where, value, limit, met}."""
+    rows = []
+    for r in (reports.get("rollout") or {}).get("results", []):
+        for key, how in (("collocated_vs_resident", "paired"), ("collocated_vs_standalone", "vs standalone")):
+            rows.append({"target": "collocated / standalone rollout >= 0.9", "where": f"{r['model']} ({how})",
+                         "value": r[key], "limit": COLLOCATED_MIN, "met": r[key] >= COLLOCATED_MIN})
+    for r in (reports.get("sync") or {}).get("results", []):
+        rows.append({"target": "sync <= 2 x copy floor", "where": f"{r['model']} {r['layout']}",
+                     "value": r["sync_vs_floor"], "limit": SYNC_MAX, "met": r["sync_vs_floor"] <= SYNC_MAX})
+    growth = (reports.get("step") or {}).get("growth") or {}
+    for sweep, g in growth.items():
+        if g and g["exponent"] is not None:
+            gated = sweep == "n"  # the target is about samples per step; the others are reported
+            rows.append({"target": "step time growth exponent <= 1" if gated else "step time growth (reported)",
+                         "where": f"{sweep} sweep, vs {g['x']}", "value": g["exponent"],
+                         "limit": GROWTH_MAX if gated else None,
+                         "met": g["exponent"] <= GROWTH_MAX if gated else None})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    only = set(bc.split_list(args.only))
+    if args.quick:
+        args.rollout_sizes = args.sync_sizes = args.step_sizes = args.memory_sizes = "5m"
+        args.n_values, args.response_lengths, args.sync_layouts = "2,4", "32", "2x2"
+    out = args.out_dir
+    common = ["--assets", str(args.assets)]
+    start = time.perf_counter()
+    bc.ensure_assets(args.assets)
+    reports: dict[str, dict] = {}
+    walls: dict[str, float] = {}
+    runs = {
+        "rollout": lambda: bench_rollout.run(bench_rollout.parse_args(
+            ["--models", args.rollout_sizes, "--out", str(out / "rollout.json"), *common])),
+        "sync": lambda: bench_sync.run(bench_sync.parse_args(
+            ["--models", args.sync_sizes, "--layouts", args.sync_layouts, "--out", str(out / "sync.json"), *common])),
+        "step": lambda: bench_step.run(bench_step.parse_args(
+            ["--sizes", args.step_sizes, "--n-values", args.n_values, "--response-lengths", args.response_lengths,
+             "--out", str(out / "step.json"), *common])),
+        "memory": lambda: bench_memory.run(bench_memory.parse_args(
+            ["--models", args.memory_sizes, "--out", str(out / "memory.json"), *common])),
+    }
+    for name in BENCHMARKS:
+        if name in only:
+            print(f"\n=== {name} ===", flush=True)
+            t = time.perf_counter()
+            reports[name] = runs[name]()
+            walls[name] = time.perf_counter() - t
+    rows = targets(reports)
+    total = time.perf_counter() - start
+    print("\n=== targets ===")
+    print(bc.table([{**r, "met": {True: "met", False: "MISSED", None: "-"}[r["met"]]} for r in rows],
+                   [("target", "target", ""), ("where", "where", ""), ("value", "value", ".2f"),
+                    ("limit", "limit", ".1f"), ("met", "", "")]))
+    machine = next((r["machine"] for r in reports.values() if r.get("machine")), None)
+    bc.write_json(out / "results.json", {"machine": machine, "wall_s": total, "wall_s_per_benchmark": walls,
+                                         "targets": rows, **reports})
+    print(f"\nall benchmarks: {total:.0f}s ({', '.join(f'{k} {v:.0f}s' for k, v in walls.items())}) "
+          f"-> {out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

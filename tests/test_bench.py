@@ -1,0 +1,135 @@
+"""The benchmark scripts under bench/ at their smallest size, so they cannot rot: each smoke run
+launches the real thing (torchrun, the vLLM CPU engine, train_ppo.py) on the 0.3M-parameter tiny
+model and checks that its JSON has the fields the suite reports, as positive finite numbers. The
+growth summary, the plot and the target table are checked on made-up numbers, without any launch.
+These are not benchmarks: the numbers of a run this small measure overhead."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, clean_env
+
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_step  # noqa: E402
+import run_all  # noqa: E402
+
+
+def run_script(name: str, args: list[str], timeout: int = 400) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / name), *args], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def assert_positive(obj: dict, *keys: str) -> None:
+    for key in keys:
+        value = obj
+        for part in key.split("."):
+            value = value[part]
+        assert isinstance(value, int | float) and math.isfinite(value) and value > 0, (key, value)
+
+
+def smoke_args(tiny_assets: dict, out: Path) -> list[str]:
+    return ["--assets", str(tiny_assets["tiny-qwen2"].parent), "--out", str(out)]
+
+
+def test_bench_rollout_smoke(tiny_assets, tmp_path):
+    out = tmp_path / "rollout.json"
+    run_script("bench_rollout.py", ["--models", str(tiny_assets["tiny-qwen2"]), "--prompts", "4", "--rollout-n", "2",
+                                    "--max-tokens", "16", "--reps", "1", *smoke_args(tiny_assets, out)])
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "rollout" and report["machine"]["device"] == "cpu"
+    [result] = report["results"]
+    assert result["model"] == "tiny-qwen2" and result["prompts"] == 4 and result["n"] == 2
+    for phase in ("standalone", "hf_generate", "resident", "collocated", "standalone_after"):
+        assert_positive(result[phase], "tokens_per_s", "tokens", "seconds", "mean_len")
+        assert result[phase]["max_len"] <= 16
+    assert_positive(result, "params_m", "collocated_vs_standalone", "collocated_vs_resident", "vllm_vs_hf",
+                    "collocated.update_s", "collocated.sync_s")
+    # same seeds, a 1e-7 learning rate: the collocated engine samples (nearly) what the standalone one did
+    assert abs(result["collocated"]["tokens"] - result["standalone"]["tokens"]) <= 0.1 * result["standalone"]["tokens"]
+
+
+def test_bench_sync_smoke(tiny_assets, tmp_path):
+    out = tmp_path / "sync.json"
+    run_script("bench_sync.py", ["--models", "tiny", "--layouts", "2x2", "--reps", "1",
+                                 *smoke_args(tiny_assets, out)])
+    report = json.loads(out.read_text())
+    [result] = report["results"]
+    assert (result["layout"], result["world"], result["tp"]) == ("2x2", 2, 2)
+    assert_positive(result, "bytes_gb", "copy_floor_s", "copy_gbps", "per_tensor_copy_s", "gather_s",
+                    "gather_recv_gbps", "engine_load_s", "sync_s", "sync_vs_floor", "bf16_gather_then_cast_s",
+                    "bf16_cast_then_gather_s")
+    assert math.isfinite(result["extra_peak_gb"]) and len(result["per_rank"]) == 2
+    # 0.3M float32 parameters (the untied embedding and LM head included)
+    assert 0.001 < result["bytes_gb"] < 0.002
+
+
+def test_bench_memory_smoke(tiny_assets, tmp_path):
+    out = tmp_path / "memory.json"
+    run_script("bench_memory.py", ["--models", "tiny", "--prompts", "2", "--rollout-n", "2", "--max-tokens", "8",
+                                   "--micro-batch", "2", "--steps", "1", *smoke_args(tiny_assets, out)])
+    report = json.loads(out.read_text())
+    [result] = report["results"]
+    assert result["offload_is_noop"] is True  # a CPU run, and the report says so
+    assert len(result["per_rank"]) == 2
+    for rank in result["per_rank"]:
+        assert_positive(rank, "load.peak_gb", "load.end_gb")
+        assert set(rank["variants"]) == {"no_offload", "param_and_optimizer_offload"}
+        for phases in rank["variants"].values():
+            assert set(phases) == set(("sync", "gen", "old_log_prob", "ref", "update"))
+            for phase in phases.values():
+                assert_positive(phase, "peak_gb", "end_gb")
+
+
+def test_bench_step_smoke(tiny_assets, tmp_path):
+    out = tmp_path / "step.json"
+    run_script("bench_step.py", ["--sizes", str(tiny_assets["tiny-qwen2"]), "--n-values", "2",
+                                 "--response-lengths", "8", "--prompts", "2", "--steps", "2",
+                                 *smoke_args(tiny_assets, out)])
+    report = json.loads(out.read_text())
+    base = report["base"]
+    assert (base["n"], base["max_response_length"], base["samples_per_step"], base["steps_measured"]) == (2, 8, 4, 1)
+    assert_positive(base, "step_s", "params_m", "tokens_per_s_per_rank", "gen_tokens_per_s_per_rank",
+                    "max_memory_gb", "response_length_mean", *(f"phases_s.{p}" for p in
+                    ("sync_weights", "gen", "old_log_prob", "ref", "values", "update_critic", "update_actor")))
+    assert base["response_length_mean"] <= 8
+    assert report["points"] == [base]  # one point: no sweep, no plot
+    assert report["png"] is None
+
+
+def fake_point(name: str, step_s: float, **fields) -> dict:
+    point = {"name": name, "model": "5m", "params_m": 5.0, "n": 4, "max_response_length": 64,
+             "samples_per_step": 32, "response_length_mean": 50.0, "generated_tokens_per_step": 1600.0,
+             "step_s": step_s, "other_s": 0.1, "phases_s": {p: step_s / 10 for p in bench_step.PHASES}}
+    return point | fields
+
+
+def test_growth_exponent_and_plot(tmp_path):
+    linear = [fake_point("a", 1.0, samples_per_step=16), fake_point("b", 4.0, samples_per_step=64)]
+    assert bench_step.exponent(linear, "samples_per_step") == pytest.approx(1.0)
+    sublinear = [fake_point("a", 1.0, samples_per_step=16), fake_point("b", 2.0, samples_per_step=64)]
+    assert bench_step.exponent(sublinear, "samples_per_step") == pytest.approx(0.5)
+    assert bench_step.exponent(linear[:1], "samples_per_step") is None
+    png = bench_step.plot({"n": linear, "size": [fake_point("s", 1.0), fake_point("m", 3.0, params_m=15.0)]},
+                          tmp_path / "growth.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_targets_table():
+    reports = {
+        "rollout": {"results": [{"model": "30m", "collocated_vs_resident": 0.95, "collocated_vs_standalone": 0.85}]},
+        "sync": {"results": [{"model": "30m", "layout": "2x2", "sync_vs_floor": 7.5}]},
+        "step": {"growth": {"n": {"x": "samples_per_step", "exponent": 0.8},
+                            "size": {"x": "params_m", "exponent": 1.3}, "response_length": None}},
+    }
+    rows = {(r["target"], r["where"]): r for r in run_all.targets(reports)}
+    assert rows[("collocated / standalone rollout >= 0.9", "30m (paired)")]["met"] is True
+    assert rows[("collocated / standalone rollout >= 0.9", "30m (vs standalone)")]["met"] is False
+    assert rows[("sync <= 2 x copy floor", "30m 2x2")]["met"] is False
+    assert rows[("step time growth exponent <= 1", "n sweep, vs samples_per_step")]["met"] is True
+    assert rows[("step time growth (reported)", "size sweep, vs params_m")]["met"] is None
+    assert run_all.targets({}) == []
