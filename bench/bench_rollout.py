@@ -4,19 +4,19 @@ and HF `generate` on the same model and batch (what a TRL-PPO user gets).
     python bench/bench_rollout.py                 # sizes 5m,30m,100m; table + outputs/bench/rollout.json
     python bench/bench_rollout.py --models 30m --prompts 32 --rollout-n 8 --max-tokens 256
 
-One process (torchrun, 1 rank) holds one engine per model and, for each, in this order:
-  standalone        engine only (weights synced once from the checkpoint): rollout.generate x reps
-  hf_generate       AutoModelForCausalLM.generate: same prompts, n, max_new_tokens, sampling and EOS
-  resident / collocated, in back-to-back pairs x reps, with an FSDP2 actor and its AdamW state loaded
-                    beside the engine: `resident` generates with the actor idle; `collocated` does
-                    what a training step does around generation first (engine asleep on CUDA, a real
-                    optimizer step, wake up, sync_weights(iter_full_params(actor))), then generates
-  standalone_after  actor and optimizer deleted again: engine only, x reps
-Two ratios: collocated / mean(standalone, standalone_after), and the median over pairs of
-collocated / resident. On a shared machine the second is the one to trust: each pair is measured
-within seconds, so the machine's drift cancels; the gap between standalone and standalone_after
-shows how large that drift was. `cpu_util` (process CPU seconds per wall second) well below the
-thread count means the process was waiting for cores.
+One process (torchrun, 1 rank) holds one engine per model (weights synced once from the checkpoint)
+and, for each, runs --reps cycles of three generations of the same batch, back to back:
+  standalone   the engine alone in the process
+  resident     an FSDP2 actor and its AdamW state loaded beside the engine (as in train_ppo.py), idle
+  collocated   what a training step does around generation first: engine asleep (CUDA), a real
+               optimizer step, wake up, sync_weights(iter_full_params(actor)); then generate
+after which the actor and optimizer are freed again. HF generate (AutoModelForCausalLM.generate:
+same prompts, n, max_new_tokens, sampling and EOS) runs once, in the first cycle.
+Ratios are medians over cycles of collocated / standalone and collocated / resident: each cycle
+takes seconds, so on a shared machine its drift cancels in the ratio, which it would not between
+phases minutes apart. `cpu_util` (process CPU seconds per wall second) well below the thread
+count means the process was waiting for cores another job held: such a model is marked
+`contended` (any generation under 0.85 x threads) and its ratios should not be trusted.
 
 Responses stop at EOS: a randomly initialised model over the 128-token vocabulary puts roughly
 1/128 of its mass on EOS at each step, so lengths are near-geometric (mean ~85 of max 128, about
@@ -38,6 +38,7 @@ from pathlib import Path
 import bench_common as bc
 
 PROMPT_LEN = (8, 32)  # prompt lengths are uniform in [8, 32] tokens
+CONTENDED_BELOW = 0.85  # cpu_util under this fraction of the thread count: the machine was busy
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # not --n: torchrun's own parser would take it for an abbreviation of its options
     ap.add_argument("--rollout-n", dest="n", type=int, default=4, help="samples per prompt (rollout.n)")
     ap.add_argument("--max-tokens", type=int, default=128, help="response budget; EOS stops earlier")
-    ap.add_argument("--reps", type=int, default=2, help="timed generate calls per phase (median)")
+    ap.add_argument("--reps", type=int, default=2, help="cycles of standalone/resident/collocated (median)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true", help="skip HF generate (slow on big models)")
@@ -71,15 +72,17 @@ def length_stats(lengths: list[int], seconds: float, cpu_s: float, max_tokens: i
             "stopped_frac": sum(n < max_tokens for n in lengths) / len(lengths), "cpu_util": cpu_s / seconds}
 
 
-def generate_once(llm, prompts: list[list[int]], args: argparse.Namespace) -> dict:  # noqa: ANN001
-    """One timed rollout.generate of the whole batch (what train_ppo.py calls), same seeds every time."""
+def generate_once(llm, prompts: list[list[int]], args: argparse.Namespace) -> tuple[dict, object]:  # noqa: ANN001
+    """One timed rollout.generate of the whole batch (what train_ppo.py calls), same seeds every time:
+    its statistics and the RolloutBatch."""
     import rollout as ro
 
     cpu = time.process_time()
     seconds, batch = bc.timed(lambda: ro.generate(
         llm, prompts, n=args.n, temperature=args.temperature, top_p=1.0, top_k=-1, max_tokens=args.max_tokens,
         eos_token_id=bc.EOS_TOKEN_ID, pad_token_id=bc.PAD_TOKEN_ID, seed=args.seed, step=1))
-    return length_stats(batch.response_mask.sum(-1).tolist(), seconds, time.process_time() - cpu, args.max_tokens)
+    stats = length_stats(batch.response_mask.sum(-1).tolist(), seconds, time.process_time() - cpu, args.max_tokens)
+    return stats, batch
 
 
 def summarize(reps: list[dict]) -> dict:
@@ -123,13 +126,13 @@ def hf_generate(model, prompts: list[list[int]], args: argparse.Namespace, devic
 
 
 def train_step(actor, optimizer, batch, device) -> float:  # noqa: ANN001
-    """One real optimizer step on (up to) 16 of the batch's samples: log-likelihood of the sampled
+    """One real optimizer step on (up to) 8 of the batch's samples: log-likelihood of the sampled
     responses, so activations, gradients and AdamW state are those of an actor update."""
     import torch
 
     from models import compute_log_probs
 
-    rows = slice(0, min(16, len(batch)))
+    rows = slice(0, min(8, len(batch)))
     mask = batch.response_mask[rows].to(device).float()  # (b, R)
 
     def step() -> None:
@@ -145,10 +148,11 @@ def train_step(actor, optimizer, batch, device) -> float:  # noqa: ANN001
     return bc.timed(step)[0]
 
 
-def collocated_pairs(llm, path: Path, prompts: list[list[int]], meshes, env,  # noqa: ANN001
-                     args: argparse.Namespace) -> dict:
-    """An FSDP2 actor and its AdamW state beside the engine, as in train_ppo.py; reps back-to-back
-    pairs of (generate with the actor idle, then a training step's order around a generate)."""
+def collocated_cycle(llm, path: Path, prompts: list[list[int]], batch, meshes, env,  # noqa: ANN001
+                     args: argparse.Namespace) -> tuple[dict, dict]:
+    """Load an FSDP2 actor and its AdamW state beside the engine, generate with it idle (resident),
+    then in a training step's order around a generate (collocated), training on `batch` (a
+    RolloutBatch); the actor is freed on return."""
     import torch
 
     import rollout as ro
@@ -158,20 +162,18 @@ def collocated_pairs(llm, path: Path, prompts: list[list[int]], meshes, env,  # 
     actor = load_causal_lm(str(path), meshes.fsdp, device=env.device, param_dtype=param_dtype,
                            reduce_dtype=reduce_dtype)
     optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-7)  # tiny: sample the same tokens as standalone
-    batch = ro.generate(llm, prompts, n=args.n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.max_tokens,
-                        eos_token_id=bc.EOS_TOKEN_ID, pad_token_id=bc.PAD_TOKEN_ID, seed=args.seed + 2)
-    resident, collocated = [], []
-    for _ in range(args.reps):
-        resident.append(generate_once(llm, prompts, args))
-        ro.sleep(llm)  # CUDA: free the engine's memory for training (no-op on CPU)
-        update_s = train_step(actor, optimizer, batch, env.device)
-        sync_s, _ = bc.timed(lambda: (ro.wake_up(llm, ["weights"]),
-                                      ro.sync_weights(llm, iter_full_params(actor, dtype=param_dtype)),
-                                      ro.wake_up(llm, ["kv_cache"])))
-        collocated.append({**generate_once(llm, prompts, args), "update_s": update_s, "sync_s": sync_s})
-    ratios = [c["tokens_per_s"] / r["tokens_per_s"] for c, r in zip(collocated, resident, strict=True)]
-    return {"resident": summarize(resident), "collocated": summarize(collocated),
-            "collocated_vs_resident": bc.median(ratios)}
+    for p in actor.parameters():  # a step on zero gradients: AdamW's state exists (resident) from here on
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    resident, _ = generate_once(llm, prompts, args)
+    ro.sleep(llm)  # CUDA: free the engine's memory for training (no-op on CPU)
+    update_s = train_step(actor, optimizer, batch, env.device)
+    sync_s, _ = bc.timed(lambda: (ro.wake_up(llm, ["weights"]),
+                                  ro.sync_weights(llm, iter_full_params(actor, dtype=param_dtype)),
+                                  ro.wake_up(llm, ["kv_cache"])))
+    collocated = {**generate_once(llm, prompts, args)[0], "update_s": update_s, "sync_s": sync_s}
+    return resident, collocated
 
 
 def bench_model(label: str, path: Path, meshes, env,  # noqa: ANN001
@@ -199,22 +201,32 @@ def bench_model(label: str, path: Path, meshes, env,  # noqa: ANN001
     result: dict = {"model": label, "params_m": sum(p.numel() for p in hf.parameters()) / 1e6,
                     "prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens}
 
-    result["standalone"] = summarize([generate_once(llm, prompts, args) for _ in range(args.reps)])
-    if not args.skip_hf:
-        result["hf_generate"] = hf_generate(hf, prompts, args, device)
-    del hf
-    gc.collect()
-
-    result.update(collocated_pairs(llm, path, prompts, meshes, env, args))
-    gc.collect()
-    if device_type == "cuda":
-        torch.cuda.empty_cache()
-    result["standalone_after"] = summarize([generate_once(llm, prompts, args) for _ in range(args.reps)])
-
-    standalone = (result["standalone"]["tokens_per_s"] + result["standalone_after"]["tokens_per_s"]) / 2
-    result["collocated_vs_standalone"] = result["collocated"]["tokens_per_s"] / standalone
+    standalone, resident, collocated = [], [], []
+    for cycle in range(args.reps):
+        stats, batch = generate_once(llm, prompts, args)
+        standalone.append(stats)
+        if cycle == 0:
+            if not args.skip_hf:
+                result["hf_generate"] = hf_generate(hf, prompts, args, device)
+            del hf
+        r, c = collocated_cycle(llm, path, prompts, batch, meshes, env, args)
+        resident.append(r)
+        collocated.append(c)
+        gc.collect()  # the actor and its optimizer go before the next standalone generation
+        if device_type == "cuda":
+            torch.cuda.empty_cache()
+    result.update(standalone=summarize(standalone), resident=summarize(resident), collocated=summarize(collocated))
+    for name, base in (("standalone", standalone), ("resident", resident)):
+        result[f"collocated_vs_{name}"] = bc.median([c["tokens_per_s"] / b["tokens_per_s"]
+                                                     for c, b in zip(collocated, base, strict=True)])
     if "hf_generate" in result:
-        result["vllm_vs_hf"] = standalone / result["hf_generate"]["tokens_per_s"]
+        result["vllm_vs_hf"] = result["standalone"]["tokens_per_s"] / result["hf_generate"]["tokens_per_s"]
+    if device_type == "cpu":
+        # Calm, the engine's threads keep their cores busy (cpu_util ~ thread count); well below that
+        # the process waited for cores another job held, and its ratios are noise: flag it.
+        result["threads"] = torch.get_num_threads()
+        utils = [g["cpu_util"] for g in standalone + resident + collocated]
+        result["contended"] = min(utils) < CONTENDED_BELOW * result["threads"]
     return result, llm
 
 
@@ -245,9 +257,9 @@ def worker(args: argparse.Namespace) -> None:
 
 COLUMNS = [("model", "model", ""), ("params_m", "params M", ".1f"), ("mean_len", "mean len", ".0f"),
            ("stopped_frac", "EOS-stopped", ".0%"), ("standalone", "standalone", ".0f"),
-           ("standalone_after", "standalone again", ".0f"), ("resident", "resident", ".0f"),
-           ("collocated", "collocated", ".0f"), ("collocated_vs_standalone", "colloc/standalone", ".2f"),
-           ("collocated_vs_resident", "colloc/resident (paired)", ".2f"), ("hf_generate", "HF generate", ".0f"),
+           ("resident", "resident", ".0f"), ("collocated", "collocated", ".0f"),
+           ("collocated_vs_standalone", "colloc/standalone", ".2f"),
+           ("collocated_vs_resident", "colloc/resident", ".2f"), ("hf_generate", "HF generate", ".0f"),
            ("vllm_vs_hf", "vLLM/HF", ".1f")]
 
 
@@ -257,7 +269,7 @@ def table_rows(results: list[dict]) -> list[dict]:
         row = {k: r.get(k) for k in ("model", "params_m", "collocated_vs_standalone", "collocated_vs_resident",
                                      "vllm_vs_hf")}
         row.update(mean_len=r["standalone"]["mean_len"], stopped_frac=r["standalone"]["stopped_frac"])
-        for phase in ("standalone", "standalone_after", "resident", "collocated", "hf_generate"):
+        for phase in ("standalone", "resident", "collocated", "hf_generate"):
             row[phase] = r[phase]["tokens_per_s"] if phase in r else None
         rows.append(row)
     return rows
@@ -280,8 +292,12 @@ def run(args: argparse.Namespace) -> dict:
               "results": rank0["results"]}
     bc.write_json(args.out, report)
     print(f"rollout, generated tokens/s ({args.prompts} prompts x n={args.n}, max {args.max_tokens} tokens, "
-          f"EOS-stopped; {wall:.0f}s)")
+          f"EOS-stopped; medians of {args.reps} cycles; {wall:.0f}s)")
     print(bc.table(table_rows(report["results"]), COLUMNS))
+    busy = [r["model"] for r in report["results"] if r.get("contended")]
+    if busy:
+        print(f"CONTENDED: {', '.join(busy)} ran while other jobs held the cores (cpu_util under "
+              f"{CONTENDED_BELOW:.0%} of the threads); their numbers are noise, rerun when the machine is quiet.")
     print(f"-> {args.out}")
     return report
 

@@ -173,7 +173,7 @@ def worker(args: argparse.Namespace) -> None:
 
 COLUMNS = [("layout", "WxTP", ""), ("model", "model", ""), ("bytes_gb", "GB moved", ".3f"),
            ("copy_floor_s", "copy floor s", ".4f"), ("gather_s", "gather s", ".3f"),
-           ("engine_load_s", "engine load s", ".3f"), ("sync_s", "sync s", ".3f"),
+           ("gather_recv_gbps", "gather GB/s", ".2f"), ("engine_load_s", "engine load s", ".3f"), ("sync_s", "sync s", ".3f"),
            ("sync_vs_floor", "sync/floor", ".1f"), ("extra_peak_gb", "extra peak GB", ".3f")]
 
 # Over ranks: a sync ends when the slowest rank ends, so times take the max; so do memory peaks.

@@ -47,9 +47,11 @@ def targets(reports: dict[str, dict]) -> list[dict]:
     """Each target against each measurement that speaks to it: {target, where, value, limit, met}."""
     rows = []
     for r in (reports.get("rollout") or {}).get("results", []):
-        for key, how in (("collocated_vs_resident", "paired"), ("collocated_vs_standalone", "vs standalone")):
-            rows.append({"target": "collocated / standalone rollout >= 0.9", "where": f"{r['model']} ({how})",
-                         "value": r[key], "limit": COLLOCATED_MIN, "met": r[key] >= COLLOCATED_MIN})
+        busy = r.get("contended", False)  # measured while other jobs held the cores: no verdict
+        value = r["collocated_vs_standalone"]
+        rows.append({"target": "collocated / standalone rollout >= 0.9",
+                     "where": r["model"] + (" CONTENDED, rerun" if busy else ""),
+                     "value": value, "limit": COLLOCATED_MIN, "met": None if busy else value >= COLLOCATED_MIN})
     for r in (reports.get("sync") or {}).get("results", []):
         rows.append({"target": "sync <= 2 x copy floor", "where": f"{r['model']} {r['layout']}",
                      "value": r["sync_vs_floor"], "limit": SYNC_MAX, "met": r["sync_vs_floor"] <= SYNC_MAX})

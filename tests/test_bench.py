@@ -39,14 +39,15 @@ def smoke_args(tiny_assets: dict, out: Path) -> list[str]:
 def test_bench_rollout_smoke(tiny_assets, tmp_path):
     out = tmp_path / "rollout.json"
     run_script("bench_rollout.py", ["--models", str(tiny_assets["tiny-qwen2"]), "--prompts", "4", "--rollout-n", "2",
-                                    "--max-tokens", "16", "--reps", "1", *smoke_args(tiny_assets, out)])
+                                    "--max-tokens", "16", "--reps", "2", *smoke_args(tiny_assets, out)])
     report = json.loads(out.read_text())
     assert report["benchmark"] == "rollout" and report["machine"]["device"] == "cpu"
     [result] = report["results"]
     assert result["model"] == "tiny-qwen2" and result["prompts"] == 4 and result["n"] == 2
-    for phase in ("standalone", "hf_generate", "resident", "collocated", "standalone_after"):
+    for phase in ("standalone", "hf_generate", "resident", "collocated"):
         assert_positive(result[phase], "tokens_per_s", "tokens", "seconds", "mean_len")
         assert result[phase]["max_len"] <= 16
+    assert isinstance(result["contended"], bool) and result["threads"] >= 1
     assert_positive(result, "params_m", "collocated_vs_standalone", "collocated_vs_resident", "vllm_vs_hf",
                     "collocated.update_s", "collocated.sync_s")
     # same seeds, a 1e-7 learning rate: the collocated engine samples (nearly) what the standalone one did
@@ -121,14 +122,18 @@ def test_growth_exponent_and_plot(tmp_path):
 
 def test_targets_table():
     reports = {
-        "rollout": {"results": [{"model": "30m", "collocated_vs_resident": 0.95, "collocated_vs_standalone": 0.85}]},
+        "rollout": {"results": [{"model": "30m", "collocated_vs_standalone": 0.85, "contended": False},
+                                {"model": "5m", "collocated_vs_standalone": 0.5, "contended": True},
+                                {"model": "100m", "collocated_vs_standalone": 0.97}]},
         "sync": {"results": [{"model": "30m", "layout": "2x2", "sync_vs_floor": 7.5}]},
         "step": {"growth": {"n": {"x": "samples_per_step", "exponent": 0.8},
                             "size": {"x": "params_m", "exponent": 1.3}, "response_length": None}},
     }
     rows = {(r["target"], r["where"]): r for r in run_all.targets(reports)}
-    assert rows[("collocated / standalone rollout >= 0.9", "30m (paired)")]["met"] is True
-    assert rows[("collocated / standalone rollout >= 0.9", "30m (vs standalone)")]["met"] is False
+    assert rows[("collocated / standalone rollout >= 0.9", "30m")]["met"] is False
+    assert rows[("collocated / standalone rollout >= 0.9", "100m")]["met"] is True
+    # measured while other jobs held the cores: reported, but no verdict
+    assert rows[("collocated / standalone rollout >= 0.9", "5m CONTENDED, rerun")]["met"] is None
     assert rows[("sync <= 2 x copy floor", "30m 2x2")]["met"] is False
     assert rows[("step time growth exponent <= 1", "n sweep, vs samples_per_step")]["met"] is True
     assert rows[("step time growth (reported)", "size sweep, vs params_m")]["met"] is None
