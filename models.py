@@ -352,6 +352,9 @@ def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None) -> Iter
     as in an HF state dict, gathered again for the second name rather than held: vLLM 0.32's
     layerwise reload_weights unties the engine's lm_head while reloading, and an lm_head that
     receives no tensor keeps its old weights.
+
+    Each shard is cast to `dtype` before the gather, not after: with fp32 master weights and a
+    bf16 engine that moves half the bytes (bench/bench_sync.py measures both orders).
     """
     for name, param in model.named_parameters(remove_duplicate=False):
         tensor = param.detach()
@@ -359,5 +362,7 @@ def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None) -> Iter
             mesh_device = tensor.device_mesh.device_type
             if tensor.device.type != mesh_device:  # shards offloaded to CPU gather on the mesh device
                 tensor = tensor.to(mesh_device)
+            if dtype is not None:
+                tensor = tensor.to(dtype)  # elementwise on the local shard: same values, fewer bytes to gather
             tensor = tensor.full_tensor()
         yield name, tensor if dtype is None else tensor.to(dtype)

@@ -238,6 +238,41 @@ def read_rank_files(out_dir: Path, world: int) -> list[dict]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+def launch_workers(script: Path | str, world: int, specs: Sequence[str], paths: Sequence[str],
+                   args: Sequence[Any], log_file: Path) -> tuple[float, list[dict]]:
+    """Run a bench script's worker (`script --worker`) on `world` ranks over the given models; returns
+    wall seconds and each rank's JSON (what run_worker wrote)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        wall = torchrun(script, world, ["--worker", "--rank-dir", tmp, "--models", ",".join(map(model_label, specs)),
+                                        "--model-paths", ",".join(map(str, paths)), *args], log_file)
+        return wall, read_rank_files(Path(tmp), world)
+
+
+def run_worker(bench_model: Callable[..., tuple[dict, Any]], args: Any, tp: int) -> None:
+    """The body every bench worker shares: process group, meshes (FSDP over all ranks, vLLM TP=tp),
+    then bench_model(label, path, meshes, env, args) -> (result, engine) per model, each result
+    printed and all of them written to <rank-dir>/rank<R>.json."""
+    import rollout as ro
+    from mesh_utils import ParallelDims, build_meshes, init_distributed
+
+    env = init_distributed()
+    world = env.world_size
+    meshes = build_meshes(ParallelDims(world, 1, world, world, tp, 1), env.device_type)
+    results, engines = [], []
+    for label, path in zip(split_list(args.models), split_list(args.model_paths), strict=True):
+        # Earlier engines stay referenced and idle: a collected engine shuts itself down, and that
+        # tears down the process group the next one needs.
+        result, llm = bench_model(label, Path(path), meshes, env, args)
+        results.append(result)
+        engines.append(llm)
+        print(json.dumps(result), flush=True)
+    write_json(args.rank_dir / f"rank{env.rank}.json", {"machine": machine_info(), "results": results})
+    if engines:
+        ro.shutdown(engines[-1])
+
+
 def gpus_available() -> int:
     import torch
 
@@ -279,6 +314,12 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def print_tables(tables: list[tuple[str, list[dict], list[tuple[str, str, str]]]]) -> None:
+    for title, rows, columns in tables:
+        print(title)
+        print(table(rows, columns))
 
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:

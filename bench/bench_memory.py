@@ -23,9 +23,7 @@ measure the same thing there; on CUDA the script moves the real tensors.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 import bench_common as bc
@@ -157,23 +155,7 @@ def bench_model(label: str, path: Path, meshes, env,  # noqa: ANN001
 
 
 def worker(args: argparse.Namespace) -> None:
-    import rollout as ro
-    from mesh_utils import ParallelDims, build_meshes, init_distributed
-
-    env = init_distributed()
-    world, tp = env.world_size, int(args.layout.split("x")[1])
-    meshes = build_meshes(ParallelDims(world, 1, world, world, tp, 1), env.device_type)
-    results, engines = [], []
-    for label, path in zip(bc.split_list(args.models), bc.split_list(args.model_paths), strict=True):
-        # Earlier engines stay referenced and idle: a collected engine shuts itself down, and that
-        # tears down the process group the next one needs.
-        result, llm = bench_model(label, Path(path), meshes, env, args)
-        results.append(result)
-        engines.append(llm)
-        print(json.dumps(result), flush=True)
-    bc.write_json(args.rank_dir / f"rank{env.rank}.json", {"machine": bc.machine_info(), "results": results})
-    if engines:
-        ro.shutdown(engines[-1])
+    bc.run_worker(bench_model, args, tp=int(args.layout.split("x")[1]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,6 +176,17 @@ def table_rows(results: list[dict]) -> list[dict]:
     return rows
 
 
+def tables(report: dict) -> list[tuple[str, list[dict], list]]:
+    """(title, rows, columns) of what this benchmark shows, for the console and results.md."""
+    machine, layout = report["machine"], report["settings"]["layout"]
+    unit = "peak GB (CUDA: torch peak allocation)" if machine and machine["device"] != "cpu" else "peak RSS GB"
+    world = max((len(r["per_rank"]) for r in report["results"]), default=0)
+    columns = [("model", "model", ""), ("variant", "variant", ""), ("phase", "phase", "")]
+    columns += [(f"rank{i}", f"rank {i}", ".2f") for i in range(world)]
+    title = f"memory per rank per phase, layout {layout}, {unit} ({report['wall_s']:.0f}s)"
+    return [(title, table_rows(report["results"]), columns)]
+
+
 def run(args: argparse.Namespace) -> dict:
     specs = bc.split_list(args.models)
     paths = [str(bc.resolve_model(s, args.assets)) for s in specs]
@@ -204,14 +197,10 @@ def run(args: argparse.Namespace) -> dict:
         print(f"only {world} GPU(s): layout {args.layout}")
     results, machine, wall, skipped = [], None, 0.0, None
     if world >= tp:
-        with tempfile.TemporaryDirectory() as tmp:
-            wall = bc.torchrun(Path(__file__), world, [
-                "--worker", "--rank-dir", tmp, "--models", ",".join(bc.model_label(s) for s in specs),
-                "--model-paths", ",".join(paths), "--layout", args.layout, "--prompts", args.prompts,
-                "--rollout-n", args.n, "--max-tokens", args.max_tokens, "--micro-batch", args.micro_batch,
-                "--steps", args.steps, "--gpu-memory-utilization", args.gpu_memory_utilization],
-                args.out.parent / "logs" / "memory.log")
-            ranks = bc.read_rank_files(Path(tmp), world)
+        wall, ranks = bc.launch_workers(Path(__file__), world, specs, paths, [
+            "--layout", args.layout, "--prompts", args.prompts, "--rollout-n", args.n, "--max-tokens",
+            args.max_tokens, "--micro-batch", args.micro_batch, "--steps", args.steps,
+            "--gpu-memory-utilization", args.gpu_memory_utilization], args.out.parent / "logs" / "memory.log")
         machine = ranks[0]["machine"]
         for i in range(len(specs)):
             per_rank = [r["results"][i] for r in ranks]
@@ -224,11 +213,7 @@ def run(args: argparse.Namespace) -> dict:
                            "max_tokens": args.max_tokens, "micro_batch": args.micro_batch, "steps": args.steps},
               "results": results}
     bc.write_json(args.out, report)
-    unit = "peak GB (CUDA: torch peak allocation)" if machine and machine["device"] != "cpu" else "peak RSS GB"
-    print(f"memory per rank per phase, layout {args.layout}, {unit} ({wall:.0f}s)")
-    columns = [("model", "model", ""), ("variant", "variant", ""), ("phase", "phase", "")]
-    columns += [(f"rank{i}", f"rank {i}", ".2f") for i in range(world)]
-    print(bc.table(table_rows(results), columns))
+    bc.print_tables(tables(report))
     if any(r["offload_is_noop"] for r in results):
         print("CPU run: offload moves nothing (parameters and optimizer state already live in host memory), "
               "so both variants measure the same; on CUDA the offload variant moves the real tensors.")

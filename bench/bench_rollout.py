@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -77,6 +75,9 @@ def generate_once(llm, prompts: list[list[int]], args: argparse.Namespace) -> tu
     its statistics and the RolloutBatch."""
     import rollout as ro
 
+    # Training prompts are new every step, and a sync resets the prefix cache: start every phase
+    # cold, or the standalone repeats would reuse the prompts' cached KV blocks and look faster.
+    llm.reset_prefix_cache()
     cpu = time.process_time()
     seconds, batch = bc.timed(lambda: ro.generate(
         llm, prompts, n=args.n, temperature=args.temperature, top_p=1.0, top_k=-1, max_tokens=args.max_tokens,
@@ -231,24 +232,7 @@ def bench_model(label: str, path: Path, meshes, env,  # noqa: ANN001
 
 
 def worker(args: argparse.Namespace) -> None:
-    import rollout as ro
-    from mesh_utils import ParallelDims, build_meshes, init_distributed
-
-    env = init_distributed()
-    if env.world_size != 1:
-        raise SystemExit("bench_rollout's worker runs on one rank")
-    meshes = build_meshes(ParallelDims(1, 1, 1, 1, 1, 1), env.device_type)
-    results, engines = [], []
-    for label, path in zip(bc.split_list(args.models), bc.split_list(args.model_paths), strict=True):
-        # Earlier engines stay referenced and idle: a collected engine shuts itself down, and that
-        # tears down the process group the next one needs.
-        result, llm = bench_model(label, Path(path), meshes, env, args)
-        results.append(result)
-        engines.append(llm)
-        print(json.dumps(result), flush=True)
-    bc.write_json(args.rank_dir / "rank0.json", {"machine": bc.machine_info(), "results": results})
-    if engines:
-        ro.shutdown(engines[-1])
+    bc.run_worker(bench_model, args, tp=1)  # one rank: the launcher starts a world of 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,25 +259,27 @@ def table_rows(results: list[dict]) -> list[dict]:
     return rows
 
 
+def tables(report: dict) -> list[tuple[str, list[dict], list]]:
+    """(title, rows, columns) of what this benchmark shows, for the console and results.md."""
+    s = report["settings"]
+    title = (f"rollout, generated tokens/s ({s['prompts']} prompts x n={s['n']}, max {s['max_tokens']} tokens, "
+             f"EOS-stopped; medians of {s['reps']} cycles; {report['wall_s']:.0f}s)")
+    return [(title, table_rows(report["results"]), COLUMNS)]
+
+
 def run(args: argparse.Namespace) -> dict:
     specs = bc.split_list(args.models)
     paths = [str(bc.resolve_model(s, args.assets)) for s in specs]
-    with tempfile.TemporaryDirectory() as tmp:
-        wall = bc.torchrun(Path(__file__), 1, [
-            "--worker", "--rank-dir", tmp, "--models", ",".join(bc.model_label(s) for s in specs),
-            "--model-paths", ",".join(paths), "--prompts", args.prompts, "--rollout-n", args.n, "--max-tokens",
-            args.max_tokens, "--reps", args.reps, "--temperature", args.temperature, "--seed", args.seed,
-            "--gpu-memory-utilization", args.gpu_memory_utilization, *(["--skip-hf"] if args.skip_hf else [])],
-            args.out.parent / "logs" / "rollout.log")
-        rank0 = bc.read_rank_files(Path(tmp), 1)[0]
+    wall, [rank0] = bc.launch_workers(Path(__file__), 1, specs, paths, [
+        "--prompts", args.prompts, "--rollout-n", args.n, "--max-tokens", args.max_tokens, "--reps", args.reps,
+        "--temperature", args.temperature, "--seed", args.seed, "--gpu-memory-utilization",
+        args.gpu_memory_utilization, *(["--skip-hf"] if args.skip_hf else [])], args.out.parent / "logs" / "rollout.log")
     report = {"benchmark": "rollout", "machine": rank0["machine"], "wall_s": wall,
               "settings": {"prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens, "reps": args.reps,
                            "temperature": args.temperature, "prompt_len": list(PROMPT_LEN)},
               "results": rank0["results"]}
     bc.write_json(args.out, report)
-    print(f"rollout, generated tokens/s ({args.prompts} prompts x n={args.n}, max {args.max_tokens} tokens, "
-          f"EOS-stopped; medians of {args.reps} cycles; {wall:.0f}s)")
-    print(bc.table(table_rows(report["results"]), COLUMNS))
+    bc.print_tables(tables(report))
     busy = [r["model"] for r in report["results"] if r.get("contended")]
     if busy:
         print(f"CONTENDED: {', '.join(busy)} ran while other jobs held the cores (cpu_util under "

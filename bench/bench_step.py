@@ -164,6 +164,14 @@ COLUMNS = [("name", "run", ""), ("params_m", "params M", ".1f"), ("n", "n", "d")
            ("tokens_per_s_per_rank", "tok/s/rank", ".0f"), ("max_memory_gb", "peak GB", ".2f")]
 
 
+def tables(report: dict) -> list[tuple[str, list[dict], list]]:
+    """(title, rows, columns) of what this benchmark shows, for the console and results.md."""
+    s = report["settings"]
+    title = (f"step breakdown, seconds per phase: {report['world']} ranks, train_ppo.py ({s['config']}), "
+             f"mean of {s['steps'] - 1} steps after the first")
+    return [(title, [{**p, **p["phases_s"]} for p in report["points"]], COLUMNS)]
+
+
 def run(args: argparse.Namespace) -> dict:
     n_values = [int(x) for x in bc.split_list(args.n_values)]
     lengths = [int(x) for x in bc.split_list(args.response_lengths)]
@@ -195,8 +203,7 @@ def run(args: argparse.Namespace) -> dict:
               "growth": growth, "points": list(points.values()), "png": str(png) if png else None,
               "wall_s": sum(p["wall_s"] for p in points.values())}
     bc.write_json(args.out, report)
-    rows = [{**p, **p["phases_s"]} for p in points.values()]
-    print(bc.table(rows, COLUMNS))
+    bc.print_tables(tables(report))
     for sweep, g in growth.items():
         if g["exponent"] is not None:
             print(f"growth vs {g['x']} ({sweep} sweep): exponent {g['exponent']:.2f} (1 = linear)")

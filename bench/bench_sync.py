@@ -1,29 +1,29 @@
 """Weight sync (FSDP2 actor -> collocated vLLM engine): seconds per sync against the memory-copy floor
 measured in the same run, where the time goes, and the extra peak memory a sync needs.
 
-    python bench/bench_sync.py                                   # layouts 2x1,2x2; sizes 5m,30m,100m
+    python bench/bench_sync.py                                   # layouts 1x1,2x1,2x2; sizes 5m,30m,100m
     python bench/bench_sync.py --layouts 1x1,2x2 --models 100m --reps 5
 
 A layout WxT is torchrun --nproc_per_node=W with vLLM tensor parallel size T (FSDP over all W ranks,
-as train_ppo.py does): 2x1 is two engines of one rank each (configs/tiny_cpu.yaml), 2x2 one engine
-over two ranks. For each model, on every rank at once:
+as train_ppo.py does): 1x1 has nothing to gather (the engine's side alone), 2x1 is two engines of one
+rank each (configs/tiny_cpu.yaml), 2x2 one engine over two ranks. For each model, on every rank at once:
   copy_floor   bytes / bandwidth of one torch copy_ of the same number of bytes: the floor for moving
                the parameters once (bytes = every full parameter as iter_full_params yields it)
+  gather_floor one all_gather_into_tensor of the same bytes over the FSDP group: the floor of the
+               transport (gloo over loopback TCP on a CPU box, NCCL on GPUs); 0 in a world of one
   gather       iterating models.iter_full_params(actor) alone: FSDP all-gathers, no engine
   engine_load  rollout.sync_weights from already-gathered tensors: vLLM's side alone
   sync         rollout.sync_weights(llm, iter_full_params(actor)), what train_ppo.py does every step
   extra_peak   peak memory during one sync minus memory before it (CUDA: torch's peak allocation;
                CPU: peak resident set, reset per sync through /proc/self/clear_refs)
-Also, in bf16, gathering full fp32 parameters then casting (what iter_full_params does with
-dtype=bf16 on CUDA) against casting each shard first and gathering half the bytes.
+Also, in bf16, casting each shard first and gathering half the bytes (what iter_full_params does)
+against gathering the fp32 master shards and casting after.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 import bench_common as bc
@@ -32,7 +32,7 @@ import bench_common as bc
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="5m,30m,100m", help=f"comma list: sizes {list(bc.SIZES)}, tiny, or paths")
-    ap.add_argument("--layouts", default="2x1,2x2", help="comma list of WORLDxTP")
+    ap.add_argument("--layouts", default="1x1,2x1,2x2", help="comma list of WORLDxTP")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions of each measurement (median)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--assets", type=Path, default=bc.DEFAULT_ASSETS)
@@ -48,13 +48,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # Worker (every rank)
 
 
-def iter_full_params_cast_first(model, dtype):  # noqa: ANN001, ANN201 - a generator of (name, tensor)
-    """iter_full_params, except each shard is cast before the all-gather (half the bytes in bf16)."""
+def iter_full_params_gather_first(model, dtype):  # noqa: ANN001, ANN201 - a generator of (name, tensor)
+    """iter_full_params, except each shard is gathered in its master dtype and cast after (the
+    order iter_full_params avoids: twice the bytes when the masters are fp32 and dtype bf16)."""
     from torch.distributed.tensor import DTensor
 
     for name, param in model.named_parameters(remove_duplicate=False):
-        tensor = param.detach().to(dtype)
-        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        tensor = param.detach()
+        yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).to(dtype)
 
 
 def repeat(fn, reps: int) -> list[float]:  # noqa: ANN001
@@ -80,6 +81,20 @@ def copy_floor(nbytes: int, numels: list[int], dtype, device, reps: int) -> tupl
     dsts = [torch.zeros_like(s) for s in srcs]
     per_tensor = bc.median(repeat(lambda: [d.copy_(s) for d, s in zip(dsts, srcs, strict=True)], reps))
     return bulk, per_tensor
+
+
+def gather_floor(nbytes: int, reps: int, device) -> float:  # noqa: ANN001
+    """Seconds for one all_gather_into_tensor that leaves nbytes on every rank: what the transport
+    allows for gathering the parameters, with no per-tensor overhead."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if world == 1:
+        return 0.0
+    shard = torch.ones(nbytes // world, dtype=torch.uint8, device=device)
+    full = torch.empty(shard.numel() * world, dtype=torch.uint8, device=device)
+    return bc.median(repeat(lambda: (dist.all_gather_into_tensor(full, shard), bc.synchronize()), reps))
 
 
 def engine_load(llm, actor, dtype, reps: int) -> float:  # noqa: ANN001
@@ -111,6 +126,7 @@ def bench_model(label: str, path: Path, meshes, env,  # noqa: ANN001
     nbytes = sum(numels) * elem
     ro.sync_weights(llm, iter_full_params(actor, dtype=param_dtype))  # warm-up: vLLM records layer metadata once
     copy_s, per_tensor_copy_s = copy_floor(nbytes, numels, param_dtype, device, args.reps)
+    gather_floor_s = gather_floor(nbytes, args.reps, device)
     gather_s = bc.median(repeat(lambda: sum(1 for _ in iter_full_params(actor, dtype=param_dtype)), args.reps))
     engine_s = engine_load(llm, actor, param_dtype, args.reps)
 
@@ -124,9 +140,9 @@ def bench_model(label: str, path: Path, meshes, env,  # noqa: ANN001
         extra_peaks.append(mem.peak_gb() - before)
 
     bf16 = torch.bfloat16
-    gather_bf16_after = bc.median(repeat(lambda: sum(1 for _ in iter_full_params(actor, dtype=bf16)), args.reps))
-    gather_bf16_first = bc.median(repeat(lambda: sum(1 for _ in iter_full_params_cast_first(actor, bf16)),
+    gather_bf16_after = bc.median(repeat(lambda: sum(1 for _ in iter_full_params_gather_first(actor, bf16)),
                                          args.reps))
+    gather_bf16_first = bc.median(repeat(lambda: sum(1 for _ in iter_full_params(actor, dtype=bf16)), args.reps))
 
     world = dist.get_world_size()
     result = {
@@ -134,7 +150,7 @@ def bench_model(label: str, path: Path, meshes, env,  # noqa: ANN001
         "world": world, "tp": args.tp, "fsdp": world, "dtype": str(param_dtype).removeprefix("torch."),
         "bytes_gb": nbytes / 1e9,
         "copy_floor_s": copy_s, "copy_gbps": nbytes / copy_s / 1e9, "per_tensor_copy_s": per_tensor_copy_s,
-        "gather_s": gather_s,
+        "gather_floor_s": gather_floor_s, "gather_s": gather_s,
         # each rank receives (world - 1) / world of every parameter
         "gather_recv_gbps": nbytes * (world - 1) / world / gather_s / 1e9 if world > 1 else None,
         "engine_load_s": engine_s,
@@ -143,28 +159,13 @@ def bench_model(label: str, path: Path, meshes, env,  # noqa: ANN001
         "bf16_gather_then_cast_s": gather_bf16_after, "bf16_cast_then_gather_s": gather_bf16_first,
     }
     result["sync_vs_floor"] = result["sync_s"] / copy_s
+    result["sync_vs_transport_floor"] = result["sync_s"] / (copy_s + gather_floor_s)
     result["extra_peak_vs_bytes"] = result["extra_peak_gb"] / result["bytes_gb"]
     return result, llm
 
 
 def worker(args: argparse.Namespace) -> None:
-    import rollout as ro
-    from mesh_utils import ParallelDims, build_meshes, init_distributed
-
-    env = init_distributed()
-    world = env.world_size
-    meshes = build_meshes(ParallelDims(world, 1, world, world, args.tp, 1), env.device_type)
-    results, engines = [], []
-    for label, path in zip(bc.split_list(args.models), bc.split_list(args.model_paths), strict=True):
-        # Earlier engines stay referenced and idle: a collected engine shuts itself down, and that
-        # tears down the process group the next one needs.
-        result, llm = bench_model(label, Path(path), meshes, env, args)
-        results.append(result)
-        engines.append(llm)
-        print(json.dumps(result), flush=True)
-    bc.write_json(args.rank_dir / f"rank{env.rank}.json", {"machine": bc.machine_info(), "results": results})
-    if engines:
-        ro.shutdown(engines[-1])
+    bc.run_worker(bench_model, args, tp=args.tp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,12 +173,13 @@ def worker(args: argparse.Namespace) -> None:
 
 
 COLUMNS = [("layout", "WxTP", ""), ("model", "model", ""), ("bytes_gb", "GB moved", ".3f"),
-           ("copy_floor_s", "copy floor s", ".4f"), ("gather_s", "gather s", ".3f"),
-           ("gather_recv_gbps", "gather GB/s", ".2f"), ("engine_load_s", "engine load s", ".3f"), ("sync_s", "sync s", ".3f"),
-           ("sync_vs_floor", "sync/floor", ".1f"), ("extra_peak_gb", "extra peak GB", ".3f")]
+           ("copy_floor_s", "copy floor s", ".4f"), ("gather_floor_s", "gather floor s", ".3f"),
+           ("gather_s", "gather s", ".3f"), ("engine_load_s", "engine load s", ".3f"), ("sync_s", "sync s", ".3f"),
+           ("sync_vs_floor", "sync/copy floor", ".1f"), ("sync_vs_transport_floor", "sync/(copy+gather floor)", ".1f"),
+           ("extra_peak_gb", "extra peak GB", ".3f")]
 
 # Over ranks: a sync ends when the slowest rank ends, so times take the max; so do memory peaks.
-MAX_KEYS = ("copy_floor_s", "per_tensor_copy_s", "gather_s", "engine_load_s", "sync_s", "extra_peak_gb",
+MAX_KEYS = ("copy_floor_s", "per_tensor_copy_s", "gather_floor_s", "gather_s", "engine_load_s", "sync_s", "extra_peak_gb",
             "bf16_gather_then_cast_s", "bf16_cast_then_gather_s")
 
 
@@ -186,10 +188,16 @@ def merge_ranks(per_rank: list[dict]) -> dict:
     for key in MAX_KEYS:
         merged[key] = max(r[key] for r in per_rank)
     merged["sync_vs_floor"] = merged["sync_s"] / merged["copy_floor_s"]
+    merged["sync_vs_transport_floor"] = merged["sync_s"] / (merged["copy_floor_s"] + merged["gather_floor_s"])
     merged["extra_peak_vs_bytes"] = merged["extra_peak_gb"] / merged["bytes_gb"]
     merged["layout"] = f"{merged['world']}x{merged['tp']}"
     merged["per_rank"] = [{k: r[k] for k in MAX_KEYS} for r in per_rank]
     return merged
+
+
+def tables(report: dict) -> list[tuple[str, list[dict], list]]:
+    """(title, rows, columns) of what this benchmark shows, for the console and results.md."""
+    return [(f"weight sync, FSDP actor -> vLLM (max over ranks; {report['wall_s']:.0f}s)", report["results"], COLUMNS)]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -204,21 +212,17 @@ def run(args: argparse.Namespace) -> dict:
         if not bc.cuda_world_fits(world):
             skipped.append(f"{layout}: needs {world} GPUs")
             continue
-        with tempfile.TemporaryDirectory() as tmp:
-            wall += bc.torchrun(Path(__file__), world, [
-                "--worker", "--tp", tp, "--rank-dir", tmp, "--models", ",".join(bc.model_label(s) for s in specs),
-                "--model-paths", ",".join(paths), "--reps", args.reps,
-                "--gpu-memory-utilization", args.gpu_memory_utilization],
-                args.out.parent / "logs" / f"sync_{layout}.log")
-            ranks = bc.read_rank_files(Path(tmp), world)
+        seconds, ranks = bc.launch_workers(Path(__file__), world, specs, paths, [
+            "--tp", tp, "--reps", args.reps, "--gpu-memory-utilization", args.gpu_memory_utilization],
+            args.out.parent / "logs" / f"sync_{layout}.log")
+        wall += seconds
         machine = ranks[0]["machine"]
         for i in range(len(specs)):
             results.append(merge_ranks([r["results"][i] for r in ranks]))
     report = {"benchmark": "sync", "machine": machine, "wall_s": wall, "settings": {"reps": args.reps},
               "skipped": skipped, "results": results}
     bc.write_json(args.out, report)
-    print(f"weight sync, FSDP actor -> vLLM (max over ranks; {wall:.0f}s)")
-    print(bc.table(results, COLUMNS))
+    bc.print_tables(tables(report))
     for s in skipped:
         print(f"skipped {s}")
     print(f"-> {args.out}")

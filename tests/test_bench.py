@@ -63,10 +63,19 @@ def test_bench_sync_smoke(tiny_assets, tmp_path):
     assert (result["layout"], result["world"], result["tp"]) == ("2x2", 2, 2)
     assert_positive(result, "bytes_gb", "copy_floor_s", "copy_gbps", "per_tensor_copy_s", "gather_s",
                     "gather_recv_gbps", "engine_load_s", "sync_s", "sync_vs_floor", "bf16_gather_then_cast_s",
-                    "bf16_cast_then_gather_s")
+                    "bf16_cast_then_gather_s", "gather_floor_s", "sync_vs_transport_floor")
     assert math.isfinite(result["extra_peak_gb"]) and len(result["per_rank"]) == 2
+    # the transport floor adds the all-gather to the copy: a larger floor, a smaller ratio
+    floor = result["copy_floor_s"] + result["gather_floor_s"]
+    assert result["sync_vs_transport_floor"] == pytest.approx(result["sync_s"] / floor)
+    assert result["sync_vs_transport_floor"] < result["sync_vs_floor"]
     # 0.3M float32 parameters (the untied embedding and LM head included)
     assert 0.001 < result["bytes_gb"] < 0.002
+    # results.md renders the same numbers as Markdown
+    md = run_all.markdown({"sync": report}, [], report["machine"], 60.0, ["--only", "sync"]).splitlines()
+    assert "Reproduce: `python bench/run_all.py --only sync`" in md
+    [row] = [line for line in md if line.startswith("| 2x2 |")]
+    assert f"| {result['sync_s']:.3f} |" in row and md[md.index(row) - 2].startswith("| WxTP | model |")
 
 
 def test_bench_memory_smoke(tiny_assets, tmp_path):

@@ -71,6 +71,10 @@ def test_sync_makes_vllm_greedy_equal_actor_greedy(launch):
         assert rank["greedy_after"]["vllm"] != rank["greedy_before"]["vllm"], rank["rank"]
 
 
+def test_full_params_cast_before_gather_equal_cast_after(launch):
+    assert all(rank["cast_first_equal"] for rank in launch)
+
+
 def test_vllm_logprobs_equal_actor_logprobs(launch):
     for rank in launch:
         for phase in ("sampling_before", "sampling_after"):
