@@ -70,6 +70,8 @@ SCHEMA: dict[str, Any] = {
     },
     "actor_rollout_ref": {
         "hybrid_engine": (bool, True),
+        # seconds a collective may wait for the slowest rank before the job fails (verl's default: 600)
+        "nccl_timeout": (int, 1800),
         "model": {
             "path": (str, "assets/tiny-qwen2"),
             "enable_gradient_checkpointing": (bool, False),

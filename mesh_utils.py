@@ -317,8 +317,9 @@ class DistEnv:
     device: Any  # torch.device
 
 
-def init_distributed(timeout_minutes: int = 30) -> DistEnv:
+def init_distributed(timeout_s: int = 1800) -> DistEnv:
     """Init the default process group from torchrun's environment, or as world size 1 under plain python.
+    timeout_s (actor_rollout_ref.nccl_timeout) bounds how long any collective waits for a rank.
 
     On CUDA the group gets NCCL for GPU tensors and gloo for CPU tensors (object collectives,
     CPU-offloaded state); on CPU it is gloo alone. Idempotent.
@@ -343,7 +344,7 @@ def init_distributed(timeout_minutes: int = 30) -> DistEnv:
     else:
         device_type, backend, device = "cpu", "gloo", torch.device("cpu")
     if not dist.is_initialized():
-        timeout = timedelta(minutes=timeout_minutes)
+        timeout = timedelta(seconds=timeout_s)
         store = _attempt_store(rank, world, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return DistEnv(rank, local_rank, world, device_type, device)

@@ -60,9 +60,35 @@ def masked_var(values: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return var
 
 
-def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
-    """Normalise to unit variance over the mask; zero mean too unless shift_mean=False."""
-    mean, var = masked_mean(values, mask), masked_var(values, mask)  # (), ()
+def masked_mean_var(values: Tensor, mask: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
+    """Mean and Bessel-corrected variance over the masked entries of every rank in `group` (each
+    rank holds a different share of one batch; all must call). Two all_reduces of float64 sums:
+    the mean first, then the squared deviations from it, which is as exact as the one-rank two-pass."""
+    def global_sum(*terms: Tensor) -> Tensor:
+        total = torch.stack([t.to(torch.float64) for t in terms])  # (k,)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    total, count = global_sum(masked_sum(values, mask), mask.bool().sum())
+    n = int(count.item())
+    if n < 2:
+        raise ValueError(f"masked_mean_var: unbiased variance needs >= 2 unmasked elements over the group, got {n}")
+    mean = total / n  # () float64
+    (squares,) = global_sum(masked_sum((values.to(torch.float64) - mean) ** 2, mask))
+    return mean.to(values.dtype), (squares / (n - 1)).to(values.dtype)
+
+
+def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True,
+                  group: dist.ProcessGroup | None = None) -> Tensor:
+    """Normalise to unit variance over the mask; zero mean too unless shift_mean=False.
+
+    With a process group the statistics are those of the whole batch that the group's ranks hold
+    between them (verl whitens the full batch on its driver), not of this rank's share.
+    """
+    if group is None:
+        mean, var = masked_mean(values, mask), masked_var(values, mask)  # (), ()
+    else:
+        mean, var = masked_mean_var(values, mask, group)  # (), ()
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)  # (B, T)
     return whitened if shift_mean else whitened + mean
 
@@ -72,9 +98,11 @@ def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tens
 
 @torch.no_grad()
 def compute_gae_advantage_return(
-    token_level_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam: float
+    token_level_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam: float,
+    whiten_group: dist.ProcessGroup | None = None,
 ) -> tuple[Tensor, Tensor]:
     """GAE (Schulman et al. 2016). Returns (advantages whitened over the mask, returns = adv + V).
+    With whiten_group, the whitening statistics span the batch all of the group's ranks hold.
 
     Masked steps are skipped: the recursion carries V and the GAE sum of the next real token back
     over them, so rewards or values in the padding never reach a real token. Padding outputs are 0.
@@ -91,7 +119,7 @@ def compute_gae_advantage_return(
         last_gae = torch.where(mask[:, t], gae, last_gae)  # (B,)
     advantages = torch.stack(advantages[::-1], dim=1)  # (B, T)
     returns = torch.where(mask, advantages + values, 0.0)  # (B, T) value-function targets
-    advantages = torch.where(mask, masked_whiten(advantages, mask), 0.0)  # (B, T)
+    advantages = torch.where(mask, masked_whiten(advantages, mask, group=whiten_group), 0.0)  # (B, T)
     return advantages, returns
 
 
@@ -156,9 +184,10 @@ def compute_rloo_outcome_advantage(
 
 @torch.no_grad()
 def compute_reinforce_plus_plus_outcome_advantage(
-    token_level_rewards: Tensor, response_mask: Tensor, gamma: float
+    token_level_rewards: Tensor, response_mask: Tensor, gamma: float, whiten_group: dist.ProcessGroup | None = None
 ) -> tuple[Tensor, Tensor]:
-    """REINFORCE++ (Hu 2025): discounted return-to-go per token, whitened over the whole batch."""
+    """REINFORCE++ (Hu 2025): discounted return-to-go per token, whitened over the whole batch
+    (over every rank's share with whiten_group)."""
     mask = response_mask.bool()  # (B, T)
     running = torch.zeros_like(token_level_rewards[:, 0])  # (B,)
     returns = []
@@ -167,7 +196,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
         running = torch.where(mask[:, t], token_level_rewards[:, t] + gamma * running, 0.0)  # (B,)
         returns.append(running)
     returns = torch.stack(returns[::-1], dim=1)  # (B, T)
-    advantages = torch.where(mask, masked_whiten(returns, mask), 0.0)  # (B, T)
+    advantages = torch.where(mask, masked_whiten(returns, mask, group=whiten_group), 0.0)  # (B, T)
     return advantages, returns
 
 

@@ -13,8 +13,7 @@ values -> advantages -> update. The device map is verl's (see `python mesh_utils
     # any key can be overridden: ... actor_rollout_ref.rollout.n=8 trainer.total_training_steps=100
 
 Deliberate simplifications: rewards are rule functions (no reward model); Ulysses sequence
-parallelism is planned and meshed but not yet used by the training forward (sp must be 1);
-GAE / REINFORCE++ advantages are whitened over each rank's share rather than the global batch.
+parallelism is planned and meshed but not yet used by the training forward (sp must be 1).
 """
 
 from __future__ import annotations
@@ -328,7 +327,10 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- config and layout: pure arithmetic, fails before anything heavy -----------------------
     cfg = load_config(args.config, args.overrides)
-    env = init_distributed()
+    if cfg.actor_rollout_ref.nccl_timeout <= 0:
+        raise ConfigError(f"actor_rollout_ref.nccl_timeout={cfg.actor_rollout_ref.nccl_timeout} must be a "
+                          "positive number of seconds (how long a collective may wait), e.g. 1800.")
+    env = init_distributed(timeout_s=cfg.actor_rollout_ref.nccl_timeout)
     dims, plan = validate(cfg, env.world_size)
     check_launch(dims, env)
     if dims.sp > 1:
@@ -515,10 +517,13 @@ def main(argv: list[str] | None = None) -> None:
                 kl_ctrl.update(current_kl, n_steps=plan.total_samples)
                 metrics["actor/reward_kl_penalty"], metrics["actor/reward_kl_penalty_coeff"] = current_kl, kl_ctrl.value
             if algo.adv_estimator == "gae":
-                adv, returns = core.compute_gae_advantage_return(rewards, batch["values"], mask, algo.gamma, algo.lam)
+                # whitened over the whole step's batch: every rank holds a different share of it
+                adv, returns = core.compute_gae_advantage_return(rewards, batch["values"], mask, algo.gamma, algo.lam,
+                                                                 whiten_group=dist.group.WORLD)
                 batch["returns"] = returns
             elif algo.adv_estimator == "reinforce_plus_plus":
-                adv, _ = core.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, algo.gamma)
+                adv, _ = core.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, algo.gamma,
+                                                                            whiten_group=dist.group.WORLD)
             else:
                 # GRPO / RLOO compare the n samples of a prompt, which the TP ranks of this rollout
                 # group hold between them: gather every sample's total reward inside the group.

@@ -458,17 +458,61 @@ def _dp_worker(rank, world, init_file, mode, out):
         dist.destroy_process_group()
 
 
-def test_real_gloo_process_group(tmp_path):
-    out = tmp_path / "grad.pt"
-    ctx = mp.start_processes(
-        _dp_worker, args=(2, tmp_path / "pg", "seq-mean-token-mean", out), nprocs=2, join=False, start_method="spawn"
-    )
+def run_gloo(worker, world, *args):
+    """Run worker(rank, *args) on `world` spawned processes (a real gloo group, no torchrun)."""
+    ctx = mp.start_processes(worker, args=args, nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + 60  # a deadlock must fail the test, not hang the suite
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
             pytest.fail("gloo workers did not finish within 60 s")
+
+
+def test_real_gloo_process_group(tmp_path):
+    out = tmp_path / "grad.pt"
+    run_gloo(_dp_worker, 2, 2, tmp_path / "pg", "seq-mean-token-mean", out)
     grad, num_tokens, num_seqs = torch.load(out)
     assert (num_tokens, num_seqs) == (sum(LENGTHS), sum(n > 0 for n in LENGTHS))
     torch.testing.assert_close(grad, full_batch_grad("seq-mean-token-mean", policy_problem())[0], rtol=1e-12, atol=1e-14)
+
+
+# --- whitening over the ranks' shares of one batch -------------------------------------------------
+
+WHITEN_LENGTHS = [5, 2, 4, 0, 3, 1, 5]  # rank 0 holds rows 0-4, rank 1 rows 5-6: uneven shares
+WHITEN_SHARES = [slice(0, 5), slice(5, 7)]
+
+
+def whiten_problem():
+    mask = lengths_to_mask(WHITEN_LENGTHS, 5)  # (7, 5)
+    rewards = torch.zeros(7, 5, dtype=torch.float64)
+    rewards[:, -1] = rand(7, seed=3) * 2 + 1  # outcome rewards with a non-zero mean
+    return rewards * mask, rand(7, 5, seed=4), mask
+
+
+def _whiten_worker(rank, world, init_file, out):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        rewards, values, mask = (t[WHITEN_SHARES[rank]] for t in whiten_problem())
+        gae, returns = pc.compute_gae_advantage_return(rewards, values, mask, 0.99, 0.95, whiten_group=dist.group.WORLD)
+        rpp, _ = pc.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, 0.99, whiten_group=dist.group.WORLD)
+        torch.save((gae, returns, rpp), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_whitening_spans_every_ranks_share(tmp_path):
+    out = tmp_path / "adv"
+    run_gloo(_whiten_worker, 2, 2, tmp_path / "pg", out)
+    shares = [torch.load(f"{out}.{r}") for r in range(2)]
+    gae, returns, rpp = (torch.cat([s[i] for s in shares]) for i in range(3))
+    rewards, values, mask = whiten_problem()
+    # reference: one process whitening the whole batch at once
+    full_gae, full_returns = pc.compute_gae_advantage_return(rewards, values, mask, 0.99, 0.95)
+    full_rpp, _ = pc.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, 0.99)
+    torch.testing.assert_close(gae, full_gae, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(returns, full_returns, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(rpp, full_rpp, rtol=1e-12, atol=1e-12)
+    # whitening each share alone gives something else: the group mattered
+    local, _ = pc.compute_gae_advantage_return(*(t[WHITEN_SHARES[1]] for t in (rewards, values, mask)), 0.99, 0.95)
+    assert (local - full_gae[WHITEN_SHARES[1]]).abs().max() > 1e-3
