@@ -118,7 +118,7 @@ def run_python(args: list[str]) -> subprocess.CompletedProcess:
                            *args], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("case", ["missing_file", "empty_data", "reward_name", "too_long", "layout"])
+@pytest.mark.parametrize("case", ["missing_file", "empty_data", "reward_name", "too_long", "layout", "timeout"])
 def test_bad_input_fails_before_models_load(case, tiny_assets, tmp_path):
     base = tiny(tiny_assets, tmp_path / "out")
     if case == "missing_file":
@@ -137,6 +137,8 @@ def test_bad_input_fails_before_models_load(case, tiny_assets, tmp_path):
         expect = "custom_reward_function.name='scroe'"
     elif case == "too_long":
         args, expect = [*base, "data.max_prompt_length=500", "data.max_response_length=100"], "max_position_embeddings"
+    elif case == "timeout":
+        args, expect = [*base, "actor_rollout_ref.nccl_timeout=0"], "actor_rollout_ref.nccl_timeout=0"
     else:
         args, expect = [*base, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "tensor_model_parallel_size"
     proc = run_python(args)
