@@ -343,10 +343,18 @@ def compute_values(
     return torch.cat(values)
 
 
-def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF checkpoint name, full tensor) one parameter at a time, all-gathering each DTensor
-    shard as it goes, so at most one full parameter exists beyond the shards. A collective: every
-    rank of the FSDP mesh must consume the iterator in step.
+# Buckets of at most this many bytes are gathered in one collective. Per-parameter gathers pay a fixed
+# cost each (~1 ms with gloo, which dominates small models); much larger buckets stop paying off, and
+# on the CPU, allocations over glibc's 32 MiB mmap ceiling are fresh page-faulted memory every time.
+GATHER_BUCKET_BYTES = 16 * 2**20
+
+
+def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None,
+                     bucket_bytes: int = GATHER_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF checkpoint name, full tensor) for every parameter, in named_parameters order,
+    all-gathering the shards a bucket of parameters (<= bucket_bytes, or one larger parameter) at a
+    time, so at most one bucket of full tensors exists beyond the shards and what the consumer holds.
+    A collective: every rank of the FSDP mesh must consume the iterator in step.
 
     A tied parameter comes under each of its names (model.embed_tokens.weight and lm_head.weight),
     as in an HF state dict, gathered again for the second name rather than held: vLLM 0.32's
@@ -356,13 +364,77 @@ def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None) -> Iter
     Each shard is cast to `dtype` before the gather, not after: with fp32 master weights and a
     bf16 engine that moves half the bytes (bench/bench_sync.py measures both orders).
     """
+    bucket: list[tuple[str, DTensor]] = []
     for name, param in model.named_parameters(remove_duplicate=False):
         tensor = param.detach()
-        if isinstance(tensor, DTensor):
-            mesh_device = tensor.device_mesh.device_type
-            if tensor.device.type != mesh_device:  # shards offloaded to CPU gather on the mesh device
-                tensor = tensor.to(mesh_device)
-            if dtype is not None:
-                tensor = tensor.to(dtype)  # elementwise on the local shard: same values, fewer bytes to gather
-            tensor = tensor.full_tensor()
-        yield name, tensor if dtype is None else tensor.to(dtype)
+        if not isinstance(tensor, DTensor):
+            yield from _gather_bucket(bucket)
+            bucket = []
+            yield name, tensor if dtype is None else tensor.to(dtype)
+            continue
+        mesh_device = tensor.device_mesh.device_type
+        if tensor.device.type != mesh_device:  # shards offloaded to CPU gather on the mesh device
+            tensor = tensor.to(mesh_device)
+        if dtype is not None:
+            tensor = tensor.to(dtype)  # elementwise on the local shard: same values, fewer bytes to gather
+        if bucket and not _same_bucket(bucket[0][1], tensor, bucket_bytes, [t for _, t in bucket]):
+            yield from _gather_bucket(bucket)
+            bucket = []
+        bucket.append((name, tensor))
+    yield from _gather_bucket(bucket)
+
+
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; older releases
+# (2.11 on some GPU images) only have the former.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _row_sharded_dim(tensor: DTensor) -> int | None:
+    """The mesh dim a DTensor is sharded over when its layout is FSDP's (dim-0 shards on one mesh
+    dim, replicated on any other, i.e. FSDP or HSDP); None for any other layout."""
+    shard_dims = [i for i, p in enumerate(tensor.placements) if p.is_shard(0)]
+    others_replicated = all(p.is_replicate() for i, p in enumerate(tensor.placements) if i not in shard_dims)
+    return shard_dims[0] if len(shard_dims) == 1 and others_replicated and tensor.ndim > 0 else None
+
+
+def _same_bucket(first: DTensor, tensor: DTensor, bucket_bytes: int, bucket: list[DTensor]) -> bool:
+    """Can `tensor` join the bucket that starts with `first`: one flat buffer, one collective."""
+    dim = _row_sharded_dim(tensor)
+    size = sum(t.numel() * t.element_size() for t in [*bucket, tensor])
+    return (dim is not None and dim == _row_sharded_dim(first) and tensor.device_mesh == first.device_mesh
+            and tensor.dtype == first.dtype and size <= bucket_bytes)
+
+
+def _gather_bucket(bucket: list[tuple[str, DTensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """All-gather a bucket's dim-0 shards with one all_gather_into_tensor and cut out each full tensor.
+
+    Shards follow torch.chunk along dim 0 (DTensor's Shard(0), which FSDP2 uses): every rank holds
+    ceil(rows / world) rows except the last non-empty ones, which hold fewer or none. Each rank's
+    shards are packed into equal slots padded to that size, so after the gather rank k's rows of a
+    parameter sit at the start of its slot and the padding only ever follows the last real row.
+    """
+    if not bucket:
+        return
+    first = bucket[0][1]
+    mesh_dim = _row_sharded_dim(first)
+    if mesh_dim is None:  # not FSDP's layout (only ever one tensor per bucket then): DTensor's own gather
+        [(name, tensor)] = bucket
+        yield name, tensor.full_tensor()
+        return
+    world = first.device_mesh.size(mesh_dim)
+    rows = [-(-t.shape[0] // world) for _, t in bucket]  # ceil: rows per rank's slot
+    slot = [r * (t.numel() // t.shape[0] if t.shape[0] else 0) for r, (_, t) in zip(rows, bucket, strict=True)]
+    local = torch.empty(sum(slot), dtype=first.dtype, device=first.to_local().device)  # padding stays unset
+    offset = 0
+    for n, (_, t) in zip(slot, bucket, strict=True):
+        shard = t.to_local().reshape(-1)
+        local[offset:offset + shard.numel()].copy_(shard)
+        offset += n
+    gathered = torch.empty(world * sum(slot), dtype=local.dtype, device=local.device)  # flat: gloo wants 1D
+    _all_gather_single(gathered, local, group=first.device_mesh.get_group(mesh_dim))
+    gathered = gathered.view(world, sum(slot))  # (world, slots)
+    offset = 0
+    for r, n, (name, t) in zip(rows, slot, bucket, strict=True):
+        full = gathered[:, offset:offset + n].reshape(world * r, *t.shape[1:])[:t.shape[0]]  # (rows, ...)
+        offset += n
+        yield name, full

@@ -11,7 +11,7 @@ rank each (configs/tiny_cpu.yaml), 2x2 one engine over two ranks. For each model
                the parameters once (bytes = every full parameter as iter_full_params yields it)
   gather_floor one all_gather_into_tensor of the same bytes over the FSDP group: the floor of the
                transport (gloo over loopback TCP on a CPU box, NCCL on GPUs); 0 in a world of one
-  gather       iterating models.iter_full_params(actor) alone: FSDP all-gathers, no engine
+  gather       iterating models.iter_full_params(actor) alone: bucketed all-gathers, no engine
   engine_load  rollout.sync_weights from already-gathered tensors: vLLM's side alone
   sync         rollout.sync_weights(llm, iter_full_params(actor)), what train_ppo.py does every step
   extra_peak   peak memory during one sync minus memory before it (CUDA: torch's peak allocation;
@@ -130,13 +130,16 @@ def bench_model(label: str, path: Path, meshes, env,  # noqa: ANN001
     gather_s = bc.median(repeat(lambda: sum(1 for _ in iter_full_params(actor, dtype=param_dtype)), args.reps))
     engine_s = engine_load(llm, actor, param_dtype, args.reps)
 
+    sync_times = repeat(lambda: ro.sync_weights(llm, iter_full_params(actor, dtype=param_dtype)), args.reps)
+    # Peaks in syncs of their own: resetting the peak trims the heap first (see bc.PeakMemory), and a
+    # sync timed right after would pay page faults that a training step's sync does not.
     mem = bc.PeakMemory()
-    sync_times, extra_peaks = [], []
+    extra_peaks = []
     for _ in range(args.reps):
         dist.barrier()
         mem.reset()
         before = mem.current_gb()
-        sync_times.append(bc.timed(lambda: ro.sync_weights(llm, iter_full_params(actor, dtype=param_dtype)))[0])
+        ro.sync_weights(llm, iter_full_params(actor, dtype=param_dtype))
         extra_peaks.append(mem.peak_gb() - before)
 
     bf16 = torch.bfloat16

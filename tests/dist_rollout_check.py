@@ -164,11 +164,12 @@ def main() -> None:
     actor = models.load_causal_lm(model_path, meshes.fsdp, device=env.device, param_dtype=param_dtype,
                                   reduce_dtype=reduce_dtype)
     result["rss_mb_actor_only"] = peak_rss_mb()
-    # iter_full_params casts each shard before gathering; the reference gathers fp32 and casts after.
+    # iter_full_params casts each shard, then gathers buckets of them; the reference is DTensor's own
+    # gather of each fp32 parameter, cast after.
     result["cast_first_equal"] = all(
-        name == ref_name and torch.equal(full, ref.to(torch.bfloat16))
+        name == ref_name and torch.equal(full, ref.full_tensor().to(torch.bfloat16))
         for (name, full), (ref_name, ref) in zip(models.iter_full_params(actor, dtype=torch.bfloat16),
-                                                 models.iter_full_params(actor), strict=True))
+                                                 actor.named_parameters(remove_duplicate=False), strict=True))
     start = time.perf_counter()
     llm = rollout.build_rollout_engine(model_path, meshes.rollout, max_model_len=128, gpu_memory_utilization=0.3,
                                        dtype="float32", enforce_eager=True, block_size=32)
