@@ -7,7 +7,7 @@ Free functions taking explicit meshes and dtypes (torchtitan's apply_fsdp style)
                            param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     log_probs, _ = compute_log_probs(model, input_ids, attention_mask, position_ids,
                                      response_len, temperature=1.0, micro_batch_size=8)
-    for name, tensor in iter_full_params(model): ...   # HF names, one full tensor at a time
+    for name, tensor in iter_full_params(model): ...   # HF names, full tensors, gathered in buckets
 
 Loading never holds more than one full copy of the weights on a host: every rank builds the model
 on the meta device, shards it, and only rank 0 reads the checkpoint and broadcasts it tensor by
@@ -422,6 +422,9 @@ def _gather_bucket(bucket: list[tuple[str, DTensor]]) -> Iterator[tuple[str, tor
         yield name, tensor.full_tensor()
         return
     world = first.device_mesh.size(mesh_dim)
+    if world == 1:  # a one-rank FSDP group: the shards are the full tensors, nothing to move
+        yield from ((name, tensor.to_local()) for name, tensor in bucket)
+        return
     rows = [-(-t.shape[0] // world) for _, t in bucket]  # ceil: rows per rank's slot
     slot = [r * (t.numel() // t.shape[0] if t.shape[0] else 0) for r, (_, t) in zip(rows, bucket, strict=True)]
     local = torch.empty(sum(slot), dtype=first.dtype, device=first.to_local().device)  # padding stays unset
