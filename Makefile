@@ -49,7 +49,8 @@ clean:
 
 # The benchmark suite (bench/): rollout, weight sync, step breakdown and growth, memory. About 10-15 min
 # on 2 CPU cores; the same scripts use CUDA and bf16 on a GPU. Tables on the console, every number in
-# outputs/bench/results.json, the growth plot in outputs/bench/step_growth.png. See bench/RESULTS.md.
+# outputs/bench/results.json (tables also in results.md), the growth plot in outputs/bench/step_growth.png.
+# See bench/RESULTS.md.
 .PHONY: bench
 bench: setup
 	$(PY) bench/run_all.py $(ARGS)
