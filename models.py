@@ -406,7 +406,7 @@ def _same_bucket(first: DTensor, tensor: DTensor, bucket_bytes: int, bucket: lis
 
 
 def _gather_bucket(bucket: list[tuple[str, DTensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """All-gather a bucket's dim-0 shards with one all_gather_into_tensor and cut out each full tensor.
+    """All-gather a bucket's dim-0 shards in one collective and cut out each full tensor.
 
     Shards follow torch.chunk along dim 0 (DTensor's Shard(0), which FSDP2 uses): every rank holds
     ceil(rows / world) rows except the last non-empty ones, which hold fewer or none. Each rank's
