@@ -36,6 +36,7 @@ SIZES: dict[str, dict[str, int]] = {
     "15m": dict(hidden=384, layers=10, heads=6, kv_heads=2, intermediate=1024),
     "30m": dict(hidden=512, layers=10, heads=8, kv_heads=4, intermediate=1408),
     "100m": dict(hidden=1024, layers=9, heads=16, kv_heads=4, intermediate=2752),
+    "700m": dict(hidden=2048, layers=16, heads=16, kv_heads=4, intermediate=5632),  # GPU checks
 }
 DEFAULT_ASSETS = ROOT / "assets"
 DEFAULT_OUT = ROOT / "outputs" / "bench"

@@ -147,3 +147,20 @@ def test_targets_table():
     assert rows[("step time growth exponent <= 1", "n sweep, vs samples_per_step")]["met"] is True
     assert rows[("step time growth (reported)", "size sweep, vs params_m")]["met"] is None
     assert run_all.targets({}) == []
+
+
+def test_device_check_smoke(tiny_assets, tmp_path):
+    """bench/device_check.py (the GPU machine's first check, no vLLM) runs its checks on 2 CPU ranks."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "bench" / "device_check.py"), "--model", str(tiny_assets["tiny-qwen2"]),
+                           "--batch", "4", "--prompt-len", "16", "--response-len", "16", "--micro-batch", "2",
+                           "--out", str(tmp_path)], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    report = json.loads((tmp_path / "device_check.json").read_text())
+    assert report["all_ranks_ok"] and report["world"] == 2
+    assert set(report["checks_rank0"]) == {"update_finite_and_moved", "gather_equals_full_tensor",
+                                           "offload_round_trip_exact"}  # + offload_freed_device_memory on CUDA
+    for name in ("load", "log_prob", "update", "gather", "offload"):
+        assert math.isfinite(report["phases"][name]["seconds"]) and report["phases"][name]["peak_gb"] > 0
+    assert all(math.isfinite(loss) for loss in report["losses"]) and len(report["losses"]) == 2

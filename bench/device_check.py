@@ -1,0 +1,166 @@
+"""The training side of a PPO step on whatever device there is, without vLLM: the first thing to run
+on a GPU machine (its image may not have vLLM), and a smoke test on the CPU.
+
+    torchrun --standalone --nproc_per_node=1 bench/device_check.py --model 700m     # one GPU
+    torchrun --standalone --nproc_per_node=2 bench/device_check.py --model tiny     # CPU, gloo
+
+Every rank: the process group (NCCL + gloo on CUDA, gloo on a CPU), an FSDP2 actor over all ranks
+with float32 master weights (bf16 compute on CUDA, as train_ppo.py), then each phase timed, with
+its peak memory (CUDA: torch's peak allocation; CPU: peak resident set):
+  load      models.load_causal_lm: meta init, rank 0 reads the checkpoint and broadcasts it
+  log_prob  a no-grad forward over --batch random sequences (old log-probs)
+  update    forward + backward + clip + AdamW step of a PPO-shaped loss, --steps times (the last
+            one is reported: the first allocates AdamW's state)
+  gather    models.iter_full_params(actor, dtype=param_dtype): what every weight sync sends
+  offload   parameters and optimizer state to host and back (param_offload / optimizer_offload)
+Checks, each failing the run (exit 1) with what differed: the loss is finite and the update changed
+the weights; every gathered tensor equals DTensor.full_tensor() cast to the sync dtype; the offload
+round trip is bit-exact; on CUDA the offload freed >= 90% of the parameter + optimizer bytes.
+Rank 0 prints a table and writes <out>/device_check.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import bench_common as bc
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="30m", help=f"a size {list(bc.SIZES)}, tiny, or a model directory")
+    ap.add_argument("--batch", type=int, default=16, help="sequences per rank")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--response-len", type=int, default=256)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=2, help="optimizer steps (the first allocates AdamW's state)")
+    ap.add_argument("--assets", type=Path, default=bc.DEFAULT_ASSETS)
+    ap.add_argument("--out", type=Path, default=bc.DEFAULT_OUT)
+    return ap.parse_args(argv)
+
+
+def local_tensors(actor, optimizer) -> list:  # noqa: ANN001
+    """Host copies of this rank's parameter shards and optimizer state, to compare after a round trip."""
+    import torch
+
+    shards = [p.detach().to_local().cpu().clone() for p in actor.parameters()]
+    state = [v.detach().cpu().clone() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return shards + state
+
+
+def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915 - one linear script
+    import torch
+    import torch.distributed as dist
+
+    import models
+    from mesh_utils import ParallelDims, build_meshes, init_distributed
+
+    args = parse_args(argv)
+    env = init_distributed()
+    world, device = env.world_size, env.device
+    if env.rank == 0:
+        bc.resolve_model(args.model, args.assets)  # built once, before the other ranks read it
+    dist.barrier()
+    path = bc.resolve_model(args.model, args.assets)
+    meshes = build_meshes(ParallelDims(world, 1, world, world, 1, 1), env.device_type)
+    param_dtype, reduce_dtype = models.default_dtypes(env.device_type)
+    mem, phases, checks = bc.PeakMemory(), {}, {}
+
+    def phase(name: str, fn: Callable[[], Any]) -> Any:  # noqa: ANN401 - whatever the phase returns
+        dist.barrier()
+        mem.reset()
+        seconds, result = bc.timed(fn)
+        phases[name] = {"seconds": seconds, "peak_gb": mem.peak_gb(), "end_gb": mem.device_used_gb()}
+        return result
+
+    actor = phase("load", lambda: models.load_causal_lm(str(path), meshes.fsdp, device=device,
+                                                        param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+    optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-5)
+    vocab = actor.config.vocab_size
+    generator = torch.Generator().manual_seed(env.rank)
+    length = args.prompt_len + args.response_len
+    input_ids = torch.randint(2, vocab, (args.batch, length), generator=generator).to(device)  # (B, P+R)
+    attention_mask = torch.ones_like(input_ids)
+    position_ids = torch.arange(length, device=device).expand(args.batch, -1)
+    lengths = torch.randint(1, args.response_len + 1, (args.batch,), generator=generator)
+    mask = (torch.arange(args.response_len)[None, :] < lengths[:, None]).float().to(device)  # (B, R)
+
+    def log_probs(rows: slice = slice(None)) -> torch.Tensor:
+        return models.compute_log_probs(actor, input_ids[rows], attention_mask[rows], position_ids[rows],
+                                        args.response_len, 1.0, args.micro_batch)[0]  # (b, R)
+
+    with torch.no_grad():
+        old = phase("log_prob", log_probs)
+    before = local_tensors(actor, optimizer)[:len(list(actor.parameters()))]
+
+    def update() -> float:
+        total = 0.0
+        for start in range(0, args.batch, args.micro_batch):
+            rows = slice(start, start + args.micro_batch)
+            ratio = torch.exp(log_probs(rows) - old[rows])
+            loss = (-ratio * mask[rows]).sum() / mask.sum()  # token-mean over this rank's batch
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(actor.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return total
+
+    losses = [phase("update", update) for _ in range(args.steps)]
+    changed = torch.tensor(float(any(not torch.equal(b, p.detach().to_local().cpu())
+                                     for b, p in zip(before, actor.parameters(), strict=True))))
+    dist.all_reduce(changed)
+    checks["update_finite_and_moved"] = all(map(torch.isfinite, map(torch.tensor, losses))) and changed.item() > 0
+
+    phase("gather", lambda: sum(1 for _ in models.iter_full_params(actor, dtype=param_dtype)))
+    checks["gather_equals_full_tensor"] = all(
+        name == ref_name and torch.equal(full, ref.detach().full_tensor().to(param_dtype))
+        for (name, full), (ref_name, ref) in zip(models.iter_full_params(actor, dtype=param_dtype),
+                                                 actor.named_parameters(remove_duplicate=False), strict=True))
+
+    snapshot = local_tensors(actor, optimizer)
+    moved_gb = sum(t.numel() * t.element_size() for t in snapshot) / 1e9
+
+    def offload_and_back() -> float:
+        on_device = torch.cuda.memory_allocated() if env.device_type == "cuda" else 0
+        models.offload_fsdp_model_to_cpu(actor)
+        models.offload_optimizer(optimizer)
+        freed = (on_device - torch.cuda.memory_allocated()) / 1e9 if env.device_type == "cuda" else 0.0
+        models.load_fsdp_model_to_device(actor, device)
+        models.load_optimizer(optimizer, device)
+        return freed
+
+    freed_gb = phase("offload", offload_and_back)
+    checks["offload_round_trip_exact"] = all(
+        torch.equal(a, b) for a, b in zip(snapshot, local_tensors(actor, optimizer), strict=True))
+    if env.device_type == "cuda":
+        checks["offload_freed_device_memory"] = freed_gb >= 0.9 * moved_gb
+
+    ok = torch.tensor(float(all(checks.values())))
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank's checks
+    if env.rank == 0:
+        report = {"machine": bc.machine_info(), "model": bc.model_label(args.model), "world": world,
+                  "params_m": sum(p.numel() for p in actor.parameters()) / 1e6, "param_dtype": str(param_dtype),
+                  "settings": {k: v for k, v in vars(args).items() if k not in ("assets", "out")},
+                  "phases": phases, "losses": losses, "offload_moved_gb": moved_gb, "offload_freed_gb": freed_gb,
+                  "checks_rank0": checks, "all_ranks_ok": bool(ok.item())}
+        bc.write_json(args.out / "device_check.json", report)
+        print(f"device check: {report['machine']['device']}, {world} rank(s), {report['model']} "
+              f"({report['params_m']:.1f}M params, compute {param_dtype}), batch {args.batch} x {length} tokens")
+        print(bc.table([{"phase": k, **v} for k, v in phases.items()],
+                       [("phase", "phase", ""), ("seconds", "seconds", ".3f"), ("peak_gb", "peak GB", ".2f"),
+                        ("end_gb", "in use GB", ".2f")]))
+        for name, passed in checks.items():
+            print(f"  {'ok  ' if passed else 'FAIL'} {name}")
+        print(f"-> {args.out / 'device_check.json'}")
+    dist.destroy_process_group()
+    if not ok.item():
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
