@@ -394,8 +394,14 @@ class Meshes:
     sp: Any | None  # ('dp','sp') when sp > 1
 
 
-def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
-    """One world DeviceMesh, unflattened into each domain by name (needs an initialised group)."""
+def build_meshes(dims: ParallelDims, device_type: str, timeout_s: int | None = None) -> Meshes:
+    """One world DeviceMesh, unflattened into each domain by name (needs an initialised group).
+
+    timeout_s (actor_rollout_ref.nccl_timeout) is given to every group the meshes create: new
+    subgroups do not inherit the default group's timeout but take torch's default (10 min NCCL,
+    30 min gloo). vLLM's own groups keep vLLM's settings.
+    """
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     world = init_device_mesh(device_type, (dims.world_size,), mesh_dim_names=("world",))
@@ -403,6 +409,11 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     fsdp = fsdp2d if dims.ddp > 1 else fsdp2d["fsdp"]
     rollout = world._unflatten(0, (dims.rollout_dp, dims.infer_tp), ("dp", "infer_tp"))
     sp = world._unflatten(0, (dims.train_dp, dims.sp), ("dp", "sp")) if dims.sp > 1 else None
+    if timeout_s is not None:
+        for mesh in (world, fsdp2d, rollout, *([sp] if sp is not None else [])):
+            for name in mesh.mesh_dim_names:
+                # no public setter yet; this is the one torch's own tests use
+                dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), mesh.get_group(name))
     return Meshes(world, fsdp, rollout, sp)
 
 

@@ -438,6 +438,7 @@ def _gather_bucket(bucket: list[tuple[str, DTensor]]) -> Iterator[tuple[str, tor
     gathered = gathered.view(world, sum(slot))  # (world, slots)
     offset = 0
     for r, n, (name, t) in zip(rows, slot, bucket, strict=True):
-        full = gathered[:, offset:offset + n].reshape(world * r, *t.shape[1:])[:t.shape[0]]  # (rows, ...)
+        # contiguous: with one row per rank the reshape is a strided view, and loaders may .view() it
+        full = gathered[:, offset:offset + n].reshape(world * r, *t.shape[1:])[:t.shape[0]].contiguous()
         offset += n
         yield name, full

@@ -69,7 +69,7 @@ def masked_mean_var(values: Tensor, mask: Tensor, group: dist.ProcessGroup) -> t
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
         return total
 
-    total, count = global_sum(masked_sum(values, mask), mask.bool().sum())
+    total, count = global_sum(masked_sum(values.to(torch.float64), mask), mask.bool().sum())
     n = int(count.item())
     if n < 2:
         raise ValueError(f"masked_mean_var: unbiased variance needs >= 2 unmasked elements over the group, got {n}")

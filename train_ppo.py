@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     print0(to_yaml(cfg))
     print0(describe(cfg, dims, plan))
-    meshes = build_meshes(dims, env.device_type)
+    meshes = build_meshes(dims, env.device_type, timeout_s=cfg.actor_rollout_ref.nccl_timeout)
     arr, algo = cfg.actor_rollout_ref, cfg.algorithm
     rank, world, device = env.rank, env.world_size, env.device
     write_rank_layout(Path(cfg.trainer.default_local_dir) / "layout", env.rank, meshes)
@@ -514,6 +514,11 @@ def main(argv: list[str] | None = None) -> None:
                 rewards, current_kl = core.apply_kl_penalty(token_scores, batch["old_log_probs"],
                                                             batch["ref_log_probs"], mask, kl_ctrl.value,
                                                             algo.kl_penalty)
+                # The controller must see the whole batch's KL (as verl's driver does), or each rank's
+                # coefficient drifts its own way: average the per-sequence means over every rank's share.
+                kl_total = torch.tensor([current_kl * len(mask), len(mask)], dtype=torch.float64)
+                dist.all_reduce(kl_total)
+                current_kl = (kl_total[0] / kl_total[1]).item()
                 kl_ctrl.update(current_kl, n_steps=plan.total_samples)
                 metrics["actor/reward_kl_penalty"], metrics["actor/reward_kl_penalty_coeff"] = current_kl, kl_ctrl.value
             if algo.adv_estimator == "gae":

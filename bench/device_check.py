@@ -44,11 +44,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def local_tensors(actor, optimizer) -> list:  # noqa: ANN001
-    """Host copies of this rank's parameter shards and optimizer state, to compare after a round trip."""
+    """Host copies of this rank's parameter shards and optimizer state (local shards, not DTensors:
+    their sizes are what this rank holds, and comparing them runs no collective)."""
     import torch
+    from torch.distributed.tensor import DTensor
 
-    shards = [p.detach().to_local().cpu().clone() for p in actor.parameters()]
-    state = [v.detach().cpu().clone() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    def local(t):  # noqa: ANN001, ANN202
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
+    shards = [local(p) for p in actor.parameters()]
+    state = [local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     return shards + state
 
 
@@ -111,16 +116,17 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915 - one linear s
         return total
 
     losses = [phase("update", update) for _ in range(args.steps)]
-    changed = torch.tensor(float(any(not torch.equal(b, p.detach().to_local().cpu())
-                                     for b, p in zip(before, actor.parameters(), strict=True))))
+    changed = torch.tensor(float(any([not torch.equal(b, p.detach().to_local().cpu())
+                                      for b, p in zip(before, actor.parameters(), strict=True)])))
     dist.all_reduce(changed)
     checks["update_finite_and_moved"] = all(map(torch.isfinite, map(torch.tensor, losses))) and changed.item() > 0
 
     phase("gather", lambda: sum(1 for _ in models.iter_full_params(actor, dtype=param_dtype)))
-    checks["gather_equals_full_tensor"] = all(
+    # lists, not short-circuiting generators: full_tensor() is a collective every rank must reach
+    checks["gather_equals_full_tensor"] = all([
         name == ref_name and torch.equal(full, ref.detach().full_tensor().to(param_dtype))
         for (name, full), (ref_name, ref) in zip(models.iter_full_params(actor, dtype=param_dtype),
-                                                 actor.named_parameters(remove_duplicate=False), strict=True))
+                                                 actor.named_parameters(remove_duplicate=False), strict=True)])
 
     snapshot = local_tensors(actor, optimizer)
     moved_gb = sum(t.numel() * t.element_size() for t in snapshot) / 1e9
@@ -135,8 +141,8 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915 - one linear s
         return freed
 
     freed_gb = phase("offload", offload_and_back)
-    checks["offload_round_trip_exact"] = all(
-        torch.equal(a, b) for a, b in zip(snapshot, local_tensors(actor, optimizer), strict=True))
+    checks["offload_round_trip_exact"] = all([
+        torch.equal(a, b) for a, b in zip(snapshot, local_tensors(actor, optimizer), strict=True)])
     if env.device_type == "cuda":
         checks["offload_freed_device_memory"] = freed_gb >= 0.9 * moved_gb
 

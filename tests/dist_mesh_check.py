@@ -18,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from config import load_config  # noqa: E402
 from mesh_utils import build_meshes, init_distributed, validate  # noqa: E402
 
+TIMEOUT_S = 1234  # actor_rollout_ref.nccl_timeout: every mesh group must carry it
+
 
 def group_ranks(mesh, dim: str) -> list[int]:
     group = mesh.get_group(dim)
@@ -37,7 +39,7 @@ def main() -> None:
         overrides = layout.split() + [f"trainer.n_gpus_per_node={env.world_size}"]
         cfg = load_config(None, overrides)
         dims, plan = validate(cfg, env.world_size)
-        meshes = build_meshes(dims, env.device_type)
+        meshes = build_meshes(dims, env.device_type, timeout_s=TIMEOUT_S)
         fsdp_dims = meshes.fsdp.mesh_dim_names
         entry = {
             "layout": layout,
@@ -52,6 +54,11 @@ def main() -> None:
             "sp_group": group_ranks(meshes.sp, "sp") if meshes.sp is not None else None,
             "sp_shape": list(meshes.sp.mesh.shape) if meshes.sp is not None else None,
             "ppo_mini_batch_size_per_rank": plan.ppo_mini_batch_size_per_rank,
+            # every group's timeout as its gloo backend holds it
+            "group_timeouts_s": sorted({
+                mesh.get_group(name)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                for mesh in (meshes.world, meshes.fsdp, meshes.rollout, *([meshes.sp] if meshes.sp else []))
+                for name in mesh.mesh_dim_names}),
         }
         result["layouts"].append(entry)
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps(result))

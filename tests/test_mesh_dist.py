@@ -78,6 +78,8 @@ def test_meshes_match_planner(world, tmp_path):
             want = expected_groups(entry["layout"], world, rank)
             for key, value in want.items():
                 assert entry[key] == value, (world, rank, entry["layout"], key, entry[key], value)
+            # build_meshes(timeout_s=...) reaches every group, not only the default one
+            assert entry["group_timeouts_s"] == [1234.0], (world, rank, entry["layout"], entry["group_timeouts_s"])
 
 
 def test_seed_layouts_on_six_ranks(tmp_path):
