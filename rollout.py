@@ -143,16 +143,20 @@ def build_rollout_engine(
 
 
 def sync_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
-    """Stream (HF name, full tensor) pairs into the engine; returns seconds taken.
+    """Actor -> engine, the whole sequence: wake the engine's weights, stream the (HF name, full
+    tensor) pairs in, drop the prefix cache, then wake the KV cache, so the accelerator holds the
+    weights twice at most (the wake-ups do nothing where vLLM cannot sleep). Returns seconds taken.
 
     `reload_weights` consumes the iterator lazily (vLLM buffers at most one layer's tensors),
     so passing models.iter_full_params(actor) never builds a second full model copy.
     Plain `model.load_weights` fails on the CPU backend, which repacks weights at start-up.
     """
     start = time.perf_counter()
+    wake_up(llm, ["weights"])
     _vllm_internals(llm).worker.reload_weights(weights_iterator=iter(named_tensors))
     # Cached prompt KV blocks were computed with the old weights.
     llm.reset_prefix_cache()
+    wake_up(llm, ["kv_cache"])
     return time.perf_counter() - start
 
 
@@ -350,8 +354,8 @@ def sleep(llm: LLM, level: int = 1) -> bool:
 
 
 def wake_up(llm: LLM, tags: list[str] | None = None) -> bool:
-    """Re-allocate engine memory: tags=["weights"] before sync_weights, then ["kv_cache"] before
-    generate, keeps the peak low. Returns False, doing nothing, without sleep mode (CPU)."""
+    """Re-allocate engine memory (sync_weights wakes ["weights"], then ["kv_cache"], to keep the
+    peak low). Returns False, doing nothing, without sleep mode (CPU)."""
     if not current_platform.is_sleep_mode_available():
         _warn_once(f"vLLM sleep mode is not available on {current_platform.device_name}; nothing to wake.")
         return False

@@ -429,12 +429,7 @@ def main(argv: list[str] | None = None) -> None:
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
 
     def sync() -> float:
-        """Actor -> engine: wake the engine's weights, stream the actor in, then wake its KV cache,
-        so the peak holds weights twice at most (the wake-ups do nothing where vLLM cannot sleep)."""
-        ro.wake_up(llm, ["weights"])
-        seconds = ro.sync_weights(llm, iter_full_params(actor, dtype=param_dtype))
-        ro.wake_up(llm, ["kv_cache"])
-        return seconds
+        return ro.sync_weights(llm, iter_full_params(actor, dtype=param_dtype))
 
     # --- the loop ----------------------------------------------------------------------------------
     fingerprint = None

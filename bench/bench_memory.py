@@ -73,9 +73,7 @@ def one_step(llm, actor, ref, optimizer, prompts, offload: bool, tp: tuple[int, 
         return result
 
     def sync() -> None:
-        ro.wake_up(llm, ["weights"])
         ro.sync_weights(llm, models.iter_full_params(actor, dtype=param_dtype))
-        ro.wake_up(llm, ["kv_cache"])
 
     def gen() -> object:
         if offload:

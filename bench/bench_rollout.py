@@ -170,9 +170,7 @@ def collocated_cycle(llm, path: Path, prompts: list[list[int]], batch, meshes, e
     resident, _ = generate_once(llm, prompts, args)
     ro.sleep(llm)  # CUDA: free the engine's memory for training (no-op on CPU)
     update_s = train_step(actor, optimizer, batch, env.device)
-    sync_s, _ = bc.timed(lambda: (ro.wake_up(llm, ["weights"]),
-                                  ro.sync_weights(llm, iter_full_params(actor, dtype=param_dtype)),
-                                  ro.wake_up(llm, ["kv_cache"])))
+    sync_s, _ = bc.timed(lambda: ro.sync_weights(llm, iter_full_params(actor, dtype=param_dtype)))
     collocated = {**generate_once(llm, prompts, args)[0], "update_s": update_s, "sync_s": sync_s}
     return resident, collocated
 
