@@ -36,7 +36,7 @@ demo: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train_ppo.py --config configs/tiny_cpu.yaml $(ARGS)
 
 plan: setup
-	$(PY) mesh_utils.py --config $(or $(CONFIG),configs/seed_1node_6gpu.yaml)
+	$(PY) mesh_utils.py --config $(or $(CONFIG),configs/gsm8k_grpo_1node_6gpu.yaml)
 
 lint: setup
 	$(VENV)/bin/ruff check .

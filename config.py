@@ -26,6 +26,7 @@ import yaml
 _NONE = type(None)
 _INT_OR_NONE = (int, _NONE)
 _STR_OR_NONE = (str, _NONE)
+_BOOL_OR_NONE = (bool, _NONE)
 _FILES = (str, list, _NONE)
 
 
@@ -133,7 +134,8 @@ SCHEMA: dict[str, Any] = {
         "ppo_mini_batch_size": (_INT_OR_NONE, None),  # null: the actor's
         "ppo_micro_batch_size_per_gpu": (_INT_OR_NONE, None),
         "forward_micro_batch_size_per_gpu": (_INT_OR_NONE, None),
-        "ppo_epochs": (_INT_OR_NONE, None),
+        "ppo_epochs": (_INT_OR_NONE, None),  # null: the actor's
+        "shuffle": (_BOOL_OR_NONE, None),  # null: the actor's
         "grad_clip": (float, 1.0),
         "cliprange_value": (float, 0.5),
         "loss_agg_mode": (str, "token-mean"),
@@ -184,17 +186,24 @@ SCHEMA: dict[str, Any] = {
 }
 
 
+# The names of the algorithm's choices, said once. ppo_core.py implements each (its registries are
+# keyed by these names; tests/test_config.py checks the two agree) and imports the lists from here,
+# so this file stays free of torch and a config error never waits for it.
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus")
+GROUP_ESTIMATORS = ("grpo", "rloo")  # compare the samples of one prompt: need rollout.n >= 2
+CRITIC_ESTIMATORS = ("gae",)  # need a value model
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
 # Keys whose value must be one of a few names; checked at load time, before any model loads.
 CHOICES: dict[str, tuple[str, ...]] = {
     "actor_rollout_ref.actor.strategy": ("fsdp2",),
     "actor_rollout_ref.rollout.name": ("vllm",),
-    "actor_rollout_ref.actor.loss_agg_mode": (
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "critic.loss_agg_mode": (
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "actor_rollout_ref.actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
-    "algorithm.kl_penalty": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
-    "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus"),
+    "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG_MODES,
+    "critic.loss_agg_mode": LOSS_AGG_MODES,
+    "actor_rollout_ref.actor.kl_loss_type": KL_ESTIMATORS,
+    "algorithm.kl_penalty": KL_ESTIMATORS,
+    "algorithm.adv_estimator": ADV_ESTIMATORS,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "data.truncation": ("error", "left", "right"),
     "actor_rollout_ref.actor.optim.warmup_style": ("constant", "cosine"),
@@ -337,6 +346,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def to_yaml(cfg: dict[str, Any]) -> str:
     """The resolved config as YAML, for the start-up print and the run directory."""
     return yaml.safe_dump(_plain(cfg), sort_keys=False, default_flow_style=False)
+
+
+def non_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The resolved config's keys whose value differs from the schema's default, as {'a.b.c': value}:
+    what the start-up prints (the whole config goes to <default_local_dir>/config.yaml)."""
+    out = {}
+    for key, (_, default) in _KEYS.items():
+        node: Any = cfg
+        for part in key.split("."):
+            node = node[part]
+        if node != default:
+            out[key] = node
+    return out
 
 
 def _plain(node: Any) -> Any:

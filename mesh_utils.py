@@ -11,7 +11,7 @@ One SPMD program, three computation domains over the same ranks (verl's fsdp_wor
 All three are views of one world DeviceMesh (`build_meshes`), and all the arithmetic behind them is
 pure (`ParallelDims`, `plan_device_map`, `plan_batches`), so that the planner
 
-    python mesh_utils.py --config configs/seed_1node_6gpu.yaml [key=value ...]
+    python mesh_utils.py --config configs/gsm8k_grpo_1node_6gpu.yaml [key=value ...]
 
 prints the device map and the batch flow of a config, and refuses a bad one, with no process group
 and no GPU. `validate` raises the same errors the training program raises before any model loads.
@@ -19,15 +19,17 @@ and no GPU. `validate` raises the same errors the training program raises before
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
 import sys
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
-from config import Config, ConfigError, load_config
+from config import CRITIC_ESTIMATORS, GROUP_ESTIMATORS, Config, ConfigError, load_config
 
 # -----------------------------------------------------------------------------
 # Parallel degrees
@@ -124,7 +126,7 @@ def parallel_dims(cfg: Config, world_size: int | None = None) -> ParallelDims:
             f"{', '.join(str(d) for d in _divisors(math.gcd(world, per_node)))}."
         )
     critic_sp = cfg.critic.ulysses_sequence_parallel_size
-    if cfg.algorithm.adv_estimator == "gae" and critic_sp != sp:
+    if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS and critic_sp != sp:
         raise ConfigError(
             f"critic.ulysses_sequence_parallel_size={critic_sp} differs from the actor's "
             f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}; both train on the same data "
@@ -193,7 +195,7 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
     n = arr.rollout.n
     if n < 1:
         raise ConfigError(f"actor_rollout_ref.rollout.n={n} must be >= 1 (samples per prompt).")
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and n < 2:
+    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of the same prompt, "
             f"so actor_rollout_ref.rollout.n={n} must be >= 2 (e.g. rollout.n=8), or use adv_estimator=gae."
@@ -235,7 +237,7 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
         )
 
     c_mini = c_micro = c_accum = None
-    if cfg.algorithm.adv_estimator == "gae":
+    if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS:
         critic = cfg.critic
         c_mini, c_micro, c_accum = _mini_micro(
             "critic",
@@ -417,6 +419,40 @@ def build_meshes(dims: ParallelDims, device_type: str, timeout_s: int | None = N
     return Meshes(world, fsdp, rollout, sp)
 
 
+def write_rank_layout(out_dir: Path, rank: int, meshes: Meshes) -> None:
+    """Each rank records the groups it actually joined (out_dir/rank<r>.json), to compare with the
+    planner's map."""
+    import torch.distributed as dist
+
+    def ranks(mesh: Any, dim: str) -> list[int]:
+        return dist.get_process_group_ranks(mesh.get_group(dim))
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    layout = {"rank": rank, "node_rank": node_rank(), "hostname": os.uname().nodename, "pid": os.getpid(),
+              "fsdp_group": ranks(meshes.fsdp, "fsdp"), "rollout_tp_group": ranks(meshes.rollout, "infer_tp"),
+              "rollout_dp_rank": meshes.rollout.get_local_rank("dp")}
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(layout))
+
+
+def all_gather_single(output: Any, tensor: Any, group: Any = None) -> None:
+    """dist.all_gather_single (torch >= 2.13), or all_gather_into_tensor, its deprecated name, which
+    is all that older releases (2.11 on some GPU images) have."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
+def gather_in_group(x: Any, group: Any) -> Any:
+    """Concatenate equal-sized 1D tensors of every rank of `group`, in group-rank order."""
+    import torch
+    import torch.distributed as dist
+
+    out = torch.empty(x.numel() * dist.get_world_size(group), dtype=x.dtype, device=x.device)
+    all_gather_single(out, x.contiguous(), group=group)
+    return out
+
+
 def print0(*args: Any, **kwargs: Any) -> None:
     """Print on global rank 0 only (or always, outside torchrun)."""
     if int(os.environ.get("RANK", 0)) == 0:
@@ -485,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description="Explain and validate the device map and batch flow of a config, with no GPU and no "
         "process group. Exits 1 with the reason when the config is invalid.",
-        epilog="example: python mesh_utils.py --config configs/seed_1node_6gpu.yaml "
+        epilog="example: python mesh_utils.py --config configs/gsm8k_grpo_1node_6gpu.yaml "
         "actor_rollout_ref.actor.fsdp_config.fsdp_size=3",
     )
     ap.add_argument("--config", help="YAML file under configs/ (default: built-in defaults)")

@@ -16,7 +16,9 @@ tensor into the shards. Master weights stay float32; MixedPrecisionPolicy casts 
 
 import functools
 import logging
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+from config import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -290,10 +294,7 @@ def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device
 
 def compute_log_probs(
     model: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    response_len: int,
+    batch: Mapping[str, torch.Tensor],
     temperature: float,
     micro_batch_size: int,
     calc_entropy: bool = False,
@@ -304,6 +305,8 @@ def compute_log_probs(
     Only the last response_len + 1 positions go through the LM head (`logits_to_keep`), and the
     log-prob is logit[target] - logsumexp(logits), so no full-vocab log_softmax copy is kept.
     """
+    input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+    response_len = batch["responses"].shape[1]
     log_probs, entropies = [], []
     for start in range(0, input_ids.shape[0], micro_batch_size):
         rows = slice(start, start + micro_batch_size)
@@ -324,16 +327,11 @@ def compute_log_probs(
     return torch.cat(log_probs), entropy
 
 
-def compute_values(
-    critic: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    response_len: int,
-    micro_batch_size: int,
-) -> torch.Tensor:
+def compute_values(critic: nn.Module, batch: Mapping[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
     """V(s_t) for each response token (B, response_len): the critic's output at the position that
     predicts that token (the last prompt token for the first response token). Grad flows if enabled."""
+    input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+    response_len = batch["responses"].shape[1]
     values = []
     for start in range(0, input_ids.shape[0], micro_batch_size):
         rows = slice(start, start + micro_batch_size)
@@ -442,3 +440,62 @@ def _gather_bucket(bucket: list[tuple[str, DTensor]]) -> Iterator[tuple[str, tor
         full = gathered[:, offset:offset + n].reshape(world * r, *t.shape[1:])[:t.shape[0]].contiguous()
         offset += n
         yield name, full
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer: AdamW with verl's lr schedule, and a step that skips non-finite gradients
+
+
+def lr_lambda(optim_cfg: Mapping[str, Any], total_steps: int) -> Callable[[int], float]:
+    """Linear warmup, then constant or cosine down to min_lr_ratio (verl's warmup_style)."""
+    warmup = optim_cfg["lr_warmup_steps"]
+    if warmup < 0:
+        warmup = int(optim_cfg["lr_warmup_steps_ratio"] * total_steps)
+
+    def fn(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if optim_cfg["warmup_style"] == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        floor = optim_cfg["min_lr_ratio"]
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return fn
+
+
+def make_optimizer(model: nn.Module, optim_cfg: Mapping[str, Any],
+                   total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the model's (sharded) parameters and its lr schedule, from an `optim` config section."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=optim_cfg["lr"], betas=tuple(optim_cfg["betas"]),
+                                  weight_decay=optim_cfg["weight_decay"])
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim_cfg, total_steps))
+
+
+def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, prefix: str,
+                   metrics: dict[str, float]) -> bool:
+    """Clip and step; a non-finite gradient skips the step (counted in <prefix>/skipped_steps).
+    Every rank sees the same total norm, so all ranks skip together."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+    ok = bool(torch.isfinite(grad_norm))
+    if ok:
+        optimizer.step()
+    else:
+        print(f"[rank {dist.get_rank()}] warning: non-finite {prefix} grad norm {grad_norm.item()}; "
+              f"skipping this update", flush=True)
+        metrics[f"{prefix}/skipped_steps"] = metrics.get(f"{prefix}/skipped_steps", 0) + 1
+    optimizer.zero_grad(set_to_none=True)
+    metrics[f"{prefix}/grad_norm"] = grad_norm.item() if ok else float("nan")
+    return ok
+
+
+def check_model_length(path: str, needed: int, trust_remote_code: bool) -> None:
+    """Prompt + response must fit the model's context, or the engine refuses at start (or worse)."""
+    limit = getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
+                    "max_position_embeddings", None)
+    if limit is not None and needed > limit:
+        raise ConfigError(
+            f"data.max_prompt_length + data.max_response_length = {needed} tokens exceeds the model's "
+            f"max_position_embeddings={limit} ({path}); lower one of them so their sum is <= {limit}."
+        )

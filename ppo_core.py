@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from config import LOSS_AGG_MODES
+
 # --- masked statistics ---------------------------------------------------------------------------
 
 
@@ -99,7 +101,7 @@ def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True,
 @torch.no_grad()
 def compute_gae_advantage_return(
     token_level_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam: float,
-    whiten_group: dist.ProcessGroup | None = None,
+    whiten_group: dist.ProcessGroup | None = None, **_: Any,
 ) -> tuple[Tensor, Tensor]:
     """GAE (Schulman et al. 2016). Returns (advantages whitened over the mask, returns = adv + V).
     With whiten_group, the whitening statistics span the batch all of the group's ranks hold.
@@ -148,6 +150,7 @@ def compute_grpo_outcome_advantage(
     index: Sequence[Any] | Tensor,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
+    **_: Any,
 ) -> tuple[Tensor, Tensor]:
     """GRPO: (outcome - group mean) / (group std + eps), broadcast over the response tokens.
 
@@ -167,7 +170,7 @@ def compute_grpo_outcome_advantage(
 
 @torch.no_grad()
 def compute_rloo_outcome_advantage(
-    token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor
+    token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor, **_: Any
 ) -> tuple[Tensor, Tensor]:
     """RLOO (Ahmadian et al. 2024): outcome minus the mean outcome of the OTHER samples of its group.
 
@@ -184,7 +187,8 @@ def compute_rloo_outcome_advantage(
 
 @torch.no_grad()
 def compute_reinforce_plus_plus_outcome_advantage(
-    token_level_rewards: Tensor, response_mask: Tensor, gamma: float, whiten_group: dist.ProcessGroup | None = None
+    token_level_rewards: Tensor, response_mask: Tensor, gamma: float, whiten_group: dist.ProcessGroup | None = None,
+    **_: Any,
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025): discounted return-to-go per token, whitened over the whole batch
     (over every rank's share with whiten_group)."""
@@ -200,6 +204,10 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return advantages, returns
 
 
+# algorithm.adv_estimator -> implementation. Every estimator takes keyword arguments and ignores the
+# ones it does not use, so the trainer calls them all alike. To add one: write it above, register it
+# here, and add its name to config.ADV_ESTIMATORS (and GROUP_ESTIMATORS if it compares the samples
+# of one prompt, so the trainer gathers the whole group first).
 ADV_ESTIMATORS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
     "gae": compute_gae_advantage_return,
     "grpo": compute_grpo_outcome_advantage,
@@ -209,7 +217,8 @@ ADV_ESTIMATORS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
 
 
 def compute_advantage(adv_estimator: str, **kwargs: Any) -> tuple[Tensor, Tensor]:
-    """Dispatch on algorithm.adv_estimator; kwargs are the chosen estimator's arguments."""
+    """Dispatch on algorithm.adv_estimator. kwargs: token_level_rewards, response_mask and whatever
+    any estimator needs (values, index, gamma, lam, norm_adv_by_std_in_grpo, whiten_group)."""
     if adv_estimator not in ADV_ESTIMATORS:
         raise ValueError(
             f"unknown algorithm.adv_estimator={adv_estimator!r}; valid: {', '.join(ADV_ESTIMATORS)}"
@@ -218,9 +227,6 @@ def compute_advantage(adv_estimator: str, **kwargs: Any) -> tuple[Tensor, Tensor
 
 
 # --- loss aggregation ----------------------------------------------------------------------------
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
 
 def agg_loss(
     loss_mat: Tensor,
@@ -357,25 +363,40 @@ def compute_value_loss(
 # --- KL penalty ----------------------------------------------------------------------------------
 
 
+def _kl_k1(log_ratio: Tensor) -> Tensor:
+    return log_ratio  # unbiased, high variance, can be negative
+
+
+def _kl_abs(log_ratio: Tensor) -> Tensor:
+    return log_ratio.abs()
+
+
+def _kl_k2(log_ratio: Tensor) -> Tensor:
+    return 0.5 * log_ratio.square()
+
+
+def _kl_k3(log_ratio: Tensor) -> Tensor:
+    # k3 = r - log r - 1 with r = pi_ref / pi: unbiased and >= 0; clamps guard exp blow-ups
+    log_r = (-log_ratio).clamp(-20.0, 20.0)  # (B, T)
+    return (log_r.exp() - log_r - 1.0).clamp(-10.0, 10.0)
+
+
+# algorithm.kl_penalty / actor.kl_loss_type -> estimator of the log-ratio (names from config.KL_ESTIMATORS)
+KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
+    "kl": _kl_k1, "k1": _kl_k1, "abs": _kl_abs, "mse": _kl_k2, "k2": _kl_k2, "low_var_kl": _kl_k3, "k3": _kl_k3,
+}
+
+
 def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs (Schulman's k1/k2/k3)."""
-    log_ratio = logprob - ref_logprob  # (B, T) log pi / pi_ref
-    if kl_penalty in ("kl", "k1"):
-        return log_ratio  # unbiased, high variance, can be negative
-    if kl_penalty == "abs":
-        return log_ratio.abs()
-    if kl_penalty in ("mse", "k2"):
-        return 0.5 * log_ratio.square()
-    if kl_penalty in ("low_var_kl", "k3"):
-        # k3 = r - log r - 1 with r = pi_ref / pi: unbiased and >= 0; clamps guard exp blow-ups
-        log_r = (-log_ratio).clamp(-20.0, 20.0)  # (B, T)
-        return (log_r.exp() - log_r - 1.0).clamp(-10.0, 10.0)
     if kl_penalty == "full":
         raise NotImplementedError(
             "kl_penalty='full' needs full-vocabulary logits of both models, which this toolkit does not "
             "keep; use 'low_var_kl' (k3), 'kl' (k1), 'mse' (k2) or 'abs'"
         )
-    raise ValueError(f"unknown kl_penalty={kl_penalty!r}; valid: kl/k1, abs, mse/k2, low_var_kl/k3")
+    if kl_penalty not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_penalty={kl_penalty!r}; valid: {', '.join(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[kl_penalty](logprob - ref_logprob)  # (B, T) from log pi / pi_ref
 
 
 _kl_penalty = kl_penalty  # apply_kl_penalty's argument, named like verl's, shadows the function

@@ -99,3 +99,13 @@ def score_responses(
         scores.append(value)
     return scores
 
+
+
+def score_batch(reward_fn: RewardFn, tokenizer: Any, responses: Any, response_mask: Any,
+                prompts: list[Any]) -> tuple[list[str], list[float], dict[str, list[float]]]:
+    """TEMPORARY"""
+    texts = tokenizer.batch_decode([r[m.bool()] for r, m in zip(responses, response_mask, strict=True)],
+                                   skip_special_tokens=True)
+    scores = score_responses(reward_fn, [p.data_source for p in prompts], texts, [p.ground_truth for p in prompts],
+                             [p.text for p in prompts])
+    return texts, scores, {}

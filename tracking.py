@@ -1,16 +1,23 @@
-"""Metrics out: one JSON line per step, a compact console line, optional TensorBoard / W&B, a plot.
+"""Metrics out: one JSON line per step, a compact console line, optional TensorBoard / W&B, a plot;
+the reduction of a step's metrics over ranks; where library logs go.
 
-Rank 0 writes; the training loop reduces metrics over ranks before handing them here.
+Rank 0 writes; the training loop reduces metrics over ranks (`reduce_metrics`) before handing them here.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import resource
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 # The console line: (metric, short label, format). Everything else goes to the JSON file only.
 CONSOLE = [
@@ -76,11 +83,70 @@ class Tracker:
 
 
 @contextmanager
-def timed(metrics: dict[str, float], name: str):  # noqa: ANN201 - a context manager
+def timed(metrics: dict[str, float], name: str) -> Iterator[None]:
     """Add the block's wall time to metrics['timing_s/<name>']."""
     start = time.perf_counter()
     yield
     metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
+
+
+def stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    """<prefix>/mean, /max, /min of a tensor (reduce_metrics then takes the mean, max and min over ranks)."""
+    values = values.float()
+    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(),
+            f"{prefix}/min": values.min().item()}
+
+
+def reduce_metrics(local: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Mean over ranks, except */max and */min which take the max / min. A collective."""
+    keys = sorted(local)
+    out = {}
+    for op, pick in ((dist.ReduceOp.SUM, lambda k: not k.endswith(("/max", "/min"))),
+                     (dist.ReduceOp.MAX, lambda k: k.endswith("/max")),
+                     (dist.ReduceOp.MIN, lambda k: k.endswith("/min"))):
+        names = [k for k in keys if pick(k)]
+        if not names:
+            continue
+        values = torch.tensor([float(local[k]) for k in names], dtype=torch.float64, device=device)
+        dist.all_reduce(values, op=op)
+        if op == dist.ReduceOp.SUM:
+            values /= dist.get_world_size()
+        out.update(zip(names, values.tolist(), strict=True))
+    return out
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Accelerator peak allocation, or the process's peak RSS on a CPU run."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """On resume, drop metric lines of steps after the checkpoint: they are about to be redone."""
+    if path.is_file():
+        lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
+        path.write_text("".join(line + "\n" for line in lines))
+
+
+def route_library_logs(log_file: Path, rank: int) -> None:
+    """A quiet console: library INFO lines (vLLM's engine start-up, its timing of every weight reload,
+    ...) go to `log_file` only. The console keeps warnings on rank 0 and errors on every rank.
+    Call after `import vllm`, which installs its own console handler."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    to_file = logging.FileHandler(log_file)
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    console_level = logging.WARNING if rank == 0 else logging.ERROR
+    root = logging.getLogger()
+    if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+               for h in root.handlers):
+        root.addHandler(logging.StreamHandler())
+    root.setLevel(logging.INFO)
+    for logger in (root, logging.getLogger("vllm")):  # vLLM's logger does not propagate to the root
+        for handler in logger.handlers:
+            if not isinstance(handler, logging.FileHandler):
+                handler.setLevel(console_level)
+        logger.addHandler(to_file)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:

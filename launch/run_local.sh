@@ -2,7 +2,7 @@
 # One machine, no scheduler: check the layout, then torchrun --standalone (it picks a free port).
 #
 #   launch/run_local.sh                                     # configs/tiny_cpu.yaml, 2 processes
-#   launch/run_local.sh configs/seed_1node_6gpu.yaml trainer.total_training_steps=10
+#   launch/run_local.sh configs/gsm8k_grpo_1node_6gpu.yaml trainer.total_training_steps=10
 #   NPROC_PER_NODE=4 launch/run_local.sh configs/X.yaml     # 4 processes, whatever the config says
 #
 # The config is the first argument (or $CONFIG); every key=value after it reaches train_ppo.py

@@ -17,7 +17,7 @@ def test_shipped_configs_load(path):
 
 def test_shipped_configs_include_the_seed_jobs():
     names = {p.name for p in CONFIGS}
-    assert {"seed_1node_6gpu.yaml", "seed_2node_6gpu.yaml"} <= names
+    assert {"gsm8k_grpo_1node_6gpu.yaml", "gsm8k_grpo_2node_6gpu.yaml"} <= names
 
 
 def test_file_then_overrides(tmp_path):
@@ -79,3 +79,21 @@ def test_every_key_has_a_default_of_its_type():
     for key, (types, default) in flat_keys().items():
         types = types if isinstance(types, tuple) else (types,)
         assert isinstance(default, types), key
+
+
+def test_choices_equal_what_ppo_core_implements():
+    """config.py names the choices (and stays free of torch); ppo_core.py implements exactly those."""
+    import subprocess
+    import sys
+
+    import config
+    import ppo_core
+
+    assert tuple(ppo_core.ADV_ESTIMATORS) == config.ADV_ESTIMATORS
+    assert tuple(ppo_core.KL_ESTIMATORS) == config.KL_ESTIMATORS
+    assert set(config.GROUP_ESTIMATORS) | set(config.CRITIC_ESTIMATORS) <= set(config.ADV_ESTIMATORS)
+    assert ppo_core.LOSS_AGG_MODES is config.LOSS_AGG_MODES
+    for mode in config.LOSS_AGG_MODES:  # each accepted mode aggregates without error
+        ppo_core.agg_loss(ppo_core.torch.ones(2, 3), ppo_core.torch.ones(2, 3), mode)
+    code = "import sys, config; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=config.Path(config.__file__).parent).returncode == 0

@@ -134,7 +134,7 @@ def expected_port(job_id: str = JOB_ID) -> int:
 
 def test_multinode_sbatch_launches_one_torchrun_per_node(tmp_path):
     overrides = ["trainer.total_epochs=3", "trainer.experiment_name=two words", "actor_rollout_ref.rollout.n=8"]
-    proc, calls = run_sbatch("slurm_multinode.sbatch", tmp_path, ["configs/seed_2node_6gpu.yaml", *overrides])
+    proc, calls = run_sbatch("slurm_multinode.sbatch", tmp_path, ["configs/gsm8k_grpo_2node_6gpu.yaml", *overrides])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [c["argv"] for c in calls_of("scontrol", calls)] == [["show", "hostnames", "gpu-a[17-18]"]]
     (srun,) = calls_of("srun", calls)
@@ -143,7 +143,7 @@ def test_multinode_sbatch_launches_one_torchrun_per_node(tmp_path):
         "torchrun", "--nnodes", "2", "--nproc_per_node", "6",
         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{HOSTS[0]}:{expected_port()}", "--rdzv_id", JOB_ID,
         "--max_restarts", "0",
-        "train_ppo.py", "--config", "configs/seed_2node_6gpu.yaml",
+        "train_ppo.py", "--config", "configs/gsm8k_grpo_2node_6gpu.yaml",
         "trainer.nnodes=2", "trainer.n_gpus_per_node=6", *overrides,
     ]
     assert srun["cwd"] == str(ROOT)  # SLURM_SUBMIT_DIR: train_ppo.py and configs/ resolve
@@ -158,14 +158,14 @@ def test_multinode_sbatch_environment_overrides(tmp_path):
     """CONFIG from the environment (no positional arg), NGPU over SLURM_GPUS_ON_NODE, PORT, restarts."""
     proc, calls = run_sbatch(
         "slurm_multinode.sbatch", tmp_path, ["actor_rollout_ref.rollout.n=4"],
-        CONFIG="configs/seed_1node_6gpu.yaml", NGPU="2", PORT="31234", MAX_RESTARTS="3",
+        CONFIG="configs/gsm8k_grpo_1node_6gpu.yaml", NGPU="2", PORT="31234", MAX_RESTARTS="3",
         SLURM_JOB_NUM_NODES="3")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     argv = calls_of("srun", calls)[0]["argv"]
     assert argv[:15] == ["--nodes=3", "--ntasks-per-node=1", "torchrun", "--nnodes", "3", "--nproc_per_node", "2",
                          "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{HOSTS[0]}:31234", "--rdzv_id", JOB_ID,
                          "--max_restarts", "3"]
-    assert argv[15:] == ["train_ppo.py", "--config", "configs/seed_1node_6gpu.yaml", "trainer.nnodes=3",
+    assert argv[15:] == ["train_ppo.py", "--config", "configs/gsm8k_grpo_1node_6gpu.yaml", "trainer.nnodes=3",
                          "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.n=4"]
     assert "Device map: 3 node(s) x 2 devices = world 6" in proc.stdout
 
@@ -177,7 +177,7 @@ def test_multinode_sbatch_environment_overrides(tmp_path):
     ("slurm_multinode.sbatch", "data.train_batch_size=61"),
 ])
 def test_bad_layout_stops_before_srun(tmp_path, script, bad):
-    config = "configs/seed_2node_6gpu.yaml" if "multi" in script else "configs/seed_1node_6gpu.yaml"
+    config = "configs/gsm8k_grpo_2node_6gpu.yaml" if "multi" in script else "configs/gsm8k_grpo_1node_6gpu.yaml"
     proc, calls = run_sbatch(script, tmp_path, [config, bad])
     assert proc.returncode != 0
     assert calls_of("srun", calls) == [], "srun ran although the planner refused the layout"
@@ -187,21 +187,21 @@ def test_bad_layout_stops_before_srun(tmp_path, script, bad):
 
 def test_unknown_key_stops_before_srun(tmp_path):
     proc, calls = run_sbatch("slurm_multinode.sbatch", tmp_path,
-                                ["configs/seed_2node_6gpu.yaml", "actor_rollout_ref.rollout.tensor_parallel_size=2"])
+                                ["configs/gsm8k_grpo_2node_6gpu.yaml", "actor_rollout_ref.rollout.tensor_parallel_size=2"])
     assert proc.returncode != 0 and calls_of("srun", calls) == []
     assert "actor_rollout_ref.rollout.tensor_parallel_size" in proc.stderr
 
 
 def test_1node_sbatch_launches_standalone_torchrun(tmp_path):
     proc, calls = run_sbatch("slurm_1node.sbatch", tmp_path,
-                                ["configs/seed_1node_6gpu.yaml", "actor_rollout_ref.rollout.n=8"],
+                                ["configs/gsm8k_grpo_1node_6gpu.yaml", "actor_rollout_ref.rollout.n=8"],
                                 SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="gpu-a17")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (srun,) = calls_of("srun", calls)
     assert srun["argv"] == [
         "--nodes=1", "--ntasks=1",
         "torchrun", "--standalone", "--nnodes", "1", "--nproc_per_node", "6",
-        "train_ppo.py", "--config", "configs/seed_1node_6gpu.yaml",
+        "train_ppo.py", "--config", "configs/gsm8k_grpo_1node_6gpu.yaml",
         "trainer.nnodes=1", "trainer.n_gpus_per_node=6", "actor_rollout_ref.rollout.n=8",
     ]
     assert srun["cwd"] == str(ROOT) and srun["path0"] == str(tmp_path / "venv" / "bin")
@@ -210,7 +210,7 @@ def test_1node_sbatch_launches_standalone_torchrun(tmp_path):
 
 def test_sbatch_ngpu_follows_the_allocation(tmp_path):
     """No NGPU given: processes per node = SLURM_GPUS_ON_NODE, and the plan is checked for that."""
-    proc, calls = run_sbatch("slurm_1node.sbatch", tmp_path, ["configs/seed_1node_6gpu.yaml"],
+    proc, calls = run_sbatch("slurm_1node.sbatch", tmp_path, ["configs/gsm8k_grpo_1node_6gpu.yaml"],
                                 SLURM_GPUS_ON_NODE="2", SLURM_JOB_NUM_NODES="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     argv = calls_of("srun", calls)[0]["argv"]
@@ -244,16 +244,16 @@ def test_run_local_takes_the_process_count_from_the_config(tmp_path):
 
 
 def test_run_local_nproc_per_node_overrides_the_config(tmp_path):
-    proc, calls = run_local(tmp_path, ["configs/seed_1node_6gpu.yaml", "actor_rollout_ref.rollout.n=4"],
+    proc, calls = run_local(tmp_path, ["configs/gsm8k_grpo_1node_6gpu.yaml", "actor_rollout_ref.rollout.n=4"],
                             NPROC_PER_NODE="2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert calls[0]["argv"] == ["--standalone", "--nproc_per_node=2", "train_ppo.py", "--config",
-                                "configs/seed_1node_6gpu.yaml", "trainer.nnodes=1", "trainer.n_gpus_per_node=2",
+                                "configs/gsm8k_grpo_1node_6gpu.yaml", "trainer.nnodes=1", "trainer.n_gpus_per_node=2",
                                 "actor_rollout_ref.rollout.n=4"]
 
 
 @pytest.mark.parametrize("args,message", [
-    (["configs/seed_2node_6gpu.yaml"], "trainer.nnodes=2"),
+    (["configs/gsm8k_grpo_2node_6gpu.yaml"], "trainer.nnodes=2"),
     (["configs/tiny_cpu.yaml", "actor_rollout_ref.rollout.tensor_model_parallel_size=3"],
      "actor_rollout_ref.rollout.tensor_model_parallel_size=3"),
 ])

@@ -85,7 +85,7 @@ def test_gae_with_kl(tiny_assets, tmp_path):
 def test_seed_six_rank_job(tiny_assets, tmp_path):
     """The seed's 6-GPU config, as is but for a tiny model: its metrics show the seed's numbers."""
     out = tmp_path / "seed"
-    args = ["--config", "configs/seed_1node_6gpu.yaml", *tiny(tiny_assets, out), "data.max_prompt_length=16",
+    args = ["--config", "configs/gsm8k_grpo_1node_6gpu.yaml", *tiny(tiny_assets, out), "data.max_prompt_length=16",
             "data.max_response_length=8", "trainer.total_training_steps=2", "trainer.val_before_train=false",
             "trainer.test_freq=-1", "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
             "actor_rollout_ref.actor.optim.lr=1e-4"]
@@ -95,7 +95,7 @@ def test_seed_six_rank_job(tiny_assets, tmp_path):
     assert all(r["batch/ppo_mini_batch_size_per_rank"] == 120 for r in rows)
     from config import load_config
 
-    dims, _ = validate(load_config("configs/seed_1node_6gpu.yaml"), 6)
+    dims, _ = validate(load_config("configs/gsm8k_grpo_1node_6gpu.yaml"), 6)
     groups = plan_device_map(dims).rollout_tp_groups
     for rank in range(6):
         layout = json.loads((out / "layout" / f"rank{rank}.json").read_text())
