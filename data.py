@@ -2,10 +2,10 @@
 
 A row (parquet / jsonl / a hub data set) looks like verl's:
 
-    {"data_source": "openai/gsm8k",
+    {"data_source": "openai/gsm8k",                                          # picks the reward rule
      "prompt": [{"role": "user", "content": "Natalia sold clips to ..."}],   # chat messages
      "reward_model": {"style": "rule", "ground_truth": "72"},
-     "extra_info": {...}}
+     "extra_info": {...}}                                                    # passed to the reward function
 
 Every rank loads the same prompts and draws the same global batch each step (the sampler is a pure
 function of seed, epoch and position), then takes its rollout dp group's share of it. Prompts are
@@ -16,7 +16,7 @@ is two integers.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +27,13 @@ _FILE_TYPES = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
 
 @dataclass(frozen=True)
 class Prompt:
+    """One row, ready to generate from and to score."""
+
     token_ids: list[int]
-    ground_truth: Any
-    data_source: str
-    text: str  # the prompt after the chat template, for logs and reward functions
+    ground_truth: Any  # reward_model.ground_truth as stored (None if the row has none)
+    data_source: str  # chooses the built-in reward rule
+    text: str  # the prompt after the chat template, for logs and reward errors
+    extra_info: dict[str, Any] = field(default_factory=dict)  # the row's extra_info, for the reward function
 
 
 def _num_rows(path: Path) -> int:
@@ -42,11 +45,29 @@ def _num_rows(path: Path) -> int:
         return sum(1 for line in f if line.strip())
 
 
-def _load_rows(files: str | list[str], key: str) -> list[dict[str, Any]]:
-    """Rows from local parquet/jsonl files, or from a hub data set given as `name` or `name:split`."""
+def _as_list(files: str | list[str]) -> list[str]:
+    return [files] if isinstance(files, str) else list(files)
+
+
+def _row_location(files: str | list[str], row: int) -> str:
+    """`<file> row <j>` for row `row` of the files read one after another (the hub name for a hub data set)."""
+    files = _as_list(files)
+    local = [Path(f).expanduser() for f in files]
+    if all(p.suffix in _FILE_TYPES and p.is_file() for p in local):
+        for p in local:
+            num = _num_rows(p)
+            if row < num:
+                return f"{p} row {row}"
+            row -= num
+    return f"{files[0]} row {row}"
+
+
+def load_rows(files: str | list[str], key: str) -> list[dict[str, Any]]:
+    """Rows from local parquet/jsonl files, or from a hub data set given as `name` or `name:split`;
+    `key` is the config key (or flag) that named them, for errors."""
     import datasets
 
-    files = [files] if isinstance(files, str) else list(files)
+    files = _as_list(files)
     if not files:
         raise ConfigError(f"{key} is an empty list; give at least one parquet/jsonl file.")
     local = [Path(f).expanduser() for f in files]
@@ -54,7 +75,7 @@ def _load_rows(files: str | list[str], key: str) -> list[dict[str, Any]]:
         missing = [str(p) for p in local if not p.is_file()]
         if missing:
             raise ConfigError(f"{key}: file(s) not found: {', '.join(missing)} (make demo writes the demo's data "
-                              f"under assets/data/; see data.write_arithmetic_dataset).")
+                              f"under assets/data/; see make_assets.write_arithmetic_dataset).")
         empty = [str(p) for p in local if _num_rows(p) == 0]
         if empty:  # `datasets` fails on these with an unhelpful generation error
             raise ConfigError(f"{key}: the data set {', '.join(empty)} has no rows.")
@@ -79,15 +100,31 @@ def load_prompts(
     max_prompt_length: int,
     filter_overlong: bool,
     truncation: str,
+    require_ground_truth: bool = True,
 ) -> tuple[list[Prompt], int]:
-    """Tokenise every row's prompt; returns (prompts, number dropped or truncated for length)."""
-    rows = _load_rows(files, key)
+    """Tokenise every row's prompt; returns (prompts, number dropped or truncated for length).
+
+    require_ground_truth: every row must have reward_model.ground_truth, as the built-in rule rewards
+    need; pass False when custom_reward_function.path is set (a custom function may not need one).
+    """
+    rows = load_rows(files, key)
     if not rows:
         raise ConfigError(f"{key}: the data set {files} has no rows.")
     if prompt_key not in rows[0]:
         raise ConfigError(f"{key}: rows have no {prompt_key!r} column (data.prompt_key); columns: {sorted(rows[0])}.")
     prompts, overlong = [], 0
     for i, row in enumerate(rows):
+        ground_truth = (row.get("reward_model") or {}).get("ground_truth")
+        if ground_truth is None and require_ground_truth:
+            raise ConfigError(
+                f"{key}: {_row_location(files, i)} (data_source={row.get('data_source')!r}) has no "
+                f"reward_model.ground_truth, which the built-in rule rewards compare the response with. Add one "
+                f"to every row, or set custom_reward_function.path/.name to a function that needs none."
+            )
+        extra_info = row.get("extra_info") or {}
+        if not isinstance(extra_info, dict):
+            raise ConfigError(f"{key}: {_row_location(files, i)} has extra_info={extra_info!r}; verl's format "
+                              f"needs a mapping (or no extra_info).")
         messages = row[prompt_key]
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
@@ -102,13 +139,12 @@ def load_prompts(
                 continue
             if truncation == "error":
                 raise ConfigError(
-                    f"{key} row {i}: the prompt has {len(ids)} tokens, more than data.max_prompt_length="
-                    f"{max_prompt_length}. Raise it, set data.filter_overlong_prompts=true to drop such rows, "
+                    f"{key}: {_row_location(files, i)}: the prompt has {len(ids)} tokens, more than "
+                    f"data.max_prompt_length={max_prompt_length}. Raise it, set data.filter_overlong_prompts=true to drop such rows, "
                     f"or data.truncation=left|right."
                 )
             ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
-        reward = row.get("reward_model") or {}
-        prompts.append(Prompt(ids, reward.get("ground_truth"), str(row.get("data_source", "unknown")), text))
+        prompts.append(Prompt(ids, ground_truth, str(row.get("data_source", "unknown")), text, dict(extra_info)))
     if not prompts:
         raise ConfigError(
             f"{key}: all {len(rows)} prompts are longer than data.max_prompt_length={max_prompt_length} and "
@@ -155,40 +191,3 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
-
-
-# -----------------------------------------------------------------------------
-# The demo task: short arithmetic a tiny model can learn, with a `#### answer` like GSM8K
-
-
-def arithmetic_rows(num: int, seed: int, max_operand: int = 9) -> list[dict[str, Any]]:
-    """`num` rows of `a+b` questions (a, b <= max_operand) in verl's row format; the answer follows `####`."""
-    ops = "+"
-    rng = random.Random(seed)
-    rows = []
-    for i in range(num):
-        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        op = rng.choice(ops)
-        answer = a + b if op == "+" else a - b
-        rows.append({
-            "data_source": "arithmetic",
-            "prompt": [{"role": "user", "content": f"{a}{op}{b}="}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(answer)},
-            "extra_info": {"index": i},
-        })
-    return rows
-
-
-def write_arithmetic_dataset(out_dir: str | Path, num_train: int = 2000, num_val: int = 128, seed: int = 0) -> dict:
-    """Write train/val parquet files of the demo task (disjoint seeds); skip if present."""
-    import datasets
-
-    out = Path(out_dir)
-    paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
-    if all(p.is_file() for p in paths.values()):
-        return paths
-    out.mkdir(parents=True, exist_ok=True)
-    for split, num, split_seed in (("train", num_train, seed), ("val", num_val, seed + 1)):
-        datasets.Dataset.from_list(arithmetic_rows(num, split_seed)).to_parquet(str(paths[split]))
-    return paths

@@ -1,4 +1,4 @@
-"""Build the tokenizer and tiny models that tests and the CPU demo use, with no downloads.
+"""Build the tokenizer, tiny models and demo data set that tests and the CPU demo use, with no downloads.
 
     python make_assets.py                       # ./assets/{tokenizer,tiny-qwen2,tiny-llama-tied}
     python make_assets.py --out /tmp/assets --force
@@ -8,14 +8,17 @@
 The tokenizer is character level: every printable ASCII character and "\\n" is one token, so
 "What is 12+7?" encodes to exactly its 13 characters. Models are randomly initialised from a
 transformers config with a fixed seed and saved in float32 safetensors with the tokenizer beside
-them, so any of them loads with `from_pretrained(path)` and with vLLM.
+them, so any of them loads with `from_pretrained(path)` and with vLLM. The demo task is one-digit
+addition in verl's row format (data_source `arithmetic`), answered as `#### N` like GSM8K.
 """
 
 import argparse
 import math
 import os
+import random
 import string
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, pre_tokenizers
@@ -27,8 +30,6 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
-
-from data import write_arithmetic_dataset
 
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 # vLLM pads the embedding to a multiple of 64 anyway; choosing it up front keeps HF and vLLM alike.
@@ -118,6 +119,43 @@ def build_tokenizer_dir(out_dir: Path, force: bool = False) -> bool:
     build_tokenizer().save_pretrained(out_dir)
     print(f"wrote {out_dir}")
     return True
+
+
+# -----------------------------------------------------------------------------
+# The demo task: short arithmetic a tiny model can learn, with a `#### answer` like GSM8K
+
+
+def arithmetic_rows(num: int, seed: int, max_operand: int = 9) -> list[dict[str, Any]]:
+    """`num` rows of `a+b` questions (a, b <= max_operand) in verl's row format; the answer follows `####`."""
+    ops = "+"
+    rng = random.Random(seed)
+    rows = []
+    for i in range(num):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        op = rng.choice(ops)
+        answer = a + b if op == "+" else a - b
+        rows.append({
+            "data_source": "arithmetic",
+            "prompt": [{"role": "user", "content": f"{a}{op}{b}="}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(answer)},
+            "extra_info": {"index": i},
+        })
+    return rows
+
+
+def write_arithmetic_dataset(out_dir: str | Path, num_train: int = 2000, num_val: int = 128, seed: int = 0) -> dict:
+    """Write train/val parquet files of the demo task (disjoint seeds); skip if present."""
+    import datasets
+
+    out = Path(out_dir)
+    paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
+    if all(p.is_file() for p in paths.values()):
+        return paths
+    out.mkdir(parents=True, exist_ok=True)
+    for split, num, split_seed in (("train", num_train, seed), ("val", num_val, seed + 1)):
+        datasets.Dataset.from_list(arithmetic_rows(num, split_seed)).to_parquet(str(paths[split]))
+    return paths
 
 
 def build_default_assets(out: Path, force: bool = False, seed: int = 0) -> dict[str, Path]:

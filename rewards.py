@@ -1,67 +1,290 @@
-"""Rule rewards: a score per response, chosen by data source or given by the user.
+"""Rewards: a score per response, by the row's data_source (verl's rules) or by the user's function.
 
-A reward function has verl's signature
+A reward function has verl's signature and returns a number, or a dict with a "score" and extra
+numbers to log (the trainer logs their means as `reward_extra/<key>`):
 
-    compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None) -> float
+    compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict
 
-Built in: GSM8K's rule (the number after the last `####` must equal the ground truth) and the demo
-arithmetic task (the same rule). A user function comes from `custom_reward_function.path` (a .py
-file) and `.name`. A function that raises stops the run and shows the sample it failed on: a
-reward bug silently scored 0 would look like a model that cannot learn.
+Built-in rules, the same as verl 0.9.1's `verl.utils.reward_score.default_compute_score` (our own
+implementation of its behaviour, tested against it):
+
+    data_source                                  rule              answer read from     returns
+    openai/gsm8k, arithmetic (the demo)          gsm8k_score       `#### N`             1.0 / 0.0
+    lighteval/MATH, HuggingFaceH4/MATH-500,      math_score        last `\\boxed{...}`   1.0 / 0.0
+      DigitalLearningGmbH/MATH-lighteval
+    math, math_dapo, math_dapo_reasoning, aime*  math_dapo_score   `Answer: ...`, then  {"score": 1.0 / -1.0,
+                                                                   `\\boxed{...}`         "acc", "pred"}
+
+Any other data_source needs `custom_reward_function.path` (a .py file) and `.name`. `score_batch`
+decodes a batch of responses and scores it, for training and validation alike. A function that
+raises or returns a non-number stops the run and shows the sample: a reward bug silently scored 0
+would look like a model that cannot learn.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import numbers
 import re
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from config import ConfigError
 
-RewardFn = Callable[..., float]
+if TYPE_CHECKING:
+    import torch
 
-_ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+    from data import Prompt
 
-
-def extract_answer(text: str) -> str | None:
-    """The number after the last `####`, commas removed; None when there is none."""
-    matches = _ANSWER.findall(text)
-    return matches[-1].replace(",", "") if matches else None
+RewardFn = Callable[..., Any]  # (data_source, solution_str, ground_truth, extra_info) -> float | dict
 
 
-def gsm8k_score(solution_str: str, ground_truth: str, format_score: float = 0.0, score: float = 1.0) -> float:
-    """1 for the right number after `####`, `format_score` for a wrong one, 0 for none."""
-    answer = extract_answer(solution_str)
+class RewardError(RuntimeError):
+    """A reward function failed or returned a non-number; the message shows the sample."""
+
+
+# -----------------------------------------------------------------------------
+# GSM8K (verl's gsm8k.py, strict method): `#### ` and the number, exactly as written
+
+_TAIL_CHARS = 300  # verl's rules read only the end of a response: the answer is there, and regexes stay fast
+_GSM8K_ANSWER = re.compile(r"#### (-?[0-9.,]+)")  # one space, no other sign or unit: the format is part of the test
+
+
+def gsm8k_answer(solution_str: str) -> str | None:
+    """The number after the last `#### ` in the last 300 characters, commas removed; None when there is none."""
+    found = _GSM8K_ANSWER.findall(solution_str[-_TAIL_CHARS:])
+    # verl also removes "$", which this pattern can never match
+    return found[-1].replace(",", "") if found else None
+
+
+def gsm8k_score(solution_str: str, ground_truth: Any, *, format_score: float = 0.0, score: float = 1.0) -> float:
+    """`score` when the `#### ` answer equals the ground truth as a string ("72.0" is not "72"),
+    `format_score` when it differs, 0 when there is no `#### ` answer."""
+    answer = gsm8k_answer(solution_str)
     if answer is None:
         return 0.0
+    return float(score) if answer == str(ground_truth) else float(format_score)
+
+
+# -----------------------------------------------------------------------------
+# MATH (verl's math_reward.py, from lm-evaluation-harness's hendrycks_math): the last \boxed{},
+# normalised LaTeX compared as strings
+
+
+def _braced(text: str, open_at: int) -> str | None:
+    """The text inside the brace at text[open_at] and its match; None if it never closes."""
+    depth = 0
+    for i in range(open_at, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[open_at + 1:i]
+    return None
+
+
+def math_boxed_answer(solution_str: str) -> str | None:
+    """The answer MATH's rule reads: after the last `\\boxed ` up to a `$` when that spaced form occurs
+    anywhere, else inside the last `\\boxed{...}` (nested braces matched); None when neither is there."""
+    if "\\boxed " in solution_str:
+        return solution_str.split("\\boxed ")[-1].split("$")[0]
+    start = solution_str.rfind("\\boxed")
+    # A last `\boxed` without `{`, or only `\fbox{}`, scores 0 in verl too (its own `\boxed{` check fails).
+    if start < 0 or not solution_str.startswith("\\boxed{", start):
+        return None
+    return _braced(solution_str, start + len("\\boxed"))
+
+
+def _fix_sqrt(s: str) -> str:
+    r"""\sqrt3 -> \sqrt{3}. A bare `\sqrt` at the end raises IndexError (see math_equiv)."""
+    head, *pieces = s.split("\\sqrt")
+    return "\\sqrt".join([head] + [p if p[0] == "{" else "{" + p[0] + "}" + p[1:] for p in pieces])
+
+
+def _fix_fracs(s: str) -> str:
+    r"""\frac12 -> \frac{1}{2}, \frac1{72} -> \frac{1}{72}. A bare `\frac` at the end raises IndexError."""
+    head, *pieces = s.split("\\frac")
+    fixed = [head]
+    for p in pieces:
+        if p[0] == "{":
+            fixed.append(p)
+        elif len(p) < 2:  # `\frac3` at the end: the reference leaves the whole string as it was
+            return s
+        elif p[1] == "{":
+            fixed.append("{" + p[0] + "}" + p[1:])
+        else:
+            fixed.append("{" + p[0] + "}{" + p[1] + "}" + p[2:])
+    return "\\frac".join(fixed)
+
+
+def _fix_slash(s: str) -> str:
+    r"""3/4 -> \frac{3}{4}, for two plain integers only."""
+    parts = s.split("/")
+    if len(parts) != 2:
+        return s
     try:
-        return score if float(answer) == float(str(ground_truth).replace(",", "")) else format_score
+        a, b = int(parts[0]), int(parts[1])
     except ValueError:
-        return format_score
+        return s
+    return f"\\frac{{{a}}}{{{b}}}" if s == f"{a}/{b}" else s
 
 
-def default_compute_score(
-    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
-) -> float:
-    """Dispatch on the row's data_source, as verl's default reward does."""
-    if data_source in ("openai/gsm8k", "gsm8k", "arithmetic"):
-        return gsm8k_score(solution_str, ground_truth)
-    raise ValueError(
-        f"no built-in reward for data_source={data_source!r} (built in: openai/gsm8k, arithmetic); "
-        f"set custom_reward_function.path and custom_reward_function.name."
+def math_normalise(answer: str) -> str:
+    r"""MATH's answer normalisation: drop spacing, \left/\right, degrees, \$, units after `\text{ `, \%;
+    `.5` -> `0.5`; drop a short `x = ` prefix; brace \sqrt and \frac arguments; `0.5` and `a/b` -> \frac{a}{b}.
+    Raises IndexError / ValueError on the inputs the reference fails on (math_equiv then compares raw text)."""
+    s = answer.replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
+    s = s.replace("tfrac", "frac").replace("dfrac", "frac").replace("\\left", "").replace("\\right", "")
+    s = s.replace("^{\\circ}", "").replace("^\\circ", "").replace("\\$", "")
+    if "\\text{ " in s:  # `\text{ ` only ever starts a unit in MATH: cut it and what follows
+        parts = s.split("\\text{ ")
+        if len(parts) != 2:
+            raise ValueError(f"more than one `\\text{{ ` in {answer!r}")
+        s = parts[0]
+    s = s.replace("\\\\%", "").replace("\\%", "")
+    s = s.replace(" .", " 0.").replace("{.", "{0.")
+    if not s:
+        return s
+    if s[0] == ".":
+        s = "0" + s
+    sides = s.split("=")
+    if len(sides) == 2 and len(sides[0]) <= 2:  # `x = 3`, `k=3` -> `3`
+        s = sides[1]
+    s = _fix_sqrt(s).replace(" ", "")
+    s = _fix_fracs(s)
+    if s == "0.5":
+        s = "\\frac{1}{2}"
+    return _fix_slash(s)
+
+
+def math_equiv(answer: str, ground_truth: str) -> bool:
+    """Equal after math_normalise; the raw strings are compared when normalising fails, as in verl."""
+    try:
+        return math_normalise(answer) == math_normalise(ground_truth)
+    except (IndexError, ValueError):
+        return answer == ground_truth
+
+
+def math_score(solution_str: str, ground_truth: Any) -> float:
+    """1.0 when the last `\\boxed{}` answer is equivalent to the ground truth, else 0.0."""
+    answer = math_boxed_answer(solution_str)
+    return 1.0 if answer is not None and math_equiv(answer, str(ground_truth)) else 0.0
+
+
+# -----------------------------------------------------------------------------
+# DAPO-Math (verl's math_dapo.py, Minerva's normalisation): `Answer: ...` first, then \boxed{}
+
+_MINERVA_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+_NO_ANSWER = "[INVALID]"
+# Order matters: each pair is applied in turn, then each removal ("\text{}^2" before "\text{}").
+_MINERVA_REPLACE = (
+    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
+    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
+)
+_MINERVA_REMOVE = (
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue", "points",
+    "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges", "students",
+    "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3",
+    "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
+)
+_MINERVA_UNWRAP = (  # applied in order; each keeps the inside of the wrapper
+    (re.compile(r".*?\$(.*?)\$.*"), r"$\1$"),  # the first $...$ of each line
+    (re.compile(r"\\text\{(.*?)\}"), r"\1"),
+    (re.compile(r"\\textbf\{(.*?)\}"), r"\1"),
+    (re.compile(r"\\overline\{(.*?)\}"), r"\1"),
+    (re.compile(r"\\boxed\{(.*)\}"), r"\1"),
+    (re.compile(r"frac([^{])(.)"), r"frac{\1}{\2}"),  # \frac12 -> \frac{1}{2}
+    (re.compile(r"sqrt([^{])"), r"sqrt{\1}"),  # \sqrt2 -> \sqrt{2}
+)
+
+
+def math_dapo_normalise(answer: str) -> str:
+    """Minerva's normalisation: the part after the last `=`, no spaces, units or text wrappers, numbers
+    without thousands commas."""
+    s = answer.split("=")[-1]
+    for before, after in _MINERVA_REPLACE:
+        s = s.replace(before, after)
+    for word in _MINERVA_REMOVE:
+        s = s.replace(word, "")
+    for pattern, keep in _MINERVA_UNWRAP:
+        s = pattern.sub(keep, s)
+    s = s.replace("$", "")
+    if s.replace(",", "").isdigit():
+        s = s.replace(",", "")
+    return s.strip()
+
+
+def math_dapo_score(solution_str: str, ground_truth: Any, *, strict_box_verify: bool = False) -> dict[str, Any]:
+    """{"score": 1.0 or -1.0, "acc": bool, "pred": the answer read}. The answer is the last `Answer: ...`
+    line (both sides normalised) in the last 300 characters; without one, the last `\\boxed{...}` in the
+    last 100 characters compared as written. strict_box_verify=True reads only the `\\boxed{}`."""
+    tail, truth = solution_str[-_TAIL_CHARS:], str(ground_truth)
+    if not strict_box_verify:
+        lines = _MINERVA_ANSWER.findall(tail)
+        pred = math_dapo_normalise(lines[-1] if lines else _NO_ANSWER)
+        if pred != _NO_ANSWER:
+            return _dapo_result(pred == math_dapo_normalise(truth), pred)
+    box_tail = tail[-100:]
+    start = box_tail.rfind("\\boxed{")
+    boxed = None if start < 0 else _braced(box_tail, start + len("\\boxed"))
+    if boxed is not None:
+        return _dapo_result(boxed == truth, boxed)
+    if strict_box_verify:
+        return _dapo_result(False, None)
+    return _dapo_result(math_dapo_normalise(truth) == _NO_ANSWER, _NO_ANSWER)
+
+
+def _dapo_result(correct: bool, pred: str | None) -> dict[str, Any]:
+    return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
+
+
+# -----------------------------------------------------------------------------
+# Dispatch on data_source, as verl's default_compute_score does
+
+_GSM8K_SOURCES = ("openai/gsm8k", "arithmetic")  # arithmetic: the demo task, answered as `#### N`
+_MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
+_DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")  # and every name that starts with "aime"
+
+
+def _builtin_rule(data_source: str) -> Callable[[str, Any], float | dict[str, Any]]:
+    if data_source in _GSM8K_SOURCES:
+        return gsm8k_score
+    if data_source in _MATH_SOURCES:
+        return math_score
+    if data_source in _DAPO_SOURCES or data_source.startswith("aime"):
+        return math_dapo_score
+    raise ConfigError(
+        f"no built-in reward for data_source={data_source!r}. Built in: {', '.join(_GSM8K_SOURCES)} (`#### N`); "
+        f"{', '.join(_MATH_SOURCES)} (\\boxed{{}}); {', '.join(_DAPO_SOURCES)}, aime* (`Answer: ...`). "
+        f"Fix the rows' data_source, or set custom_reward_function.path=<file.py> and "
+        f"custom_reward_function.name=<function> (arguments: data_source, solution_str, ground_truth, extra_info)."
     )
 
 
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None
+) -> float | dict[str, Any]:
+    """The built-in rule for this data_source (table in the module docstring); ConfigError for any other."""
+    return _builtin_rule(data_source)(solution_str, ground_truth)
+
+
+def check_data_sources(data_sources: Iterable[str]) -> None:
+    """Raise at start-up, not after the first rollout, when a data_source has no built-in rule."""
+    for source in sorted(set(data_sources)):
+        _builtin_rule(source)
+
+
 def load_reward_fn(path: str | None, name: str) -> RewardFn:
-    """The built-in dispatcher, or `name` from the Python file at `path`."""
+    """The built-in dispatcher when `path` is None, else the function `name` from the Python file at `path`."""
     if path is None:
         return default_compute_score
     file = Path(path).expanduser()
-    if not file.is_file():
-        raise ConfigError(f"custom_reward_function.path={path!r} does not exist.")
+    if not file.is_file() or file.suffix != ".py":
+        raise ConfigError(f"custom_reward_function.path={path!r} is not an existing .py file.")
     spec = importlib.util.spec_from_file_location("custom_reward", file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -74,38 +297,64 @@ def load_reward_fn(path: str | None, name: str) -> RewardFn:
     return fn
 
 
-class RewardError(RuntimeError):
-    """A reward function failed; the message shows the sample."""
+# -----------------------------------------------------------------------------
+# Decode and score a batch: the one reward step of training and validation
+
+# verl's reward manager adds these to each row's extra_info: its agent loop counts a single-turn
+# rollout as 2 turns (user, assistant), and a rollout here returns no reward scores of its own.
+_NUM_TURNS = 2
 
 
-def score_responses(
-    fn: RewardFn, data_sources: list[str], responses: list[str], ground_truths: list[Any], prompts: list[str]
-) -> list[float]:
-    """Score each response; any exception or non-number stops the run with the offending sample."""
-    scores = []
-    for source, response, truth, prompt in zip(data_sources, responses, ground_truths, prompts, strict=True):
-        try:
-            value = fn(data_source=source, solution_str=response, ground_truth=truth, extra_info=None)
-            if isinstance(value, dict):  # verl allows {"score": ..., ...}
-                value = value["score"]
-            value = float(value)
-            if not math.isfinite(value):
-                raise ValueError(f"returned {value}, not a finite number")
-        except Exception as e:
-            raise RewardError(
-                f"reward function {getattr(fn, '__name__', fn)} failed: {type(e).__name__}: {e}\n"
-                f"  data_source={source!r}\n  prompt={prompt!r}\n  response={response!r}\n  ground_truth={truth!r}"
-            ) from e
-        scores.append(value)
-    return scores
+def score_batch(
+    reward_fn: RewardFn, tokenizer: Any, responses: torch.Tensor, response_mask: torch.Tensor, prompts: list[Prompt]
+) -> tuple[list[str], list[float], dict[str, list[float]]]:
+    """Decode each response and score it against its prompt's row.
 
-
-
-def score_batch(reward_fn: RewardFn, tokenizer: Any, responses: Any, response_mask: Any,
-                prompts: list[Any]) -> tuple[list[str], list[float], dict[str, list[float]]]:
-    """TEMPORARY"""
+    responses (B, R) token ids, response_mask (B, R) 1 on the response's own tokens, prompts[i] the row
+    of sample i. The function gets verl's arguments, with the row's extra_info plus verl's `num_turns`
+    and `rollout_reward_scores`. Returns (texts, scores, extras): the decoded responses, one finite
+    float per sample, and for each extra number a function returned in a dict (math_dapo's `acc`), the
+    values of the samples that returned it, so its mean is over those. Text extras (`pred`) are not kept.
+    Raises RewardError showing the sample when the function raises or its score is not a finite number.
+    """
     texts = tokenizer.batch_decode([r[m.bool()] for r, m in zip(responses, response_mask, strict=True)],
                                    skip_special_tokens=True)
-    scores = score_responses(reward_fn, [p.data_source for p in prompts], texts, [p.ground_truth for p in prompts],
-                             [p.text for p in prompts])
-    return texts, scores, {}
+    scores, extras = _score_texts(reward_fn, texts, prompts)
+    return texts, scores, extras
+
+
+def _score_texts(reward_fn: RewardFn, texts: list[str], prompts: list[Prompt]) -> tuple[list[float], dict]:
+    scores, extras = [], defaultdict(list)
+    for text, prompt in zip(texts, prompts, strict=True):
+        extra_info = {**prompt.extra_info, "num_turns": _NUM_TURNS, "rollout_reward_scores": {}}
+        try:
+            result = reward_fn(data_source=prompt.data_source, solution_str=text, ground_truth=prompt.ground_truth,
+                               extra_info=extra_info)
+        except Exception as e:
+            raise RewardError(_describe(reward_fn, f"raised {type(e).__name__}: {e}", prompt, text)) from e
+        score = result
+        if isinstance(result, dict):  # verl's form: {"score": ..., other keys to log}
+            if "score" not in result:
+                raise RewardError(_describe(reward_fn, f"returned a dict without a 'score' key: {result!r}",
+                                            prompt, text))
+            score = result["score"]
+            for key, value in result.items():
+                if key != "score" and not isinstance(value, str | bytes):
+                    try:  # numbers, bools (an `acc` flag averages to accuracy), numpy and 0-d tensor values
+                        number = float(value)
+                    except (TypeError, ValueError):
+                        continue  # not a number (None, a list): nothing to average
+                    extras[str(key)].append(number)
+        # A bool score is refused: it is usually a correctness flag returned where a reward was meant.
+        if isinstance(score, bool) or not isinstance(score, numbers.Real) or not math.isfinite(score):
+            raise RewardError(_describe(
+                reward_fn, f"returned the score {score!r} ({type(score).__name__}), not a finite number; "
+                "return a float (or a dict whose 'score' is one)", prompt, text))
+        scores.append(float(score))
+    return scores, dict(extras)
+
+
+def _describe(reward_fn: RewardFn, what: str, prompt: Prompt, response: str) -> str:
+    return (f"reward function {getattr(reward_fn, '__name__', reward_fn)} {what}\n"
+            f"  data_source={prompt.data_source!r}\n  prompt={prompt.text!r}\n  response={response!r}\n"
+            f"  ground_truth={prompt.ground_truth!r}\n  extra_info={prompt.extra_info!r}")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data import _load_rows
+from data import load_rows
 
 
 def encode_example(tokenizer, row: dict) -> tuple[list[int], int]:  # noqa: ANN001
@@ -63,7 +63,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    examples = [encode_example(tokenizer, row) for row in _load_rows(args.data, "--data")]
+    examples = [encode_example(tokenizer, row) for row in load_rows(args.data, "--data")]
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     start = time.perf_counter()
     for step in range(1, args.steps + 1):

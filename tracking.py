@@ -115,6 +115,20 @@ def reduce_metrics(local: dict[str, float], device: torch.device) -> dict[str, f
     return out
 
 
+def mean_over_ranks(values: dict[str, list[float]], prefix: str, device: torch.device) -> dict[str, float]:
+    """{prefix + key: mean of every rank's values of key}, for keys that only some ranks (or some
+    samples) have, like a reward function's extra outputs. A collective: every rank calls it."""
+    keys: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(keys, sorted(values))
+    names = sorted({k for rank_keys in keys for k in rank_keys})
+    if not names:
+        return {}
+    totals = torch.tensor([[sum(values.get(k, [])), len(values.get(k, []))] for k in names], dtype=torch.float64,
+                          device=device)  # (keys, 2) sum and count
+    dist.all_reduce(totals)
+    return {prefix + k: (total / count).item() for k, (total, count) in zip(names, totals, strict=True) if count > 0}
+
+
 def peak_memory_gb(device: torch.device) -> float:
     """Accelerator peak allocation, or the process's peak RSS on a CPU run."""
     if device.type == "cuda":

@@ -76,9 +76,10 @@ from models import (
     offload_optimizer,
     optimizer_step,
 )
-from rewards import RewardFn, load_reward_fn, score_batch
+from rewards import RewardFn, check_data_sources, load_reward_fn, score_batch
 from tracking import (
     Tracker,
+    mean_over_ranks,
     peak_memory_gb,
     plot_metrics,
     reduce_metrics,
@@ -324,8 +325,10 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer.pad_token = tokenizer.eos_token
     if data_cfg.train_files is None:
         raise ConfigError("data.train_files is not set; give parquet/jsonl files in verl's row format.")
+    rule_reward = cfg.custom_reward_function.path is None  # the built-in rules need each row's ground truth
     load_kwargs = dict(prompt_key=data_cfg.prompt_key, max_prompt_length=data_cfg.max_prompt_length,
-                       filter_overlong=data_cfg.filter_overlong_prompts, truncation=data_cfg.truncation)
+                       filter_overlong=data_cfg.filter_overlong_prompts, truncation=data_cfg.truncation,
+                       require_ground_truth=rule_reward)
     train_prompts, overlong = load_prompts(data_cfg.train_files, tokenizer, key="data.train_files", **load_kwargs)
     print0(f"data: {len(train_prompts)} training prompts ({overlong} over data.max_prompt_length="
            f"{data_cfg.max_prompt_length}, {'dropped' if data_cfg.filter_overlong_prompts else 'truncated'})")
@@ -334,6 +337,8 @@ def main(argv: list[str] | None = None) -> None:
         val_prompts, _ = load_prompts(data_cfg.val_files, tokenizer, key="data.val_files", **load_kwargs)
         val_prompts = val_prompts[:data_cfg.max_val_samples] if data_cfg.max_val_samples else val_prompts
     reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+    if rule_reward:  # a data source without a rule fails now, not at the first rollout
+        check_data_sources(p.data_source for p in train_prompts + val_prompts)
     sampler = PromptSampler(len(train_prompts), data_cfg.train_batch_size, data_cfg.seed, data_cfg.shuffle)
     total_steps = trainer_cfg.total_training_steps or sampler.batches_per_epoch * trainer_cfg.total_epochs
     check_model_length(model_cfg.path, data_cfg.max_prompt_length + data_cfg.max_response_length,
@@ -446,7 +451,8 @@ def main(argv: list[str] | None = None) -> None:
         # 3. reward: a rule score at each response's last token
         with timed(metrics, "reward"):
             rows = [train_prompts[i] for i in samples.prompt_index.tolist()]
-            _, scores, _ = score_batch(reward_fn, tokenizer, samples.responses, samples.response_mask, rows)
+            _, scores, reward_extras = score_batch(reward_fn, tokenizer, samples.responses, samples.response_mask,
+                                                   rows)
             scores = torch.tensor(scores, dtype=torch.float32, device=device)  # (B,)
             batch["token_level_scores"] = torch.zeros_like(mask)  # (B, R)
             batch["token_level_scores"][torch.arange(len(scores)), (lengths - 1).clamp(min=0)] = scores
@@ -515,6 +521,7 @@ def main(argv: list[str] | None = None) -> None:
         metrics["perf/max_memory_gb"] = peak_memory_gb(device)
         metrics.setdefault("actor/skipped_steps", 0)
         metrics = reduce_metrics(metrics, device)
+        metrics.update(mean_over_ranks(reward_extras, "reward_extra/", device))  # a reward function's extra keys
         metrics["batch/num_prompts"] = len(prompt_indices)
         metrics["batch/num_samples"] = len(prompt_indices) * rollout_cfg.n
         metrics["batch/ppo_mini_batch_size_per_rank"] = plan.ppo_mini_batch_size_per_rank
