@@ -35,8 +35,8 @@ TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
 
 
 @functools.cache
-def _warn_once(message: str) -> None:
-    logger.warning(message)
+def _log_once(message: str) -> None:
+    logger.info(message)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -50,18 +50,23 @@ class _Internals:
 
 
 class _DropKnownNoise(logging.Filter):
-    """vLLM logs these on every weight sync; both are expected here and would bury the step lines:
-    the rotary embedding's cache is derived from the config, never loaded, and the prefix cache
-    is reset on purpose after each sync."""
+    """vLLM logs these at start-up or on every weight sync; all are expected here and would bury the
+    step lines: the rotary embedding's cache is derived from the config, never loaded; the prefix
+    cache is reset on purpose after each sync; with skip_tokenizer_init (token ids in and out) there
+    is no chat template to warm up and no EOS id, which generate() passes as a stop token instead;
+    the CPU worker's threads are bound by VLLM_CPU_OMP_THREADS_BIND, not torch.set_num_threads."""
 
-    MESSAGES = ("RotaryEmbedding: Failed to load weights", "Successfully reset prefix cache")
+    MESSAGES = ("RotaryEmbedding: Failed to load weights", "Successfully reset prefix cache",
+                "Chat template warmup failed", "Using None for EOS token id because tokenizer is not initialized",
+                "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it.")
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.getMessage() not in self.MESSAGES
 
 
 def _quiet_sync_logs() -> None:
-    for name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.core.block_pool"):
+    for name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.core.block_pool",
+                 "vllm.renderers.base", "vllm.v1.worker.cpu_worker"):
         log = logging.getLogger(name)
         if not any(isinstance(f, _DropKnownNoise) for f in log.filters):
             log.addFilter(_DropKnownNoise())
@@ -346,8 +351,8 @@ def sleep(llm: LLM, level: int = 1) -> bool:
     host memory; level 2 discards them (fine when every wake-up is followed by sync_weights).
     Returns False, doing nothing, where the platform has no sleep mode (CPU)."""
     if not current_platform.is_sleep_mode_available():
-        _warn_once(f"vLLM sleep mode is not available on {current_platform.device_name}; the rollout "
-                   "engine keeps its memory during training.")
+        _log_once(f"vLLM sleep mode is not available on {current_platform.device_name}; the rollout "
+                  "engine keeps its memory during training.")
         return False
     llm.sleep(level=level)
     return True
@@ -357,7 +362,7 @@ def wake_up(llm: LLM, tags: list[str] | None = None) -> bool:
     """Re-allocate engine memory (sync_weights wakes ["weights"], then ["kv_cache"], to keep the
     peak low). Returns False, doing nothing, without sleep mode (CPU)."""
     if not current_platform.is_sleep_mode_available():
-        _warn_once(f"vLLM sleep mode is not available on {current_platform.device_name}; nothing to wake.")
+        _log_once(f"vLLM sleep mode is not available on {current_platform.device_name}; nothing to wake.")
         return False
     llm.wake_up(tags=tags)
     return True

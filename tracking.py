@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import resource
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from transformers.utils import logging as transformers_logging
 
 # The console line: (metric, short label, format). Everything else goes to the JSON file only.
 CONSOLE = [
@@ -146,7 +148,8 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 def route_library_logs(log_file: Path, rank: int) -> None:
     """A quiet console: library INFO lines (vLLM's engine start-up, its timing of every weight reload,
     ...) go to `log_file` only. The console keeps warnings on rank 0 and errors on every rank.
-    Call after `import vllm`, which installs its own console handler."""
+    Call before vLLM is imported, so that it leaves logging to the root logger configured here."""
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     log_file.parent.mkdir(parents=True, exist_ok=True)
     to_file = logging.FileHandler(log_file)
     to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -154,9 +157,15 @@ def route_library_logs(log_file: Path, rank: int) -> None:
     root = logging.getLogger()
     if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
                for h in root.handlers):
-        root.addHandler(logging.StreamHandler())
+        console = logging.StreamHandler()
+        # vLLM's start-up warnings (CPU performance hints, ...) and Python warnings (deprecations inside
+        # libraries) reach the console only as errors; they are all in the log file.
+        console.addFilter(lambda r: r.levelno >= logging.ERROR or not r.name.startswith(("vllm", "py.warnings")))
+        root.addHandler(console)
     root.setLevel(logging.INFO)
-    for logger in (root, logging.getLogger("vllm")):  # vLLM's logger does not propagate to the root
+    logging.captureWarnings(True)
+    transformers_logging.disable_progress_bar()  # the per-load "Loading weights" bar
+    for logger in (root, logging.getLogger("vllm")):  # in case vLLM was imported first and has its own
         for handler in logger.handlers:
             if not isinstance(handler, logging.FileHandler):
                 handler.setLevel(console_level)

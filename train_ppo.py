@@ -313,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     meshes = build_meshes(dims, env.device_type, timeout_s=cfg.actor_rollout_ref.nccl_timeout)
     rank, world, device = env.rank, env.world_size, env.device
     write_rank_layout(out_dir / "layout", rank, meshes)
+    route_library_logs(out_dir / "logs" / f"rank{rank}.log", rank)
+    print0(f"library logs: {out_dir / 'logs'}/rank<r>.log")
     random.seed(trainer_cfg.seed)
     torch.manual_seed(trainer_cfg.seed)
 
@@ -384,7 +386,6 @@ def main(argv: list[str] | None = None) -> None:
     # --- rollout engine: one vLLM shard per rank, TP over the rows of the rollout mesh ---------------
     import rollout as ro  # imported here: vLLM takes seconds to import, config errors should not wait
 
-    route_library_logs(out_dir / "logs" / f"rank{rank}.log", rank)
     max_model_len = data_cfg.max_prompt_length + data_cfg.max_response_length
     llm = ro.build_rollout_engine(
         model_cfg.path, meshes.rollout, max_model_len=max_model_len,
