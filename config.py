@@ -27,25 +27,27 @@ _NONE = type(None)
 _INT_OR_NONE = (int, _NONE)
 _STR_OR_NONE = (str, _NONE)
 _BOOL_OR_NONE = (bool, _NONE)
+_FLOAT_OR_NONE = (float, _NONE)
 _FILES = (str, list, _NONE)
 
 
 def _optim(lr: float) -> dict[str, tuple[Any, Any]]:
     return {
         "lr": (float, lr),
-        "lr_warmup_steps": (int, -1),  # -1: use lr_warmup_steps_ratio
+        "lr_warmup_steps": (int, -1),  # <= 0: use lr_warmup_steps_ratio (verl's rule)
         "lr_warmup_steps_ratio": (float, 0.0),
-        "warmup_style": (str, "constant"),  # constant | cosine
-        "min_lr_ratio": (float, 0.0),
+        "lr_scheduler_type": (str, "constant"),  # constant | cosine
+        "warmup_style": (_STR_OR_NONE, None),  # verl's older name for lr_scheduler_type; wins when set
+        "min_lr_ratio": (float, 0.0),  # cosine floor
         "weight_decay": (float, 0.01),
         "betas": (list, [0.9, 0.999]),
-        "total_training_steps": (int, -1),  # -1: filled from trainer.total_training_steps
+        "total_training_steps": (int, -1),  # the schedule's length; -1: the run's (trainer.total_training_steps)
     }
 
 
-def _fsdp_config() -> dict[str, tuple[Any, Any]]:
+def _fsdp_config(fsdp_size: tuple[Any, Any] = (int, -1)) -> dict[str, tuple[Any, Any]]:
     return {
-        "fsdp_size": (int, -1),  # -1: one FSDP group over all ranks; k: HSDP groups of k ranks
+        "fsdp_size": fsdp_size,  # -1: one FSDP group over all ranks; k: HSDP groups of k ranks
         "param_offload": (bool, False),
         "optimizer_offload": (bool, False),
         "reshard_after_forward": (bool, True),
@@ -63,7 +65,7 @@ SCHEMA: dict[str, Any] = {
         "max_response_length": (int, 512),
         "train_batch_size": (int, 1024),
         "val_batch_size": (_INT_OR_NONE, None),  # null: the whole validation set at once
-        "filter_overlong_prompts": (bool, True),  # drop prompts over max_prompt_length ...
+        "filter_overlong_prompts": (bool, False),  # drop prompts over max_prompt_length ...
         "truncation": (str, "error"),  # ... or, when not filtering: error | left | right
         "shuffle": (bool, True),
         "seed": (int, 1),
@@ -86,8 +88,8 @@ SCHEMA: dict[str, Any] = {
             "shuffle": (bool, False),
             "grad_clip": (float, 1.0),
             "clip_ratio": (float, 0.2),
-            "clip_ratio_low": (float, 0.2),
-            "clip_ratio_high": (float, 0.2),
+            "clip_ratio_low": (_FLOAT_OR_NONE, None),  # null: clip_ratio
+            "clip_ratio_high": (_FLOAT_OR_NONE, None),  # null: clip_ratio
             "clip_ratio_c": (float, 3.0),  # dual-clip lower bound for negative advantages
             "loss_agg_mode": (str, "token-mean"),
             "entropy_coeff": (float, 0.0),
@@ -138,9 +140,9 @@ SCHEMA: dict[str, Any] = {
         "shuffle": (_BOOL_OR_NONE, None),  # null: the actor's
         "grad_clip": (float, 1.0),
         "cliprange_value": (float, 0.5),
-        "loss_agg_mode": (str, "token-mean"),
+        "loss_agg_mode": (_STR_OR_NONE, None),  # null: the actor's
         "ulysses_sequence_parallel_size": (int, 1),
-        "fsdp_config": _fsdp_config(),
+        "fsdp_config": _fsdp_config(fsdp_size=(_INT_OR_NONE, None)),  # null: the actor's (its FSDP mesh)
     },
     "reward_model": {
         "enable": (bool, False),
@@ -193,7 +195,8 @@ ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus")
 GROUP_ESTIMATORS = ("grpo", "rloo")  # compare the samples of one prompt: need rollout.n >= 2
 CRITIC_ESTIMATORS = ("gae",)  # need a value model
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+# "+": straight-through, the value of k1 / k3 with the gradient of k2 (for the KL loss)
+KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "kl+", "low_var_kl+")
 
 # Keys whose value must be one of a few names; checked at load time, before any model loads.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -206,8 +209,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.adv_estimator": ADV_ESTIMATORS,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "data.truncation": ("error", "left", "right"),
+    "actor_rollout_ref.actor.optim.lr_scheduler_type": ("constant", "cosine"),
     "actor_rollout_ref.actor.optim.warmup_style": ("constant", "cosine"),
+    "critic.optim.lr_scheduler_type": ("constant", "cosine"),
     "critic.optim.warmup_style": ("constant", "cosine"),
+    "reward_model.reward_manager": ("naive",),  # one score per sample from a rule or custom function
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
 }
 
@@ -272,7 +278,7 @@ def _check_value(key: str, value: Any) -> Any:
         raise ConfigError(
             f"config key {key!r} expects {_type_name(types)}, got {value!r} ({type(value).__name__})."
         )
-    if key in CHOICES and value not in CHOICES[key]:
+    if key in CHOICES and value is not None and value not in CHOICES[key]:
         raise ConfigError(f"config key {key!r} is {value!r}; valid values: {', '.join(CHOICES[key])}.")
     return value
 
@@ -346,6 +352,46 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def to_yaml(cfg: dict[str, Any]) -> str:
     """The resolved config as YAML, for the start-up print and the run directory."""
     return yaml.safe_dump(_plain(cfg), sort_keys=False, default_flow_style=False)
+
+
+LOGGERS = ("console", "tensorboard", "wandb")
+
+
+def check_supported(cfg: Config) -> None:
+    """Refuse values that verl accepts but this program does not implement, and values that cannot
+    work, each naming its key and what to set instead (so no accepted key is silently ignored)."""
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    if cfg.reward_model.enable:
+        raise ConfigError(
+            "reward_model.enable=true (a learned reward model) is not supported; score with a rule "
+            "function instead (custom_reward_function.path / .name) and set reward_model.enable=false."
+        )
+    if not arr.hybrid_engine:
+        raise ConfigError("actor_rollout_ref.hybrid_engine=false (a separate rollout pool) is not supported: "
+                          "the engine is collocated with the actor on every rank. Set it to true.")
+    if cfg.data.val_batch_size is not None:
+        raise ConfigError(f"data.val_batch_size={cfg.data.val_batch_size}: validation hands the whole held-out "
+                          "set to the engine at once (vLLM batches it itself); set data.val_batch_size=null, or "
+                          "data.max_val_samples to validate on fewer prompts.")
+    if critic.fsdp_config.fsdp_size not in (None, arr.actor.fsdp_config.fsdp_size):
+        raise ConfigError(
+            f"critic.fsdp_config.fsdp_size={critic.fsdp_config.fsdp_size} differs from the actor's "
+            f"actor_rollout_ref.actor.fsdp_config.fsdp_size={arr.actor.fsdp_config.fsdp_size}: the critic is "
+            f"sharded on the actor's FSDP mesh. Set them equal, or critic.fsdp_config.fsdp_size=null.")
+    keep_actor, keep_critic = cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep
+    if keep_critic is not None and keep_critic != keep_actor:
+        raise ConfigError(
+            f"trainer.max_critic_ckpt_to_keep={keep_critic} differs from trainer.max_actor_ckpt_to_keep="
+            f"{keep_actor}: actor and critic are saved together, one directory per step. Set them equal "
+            f"or leave max_critic_ckpt_to_keep null.")
+    if arr.rollout.temperature <= 0:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.temperature={arr.rollout.temperature}: training samples must come from "
+            f"the policy, and the log-probs divide the logits by it; use a value > 0 (1.0 samples the policy "
+            f"as it is). Greedy decoding is for validation: rollout.val_kwargs.do_sample=false.")
+    unknown = [name for name in cfg.trainer.logger if name not in LOGGERS]
+    if unknown:
+        raise ConfigError(f"trainer.logger has unknown entries {unknown}; valid: {', '.join(LOGGERS)}.")
 
 
 def non_defaults(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from config import CRITIC_ESTIMATORS, GROUP_ESTIMATORS, Config, ConfigError, load_config
+from config import CRITIC_ESTIMATORS, GROUP_ESTIMATORS, Config, ConfigError, check_supported, load_config
 
 # -----------------------------------------------------------------------------
 # Parallel degrees
@@ -229,12 +229,14 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
             f"the {per_rank} samples each rank recomputes log-probs for ({total} samples / {dims.train_dp} "
             f"training ranks). Valid values: 1..{per_rank}, e.g. {min(8, per_rank)}."
         )
-    ref_micro = arr.ref.log_prob_micro_batch_size_per_gpu
-    if ref_micro is not None and (ref_micro < 1 or ref_micro > per_rank):
-        raise ConfigError(
-            f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={ref_micro} must be between 1 and "
-            f"{per_rank} (samples per rank), or null to use the rollout's value."
-        )
+    for key, forward_micro in (("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                                arr.ref.log_prob_micro_batch_size_per_gpu),
+                               ("critic.forward_micro_batch_size_per_gpu", cfg.critic.forward_micro_batch_size_per_gpu)):
+        if forward_micro is not None and (forward_micro < 1 or forward_micro > per_rank):
+            raise ConfigError(
+                f"{key}={forward_micro} must be between 1 and {per_rank} (samples per rank), or null to use "
+                f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu."
+            )
 
     c_mini = c_micro = c_accum = None
     if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS:
@@ -268,11 +270,7 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
 
 def validate(cfg: Config, world_size: int | None = None) -> tuple[ParallelDims, BatchPlan]:
     """Every layout and batch rule, as pure arithmetic; raises ConfigError before any model loads."""
-    if cfg.reward_model.enable:
-        raise ConfigError(
-            "reward_model.enable=true (a learned reward model) is not supported; score with a rule "
-            "function instead (custom_reward_function.path / .name) and set reward_model.enable=false."
-        )
+    check_supported(cfg)
     dims = parallel_dims(cfg, world_size)
     return dims, plan_batches(cfg, dims)
 

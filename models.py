@@ -447,19 +447,24 @@ def _gather_bucket(bucket: list[tuple[str, DTensor]]) -> Iterator[tuple[str, tor
 
 
 def lr_lambda(optim_cfg: Mapping[str, Any], total_steps: int) -> Callable[[int], float]:
-    """Linear warmup, then constant or cosine down to min_lr_ratio (verl's warmup_style)."""
+    """verl's schedule, as a factor of optim.lr for optimizer step `step` (0-based): linear warmup from
+    0 over lr_warmup_steps (<= 0: lr_warmup_steps_ratio x the schedule's length), then constant, or a
+    half cosine down to min_lr_ratio (lr_scheduler_type; warmup_style, verl's older name, wins when
+    set). The length is optim.total_training_steps when > 0, else the run's `total_steps`."""
+    length = optim_cfg["total_training_steps"] if optim_cfg["total_training_steps"] > 0 else total_steps
     warmup = optim_cfg["lr_warmup_steps"]
-    if warmup < 0:
-        warmup = int(optim_cfg["lr_warmup_steps_ratio"] * total_steps)
+    if warmup <= 0:
+        warmup = int(optim_cfg["lr_warmup_steps_ratio"] * length)
+    kind = optim_cfg["warmup_style"] or optim_cfg["lr_scheduler_type"]
+    floor = optim_cfg["min_lr_ratio"]
 
     def fn(step: int) -> float:
         if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if optim_cfg["warmup_style"] == "constant":
+            return step / max(1, warmup)
+        if kind == "constant":
             return 1.0
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        floor = optim_cfg["min_lr_ratio"]
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        progress = (step - warmup) / max(1, length - warmup)
+        return max(floor, math.cos(math.pi * progress) * (1 - floor) * 0.5 + (1 + floor) * 0.5)
 
     return fn
 

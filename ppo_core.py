@@ -381,9 +381,22 @@ def _kl_k3(log_ratio: Tensor) -> Tensor:
     return (log_r.exp() - log_r - 1.0).clamp(-10.0, 10.0)
 
 
+def _straight_through(forward: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """k1+ / k3+: the value of k1 / k3, the gradient of k2. k1 and k3 estimate KL without bias, but
+    their gradients are not the gradient of KL; k2's is (Schulman's note), so as a loss it steers right."""
+
+    def estimator(log_ratio: Tensor) -> Tensor:
+        backward = _kl_k2(log_ratio)
+        return backward - backward.detach() + forward(log_ratio).detach()
+
+    return estimator
+
+
 # algorithm.kl_penalty / actor.kl_loss_type -> estimator of the log-ratio (names from config.KL_ESTIMATORS)
 KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
     "kl": _kl_k1, "k1": _kl_k1, "abs": _kl_abs, "mse": _kl_k2, "k2": _kl_k2, "low_var_kl": _kl_k3, "k3": _kl_k3,
+    "k1+": _straight_through(_kl_k1), "k3+": _straight_through(_kl_k3),
+    "kl+": _straight_through(_kl_k1), "low_var_kl+": _straight_through(_kl_k3),
 }
 
 

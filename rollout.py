@@ -364,6 +364,8 @@ def wake_up(llm: LLM, tags: list[str] | None = None) -> bool:
     if not current_platform.is_sleep_mode_available():
         _log_once(f"vLLM sleep mode is not available on {current_platform.device_name}; nothing to wake.")
         return False
+    if not llm.llm_engine.is_sleeping():  # rollout.free_cache_engine=false: it never slept
+        return False
     llm.wake_up(tags=tags)
     return True
 

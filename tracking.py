@@ -41,9 +41,6 @@ class Tracker:
         self.enabled = enabled
         self.total_steps = total_steps
         self.out_dir = Path(out_dir)
-        unknown = set(loggers) - {"console", "tensorboard", "wandb"}
-        if unknown:
-            raise ValueError(f"trainer.logger has unknown entries {sorted(unknown)}; valid: console, tensorboard, wandb.")
         self.console = "console" in loggers
         self.tb = self.wandb = None
         if not enabled:

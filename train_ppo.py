@@ -133,8 +133,8 @@ def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLCont
         kl_total = torch.tensor([current_kl * len(mask), len(mask)], dtype=torch.float64)
         dist.all_reduce(kl_total)
         current_kl = (kl_total[0] / kl_total[1]).item()
-        kl_ctrl.update(current_kl, n_steps=total_samples)
         metrics["actor/reward_kl_penalty"], metrics["actor/reward_kl_penalty_coeff"] = current_kl, kl_ctrl.value
+        kl_ctrl.update(current_kl, n_steps=total_samples)  # the coefficient for the next batch
     batch["token_level_rewards"] = rewards
 
     estimator = algo_cfg.adv_estimator
@@ -214,13 +214,15 @@ def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
                  loss_scale_factor: int, generator: torch.Generator) -> dict[str, float]:
     """Clipped policy loss, minus the entropy bonus, plus the KL loss to the reference model."""
     calc_entropy = actor_cfg.entropy_coeff != 0
+    clip_low, clip_high = (actor_cfg.clip_ratio if c is None else c for c in (actor_cfg.clip_ratio_low,
+                                                                              actor_cfg.clip_ratio_high))
 
     def loss_fn(mb: Batch, scale: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         log_prob, entropy = compute_log_probs(actor, mb, temperature, micro_batch_size, calc_entropy)  # (b, R)
         mask = mb["response_mask"]  # (b, R)
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = core.compute_policy_loss(
-            mb["old_log_probs"], log_prob, mb["advantages"], mask, actor_cfg.clip_ratio_low,
-            actor_cfg.clip_ratio_high, actor_cfg.clip_ratio_c, actor_cfg.loss_agg_mode, **scale)
+            mb["old_log_probs"], log_prob, mb["advantages"], mask, clip_low, clip_high, actor_cfg.clip_ratio_c,
+            actor_cfg.loss_agg_mode, **scale)
         loss = pg_loss
         terms = {"actor/pg_loss": pg_loss, "actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl,
                  "actor/pg_clipfrac_lower": clipfrac_lower}
@@ -240,14 +242,14 @@ def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
 
 
 def update_critic(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, critic_cfg: Config, *,
-                  epochs: int, shuffle: bool, mini_batch_size: int, micro_batch_size: int, dp_size: int,
-                  loss_scale_factor: int, generator: torch.Generator) -> dict[str, float]:
+                  epochs: int, shuffle: bool, loss_agg_mode: str, mini_batch_size: int, micro_batch_size: int,
+                  dp_size: int, loss_scale_factor: int, generator: torch.Generator) -> dict[str, float]:
     """Clipped value loss against the returns."""
 
     def loss_fn(mb: Batch, scale: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         vpreds = compute_values(critic, mb, micro_batch_size)  # (b, R)
         vf_loss, vf_clipfrac = core.compute_value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
-                                                       critic_cfg.cliprange_value, critic_cfg.loss_agg_mode, **scale)
+                                                       critic_cfg.cliprange_value, loss_agg_mode, **scale)
         return vf_loss, {"critic/vf_loss": vf_loss, "critic/vf_clipfrac": vf_clipfrac}
 
     return run_updates(critic, optimizer, batch, loss_fn, epochs=epochs, mini_batch_size=mini_batch_size,
@@ -440,7 +442,8 @@ def main(argv: list[str] | None = None) -> None:
             mine = ro.shard_for_dp(prompt_indices, meshes.rollout.get_local_rank("dp"), dims.rollout_dp)
             generated = ro.generate(llm, [train_prompts[i].token_ids for i in mine], step=step, prompt_indices=mine,
                                     **train_sampling)  # the group's samples, prompt-major
-        ro.sleep(llm)
+        if rollout_cfg.free_cache_engine:  # free the engine's accelerator memory for training (vLLM sleep mode)
+            ro.sleep(llm)
         if actor_cfg.fsdp_config.param_offload:
             load_fsdp_model_to_device(actor, device)
         # training is data parallel over all ranks: TP rank r keeps slice r of its group's samples
@@ -466,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
         diff = ro.logprob_diff(batch["rollout_log_probs"], batch["old_log_probs"], batch["response_mask"])
         metrics["rollout/logprob_diff_mean"], metrics["rollout/logprob_diff_max"] = (
             diff["logprob_diff_mean"], diff["logprob_diff_max"])
-        metrics["actor/entropy"] = core.masked_mean(entropy, mask).item()
+        metrics["actor/entropy"] = core.agg_loss(entropy, mask, actor_cfg.loss_agg_mode).item()
         if ref is not None:
             with timed(metrics, "ref"), torch.no_grad():
                 batch["ref_log_probs"], _ = compute_log_probs(
@@ -475,7 +478,8 @@ def main(argv: list[str] | None = None) -> None:
         if critic is not None:
             critic.eval()
             with timed(metrics, "values"), torch.no_grad():
-                batch["values"] = compute_values(critic, batch, plan.log_prob_micro_batch_size_per_gpu)
+                batch["values"] = compute_values(
+                    critic, batch, critic_cfg.forward_micro_batch_size_per_gpu or plan.log_prob_micro_batch_size_per_gpu)
 
         # 5. advantages
         with timed(metrics, "adv"):
@@ -489,6 +493,7 @@ def main(argv: list[str] | None = None) -> None:
                 metrics.update(update_critic(
                     critic, critic_optim, batch, critic_cfg, epochs=critic_cfg.ppo_epochs or actor_cfg.ppo_epochs,
                     shuffle=actor_cfg.shuffle if critic_cfg.shuffle is None else critic_cfg.shuffle,
+                    loss_agg_mode=critic_cfg.loss_agg_mode or actor_cfg.loss_agg_mode,
                     mini_batch_size=plan.critic_ppo_mini_batch_size_per_rank,
                     micro_batch_size=plan.critic_ppo_micro_batch_size_per_gpu, dp_size=world,
                     loss_scale_factor=data_cfg.max_response_length, generator=generator))

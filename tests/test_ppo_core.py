@@ -516,3 +516,13 @@ def test_whitening_spans_every_ranks_share(tmp_path):
     # whitening each share alone gives something else: the group mattered
     local, _ = pc.compute_gae_advantage_return(*(t[WHITEN_SHARES[1]] for t in (rewards, values, mask)), 0.99, 0.95)
     assert (local - full_gae[WHITEN_SHARES[1]]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name,base", [("k1+", "k1"), ("k3+", "k3"), ("kl+", "kl"), ("low_var_kl+", "low_var_kl")])
+def test_straight_through_kl_has_the_value_of_its_base_and_the_gradient_of_k2(name, base):
+    logprob = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+    ref = torch.randn(4, 7, dtype=torch.float64)
+    value = pc.kl_penalty(logprob, ref, name)
+    assert torch.equal(value.detach(), pc.kl_penalty(logprob, ref, base).detach())
+    (grad,) = torch.autograd.grad(value.sum(), logprob)
+    torch.testing.assert_close(grad, (logprob - ref).detach())  # d/dx 0.5 (x - r)^2
