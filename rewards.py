@@ -27,7 +27,6 @@ import importlib.util
 import math
 import numbers
 import re
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -307,14 +306,15 @@ _NUM_TURNS = 2
 
 def score_batch(
     reward_fn: RewardFn, tokenizer: Any, responses: torch.Tensor, response_mask: torch.Tensor, prompts: list[Prompt]
-) -> tuple[list[str], list[float], dict[str, list[float]]]:
+) -> tuple[list[str], list[float], list[dict[str, float]]]:
     """Decode each response and score it against its prompt's row.
 
     responses (B, R) token ids, response_mask (B, R) 1 on the response's own tokens, prompts[i] the row
     of sample i. The function gets verl's arguments, with the row's extra_info plus verl's `num_turns`
     and `rollout_reward_scores`. Returns (texts, scores, extras): the decoded responses, one finite
-    float per sample, and for each extra number a function returned in a dict (math_dapo's `acc`), the
-    values of the samples that returned it, so its mean is over those. Text extras (`pred`) are not kept.
+    float per sample, and per sample the extra numbers its function returned in a dict (math_dapo's
+    `acc`; {} for a float), so a key's mean is over the samples that have it. Text extras (`pred`) are
+    not kept.
     Raises RewardError showing the sample when the function raises or its score is not a finite number.
     """
     texts = tokenizer.batch_decode([r[m.bool()] for r, m in zip(responses, response_mask, strict=True)],
@@ -323,9 +323,11 @@ def score_batch(
     return texts, scores, extras
 
 
-def _score_texts(reward_fn: RewardFn, texts: list[str], prompts: list[Prompt]) -> tuple[list[float], dict]:
-    scores, extras = [], defaultdict(list)
+def _score_texts(reward_fn: RewardFn, texts: list[str],
+                 prompts: list[Prompt]) -> tuple[list[float], list[dict[str, float]]]:
+    scores, extras = [], []
     for text, prompt in zip(texts, prompts, strict=True):
+        extras.append({})
         extra_info = {**prompt.extra_info, "num_turns": _NUM_TURNS, "rollout_reward_scores": {}}
         try:
             result = reward_fn(data_source=prompt.data_source, solution_str=text, ground_truth=prompt.ground_truth,
@@ -344,14 +346,14 @@ def _score_texts(reward_fn: RewardFn, texts: list[str], prompts: list[Prompt]) -
                         number = float(value)
                     except (TypeError, ValueError):
                         continue  # not a number (None, a list): nothing to average
-                    extras[str(key)].append(number)
+                    extras[-1][str(key)] = number
         # A bool score is refused: it is usually a correctness flag returned where a reward was meant.
         if isinstance(score, bool) or not isinstance(score, numbers.Real) or not math.isfinite(score):
             raise RewardError(_describe(
                 reward_fn, f"returned the score {score!r} ({type(score).__name__}), not a finite number; "
                 "return a float (or a dict whose 'score' is one)", prompt, text))
         scores.append(float(score))
-    return scores, dict(extras)
+    return scores, extras
 
 
 def _describe(reward_fn: RewardFn, what: str, prompt: Prompt, response: str) -> str:

@@ -46,7 +46,9 @@ class Tracker:
         if not enabled:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(self.out_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        self.path = self.out_dir / "metrics.jsonl"
+        rows = read_metrics(self.path) if self.path.is_file() else []
+        self.last_step = rows[-1]["step"] if rows else None
         if "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter  # optional install: tensorboard
 
@@ -57,10 +59,18 @@ class Tracker:
             self.wandb = wandb.init(project=project, name=experiment, config=config)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Append the step's line; metrics of a step already in the file are merged into its line
+        (validation before training on resume), so the file never holds two lines for one step."""
         if not self.enabled:
             return
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.jsonl.flush()
+        if step == self.last_step:
+            lines = self.path.read_text().splitlines()
+            lines[-1] = json.dumps({**json.loads(lines[-1]), **metrics})
+            self.path.write_text("\n".join(lines) + "\n")
+        else:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.last_step = step
         if self.tb is not None:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)
@@ -74,7 +84,6 @@ class Tracker:
     def close(self) -> None:
         if not self.enabled:
             return
-        self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
@@ -136,7 +145,8 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
-    """On resume, drop metric lines of steps after the checkpoint: they are about to be redone."""
+    """At start, drop metric lines of steps after the checkpoint (after 0 without one): a restarted
+    run is about to redo them."""
     if path.is_file():
         lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
         path.write_text("".join(line + "\n" for line in lines))

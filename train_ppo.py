@@ -264,26 +264,38 @@ def update_critic(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
 
 def run_validation(llm: LLM, prompts: list[Prompt], tokenizer: Any, reward_fn: RewardFn, rollout_mesh: DeviceMesh,
                    step: int, sampling: dict[str, Any], out_dir: Path, device: torch.device) -> dict[str, float]:
-    """Scores on the held-out prompts (greedy unless rollout.val_kwargs.do_sample); each group's
-    generations go to <out_dir>/val_generations/step<N>_dp<g>.jsonl for a person (or a test) to read."""
+    """Scores on the whole held-out set (greedy unless rollout.val_kwargs.do_sample), with verl's names:
+    val-core/<data_source>/reward/mean@<n> per source, val-aux/<data_source>/<extra>/mean@<n> for a
+    reward function's extra outputs, and val/score over everything. Each rollout dp group generates
+    for a contiguous share (sizes differ by at most one prompt); its generations go to
+    <out_dir>/val_generations/step<N>_dp<g>.jsonl for a person (or a test) to read."""
     from rollout import generate
 
     dp, dp_rank = rollout_mesh.size(0), rollout_mesh.get_local_rank("dp")
-    usable = len(prompts) - len(prompts) % dp  # equal shares; the remainder (< dp prompts) is skipped
-    mine = list(range(usable))[dp_rank * (usable // dp):(dp_rank + 1) * (usable // dp)]
+    mine = list(range(len(prompts) * dp_rank // dp, len(prompts) * (dp_rank + 1) // dp))
     generated = generate(llm, [prompts[i].token_ids for i in mine], step=step, prompt_indices=mine, **sampling)
     rows = [prompts[i] for i in generated.prompt_index.tolist()]
-    texts, scores, _ = score_batch(reward_fn, tokenizer, generated.responses, generated.response_mask, rows)
+    texts, scores, extras = score_batch(reward_fn, tokenizer, generated.responses, generated.response_mask, rows)
     if rollout_mesh.get_local_rank("infer_tp") == 0:
         (out_dir / "val_generations").mkdir(parents=True, exist_ok=True)
         with open(out_dir / "val_generations" / f"step{step}_dp{dp_rank}.jsonl", "w") as f:
             for prompt, text, score in zip(rows, texts, scores, strict=True):
                 f.write(json.dumps({"prompt": prompt.text, "response": text, "ground_truth": prompt.ground_truth,
                                     "score": score}) + "\n")
-    # every rank of a TP group scored the same samples: sum over the dp dimension only
-    totals = torch.tensor([sum(scores), len(scores)], dtype=torch.float64, device=device)
-    dist.all_reduce(totals, group=rollout_mesh.get_group("dp"))
-    return {"val/score": (totals[0] / totals[1]).item(), "val/num_samples": totals[1].item()}
+    # Means over every rank's samples; the TP ranks of a group hold the same samples, which leaves means
+    # unchanged. mean@n: the mean over all n samples of every prompt.
+    n = sampling["n"]
+    by_name: dict[str, list[float]] = {"val/score": scores}
+    for prompt, score in zip(rows, scores, strict=True):
+        by_name.setdefault(f"val-core/{prompt.data_source}/reward/mean@{n}", []).append(score)
+    for prompt, sample_extras in zip(rows, extras, strict=True):
+        for key, value in sample_extras.items():
+            by_name.setdefault(f"val-aux/{prompt.data_source}/{key}/mean@{n}", []).append(value)
+    metrics = mean_over_ranks(by_name, "", device)
+    count = torch.tensor([len(scores)], dtype=torch.float64, device=device)
+    dist.all_reduce(count, group=rollout_mesh.get_group("dp"))  # each group's samples once
+    metrics["val/num_samples"] = count.item()
+    return metrics
 
 
 # -----------------------------------------------------------------------------
@@ -382,8 +394,8 @@ def main(argv: list[str] | None = None) -> None:
         sampler.load_state_dict(state["sampler"])
         kl_ctrl.load_state_dict(state["kl_ctrl"])
         print0(f"resumed from {resume_path} (step {start_step}, written by {state['world_size']} ranks)")
-        if rank == 0:
-            truncate_metrics(out_dir / "metrics.jsonl", start_step)
+    if rank == 0:
+        truncate_metrics(out_dir / "metrics.jsonl", start_step)
 
     # --- rollout engine: one vLLM shard per rank, TP over the rows of the rollout mesh ---------------
     import rollout as ro  # imported here: vLLM takes seconds to import, config errors should not wait
@@ -429,10 +441,10 @@ def main(argv: list[str] | None = None) -> None:
         if updated and fingerprint is not None:
             ro.assert_weights_changed(fingerprint, new_fingerprint)
         fingerprint = new_fingerprint
-        if step == 1 and trainer_cfg.val_before_train and val_prompts:
-            val_metrics = validate_now(0)
+        if step == start_step + 1 and trainer_cfg.val_before_train and val_prompts:  # on resume, too
+            val_metrics = validate_now(start_step)
             print0(f"validation before training: val/score {val_metrics['val/score']:.3f}")
-            tracker.log(0, val_metrics)
+            tracker.log(start_step, val_metrics)
         if actor_cfg.fsdp_config.param_offload:  # free the accelerator for the engine
             offload_fsdp_model_to_cpu(actor)
 
@@ -527,7 +539,11 @@ def main(argv: list[str] | None = None) -> None:
         metrics["perf/max_memory_gb"] = peak_memory_gb(device)
         metrics.setdefault("actor/skipped_steps", 0)
         metrics = reduce_metrics(metrics, device)
-        metrics.update(mean_over_ranks(reward_extras, "reward_extra/", device))  # a reward function's extra keys
+        extra_values: dict[str, list[float]] = {}  # a reward function's extra outputs, by key
+        for sample_extras in reward_extras:
+            for key, value in sample_extras.items():
+                extra_values.setdefault(key, []).append(value)
+        metrics.update(mean_over_ranks(extra_values, "reward_extra/", device))
         metrics["batch/num_prompts"] = len(prompt_indices)
         metrics["batch/num_samples"] = len(prompt_indices) * rollout_cfg.n
         metrics["batch/ppo_mini_batch_size_per_rank"] = plan.ppo_mini_batch_size_per_rank

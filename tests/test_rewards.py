@@ -172,7 +172,7 @@ def test_score_batch_decodes_with_the_mask_and_uses_the_rule(tokenizer):
     responses, mask = make_batch(tokenizer, ["#### 4", "#### 5", "####4"])
     texts, scores, extras = score_batch(default_compute_score, tokenizer, responses, mask, [make_prompt()] * 3)
     assert texts == ["#### 4", "#### 5", "####4"]
-    assert scores == [1.0, 0.0, 0.0] and extras == {}
+    assert scores == [1.0, 0.0, 0.0] and extras == [{}, {}, {}]
 
 
 def test_score_batch_passes_verls_arguments(tokenizer):
@@ -201,14 +201,14 @@ def test_score_batch_returns_dict_extras(tokenizer):
     responses, mask = make_batch(tokenizer, ["abc", "de", "plain"])
     _, scores, extras = score_batch(graded, tokenizer, responses, mask, [make_prompt()] * 3)
     assert scores == [3.0, 2.0, 0.25]
-    # numbers and flags are kept (per sample that returned them); text and None are not; "score" is the scores
-    assert extras == {"acc": [1.0, 0.0], "np_flag": [1.0, 1.0]}
+    # numbers and flags are kept, per sample; text and None are not; "score" is the scores
+    assert extras == [{"acc": 1.0, "np_flag": 1.0}, {"acc": 0.0, "np_flag": 1.0}, {}]
 
 
 def test_score_batch_math_dapo_extras(tokenizer):
     responses, mask = make_batch(tokenizer, ["Answer: 4", "Answer: 5"])
     _, scores, extras = score_batch(default_compute_score, tokenizer, responses, mask, [make_prompt("math")] * 2)
-    assert scores == [1.0, -1.0] and extras == {"acc": [1.0, 0.0]}
+    assert scores == [1.0, -1.0] and extras == [{"acc": 1.0}, {"acc": 0.0}]
 
 
 def test_score_batch_accepts_number_types(tokenizer):
