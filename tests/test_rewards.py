@@ -255,7 +255,7 @@ def test_custom_reward_function_by_path(tmp_path, tokenizer):
     fn = load_reward_fn(str(f), "length_reward")
     responses, mask = make_batch(tokenizer, ["abc"])
     assert score_batch(fn, tokenizer, responses, mask, [make_prompt(truth=None, extra_info={"index": 5})])[1:] == (
-        [3.0], {"index": [5.0]})
+        [3.0], [{"index": 5.0}])
     assert load_reward_fn(None, "compute_score") is default_compute_score
     with pytest.raises(ConfigError, match="custom_reward_function.path='.*missing.py' is not an existing .py"):
         load_reward_fn(str(tmp_path / "missing.py"), "f")
