@@ -495,12 +495,33 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip
     return ok
 
 
-def check_model_length(path: str, needed: int, trust_remote_code: bool) -> None:
-    """Prompt + response must fit the model's context, or the engine refuses at start (or worse)."""
-    limit = getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
-                    "max_position_embeddings", None)
-    if limit is not None and needed > limit:
+# vLLM 0.32's CPU attention backend supports these head sizes only (CPUAttentionBackend.
+# get_supported_head_sizes; its kernels are specialised per size).
+CPU_ENGINE_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def check_model(path: str, needed_length: int, trust_remote_code: bool, device_type: str) -> None:
+    """Before anything loads: the model's config can be read, prompt + response fit its context, and
+    (on the CPU) vLLM's CPU engine can run its attention. Each failure is one ConfigError line."""
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # a missing path, no config.json, an unknown architecture, no network
         raise ConfigError(
-            f"data.max_prompt_length + data.max_response_length = {needed} tokens exceeds the model's "
+            f"actor_rollout_ref.model.path={path!r}: cannot read the model's config ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}). Give a local directory with config.json and weights, "
+            f"or a hub id that is downloaded already (this program does not fetch at run time)."
+        ) from None
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and needed_length > limit:
+        raise ConfigError(
+            f"data.max_prompt_length + data.max_response_length = {needed_length} tokens exceeds the model's "
             f"max_position_embeddings={limit} ({path}); lower one of them so their sum is <= {limit}."
+        )
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if device_type == "cpu" and head_dim is not None and head_dim not in CPU_ENGINE_HEAD_SIZES:
+        raise ConfigError(
+            f"actor_rollout_ref.model.path={path!r} has attention heads of size {head_dim}; vLLM's CPU engine "
+            f"runs head sizes {', '.join(map(str, CPU_ENGINE_HEAD_SIZES))} only. Use such a model on the CPU "
+            f"(e.g. hidden_size / num_attention_heads = 32), or a GPU."
         )

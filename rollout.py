@@ -175,14 +175,39 @@ def engine_fingerprint(llm: LLM, probe_token_ids: Sequence[int], max_tokens: int
     return torch.tensor([list(output.token_ids), log_probs], dtype=torch.float64)
 
 
-def assert_weights_changed(before: torch.Tensor, after: torch.Tensor) -> None:
-    """Raise if the engine's fingerprint did not change across a weight update."""
-    if torch.equal(before, after):
-        raise RuntimeError(
-            "The rollout engine's outputs on the probe prompt are bit-identical before and after "
-            "sync_weights: the update did not reach vLLM (or the optimizer step changed nothing). "
-            f"Fingerprint: {after.tolist()}"
-        )
+# How far the actor's log-probs on the probe may move while an engine of this dtype, synced with
+# it, still returns bit-identical probe log-probs: float32 shows any real change; bf16 logits hide
+# changes below ~1/64 of a logit.
+STALE_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 1e-2}
+
+
+class StaleWeightsCheck:
+    """Tells "the update did not reach the engine" from "the update changed nothing".
+
+    After each sync, feed it the engine's fingerprint (engine_fingerprint) and the actor's own
+    log-probs of a fixed probe sequence. While the engine's fingerprint stays bit-identical, the
+    actor must not move: if the actor's probe log-probs have moved by more than `tolerance` since
+    the engine's fingerprint last changed, the engine is serving stale weights. A step whose
+    gradient was zero (every GRPO group uniform, weight decay 0) moves neither, and passes.
+    """
+
+    def __init__(self, tolerance: float) -> None:
+        self.tolerance = tolerance
+        self.engine: torch.Tensor | None = None  # fingerprint when the engine last changed
+        self.actor: torch.Tensor | None = None  # the actor's probe log-probs at that moment
+
+    def check(self, engine: torch.Tensor, actor: torch.Tensor) -> None:
+        """Raise RuntimeError when the engine kept its weights although the actor moved."""
+        if self.engine is None or not torch.equal(engine, self.engine):
+            self.engine, self.actor = engine.clone(), actor.clone()
+            return
+        moved = (actor - self.actor).abs().max().item()
+        if moved > self.tolerance:
+            raise RuntimeError(
+                f"The rollout engine's outputs on the probe prompt are bit-identical to an earlier sync, but "
+                f"the actor's own log-probs on the probe have moved by {moved:.2e} since then (more than "
+                f"{self.tolerance:g}): weight updates are not reaching vLLM. Fingerprint: {engine.tolist()}"
+            )
 
 
 def logprob_diff(

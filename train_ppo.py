@@ -62,7 +62,7 @@ from mesh_utils import (
     write_rank_layout,
 )
 from models import (
-    check_model_length,
+    check_model,
     compute_log_probs,
     compute_values,
     default_dtypes,
@@ -258,6 +258,15 @@ def update_critic(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
                        loss_scale_factor=loss_scale_factor)
 
 
+def count_batch(prompt_index: torch.Tensor) -> dict[str, float]:
+    """batch/num_prompts and batch/num_samples of the data this step trained on, over all ranks
+    (each sample lives on one rank; a prompt's samples may be spread over a TP group's ranks)."""
+    indices: list[list[int]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(indices, prompt_index.tolist())
+    return {"batch/num_prompts": len({i for rank_indices in indices for i in rank_indices}),
+            "batch/num_samples": sum(len(rank_indices) for rank_indices in indices)}
+
+
 # -----------------------------------------------------------------------------
 # Validation: each rollout dp group generates for its share of the held-out set
 
@@ -335,6 +344,8 @@ def main(argv: list[str] | None = None) -> None:
     # --- data and reward -------------------------------------------------------------------------
     from transformers import AutoTokenizer
 
+    check_model(model_cfg.path, data_cfg.max_prompt_length + data_cfg.max_response_length,
+                model_cfg.trust_remote_code, env.device_type)
     tokenizer = AutoTokenizer.from_pretrained(data_cfg.tokenizer or model_cfg.path,
                                               trust_remote_code=model_cfg.trust_remote_code)
     if tokenizer.pad_token_id is None:
@@ -357,8 +368,6 @@ def main(argv: list[str] | None = None) -> None:
         check_data_sources(p.data_source for p in train_prompts + val_prompts)
     sampler = PromptSampler(len(train_prompts), data_cfg.train_batch_size, data_cfg.seed, data_cfg.shuffle)
     total_steps = trainer_cfg.total_training_steps or sampler.batches_per_epoch * trainer_cfg.total_epochs
-    check_model_length(model_cfg.path, data_cfg.max_prompt_length + data_cfg.max_response_length,
-                       model_cfg.trust_remote_code)
 
     # --- models: actor (+ reference for KL, + critic for GAE), FSDP2 on the FSDP mesh ---------------
     param_dtype, reduce_dtype = default_dtypes(env.device_type)
@@ -406,7 +415,8 @@ def main(argv: list[str] | None = None) -> None:
         gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
         dtype="bfloat16" if env.device_type == "cuda" else "float32", enforce_eager=rollout_cfg.enforce_eager,
         cpu_kv_cache_gib=rollout_cfg.cpu_kv_cache_space_gb, max_num_seqs=rollout_cfg.max_num_seqs,
-        max_num_batched_tokens=max(rollout_cfg.max_num_batched_tokens, max_model_len))
+        max_num_batched_tokens=max(rollout_cfg.max_num_batched_tokens, max_model_len),
+        trust_remote_code=model_cfg.trust_remote_code)
     length_limits = dict(max_tokens=data_cfg.max_response_length, max_prompt_length=data_cfg.max_prompt_length,
                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     train_sampling = dict(n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
@@ -414,19 +424,32 @@ def main(argv: list[str] | None = None) -> None:
     val_cfg = rollout_cfg.val_kwargs
     val_sampling = dict(n=val_cfg.n, temperature=val_cfg.temperature if val_cfg.do_sample else 0.0,
                         top_p=val_cfg.top_p, top_k=val_cfg.top_k, seed=trainer_cfg.seed + 7919, **length_limits)
-    probe = train_prompts[0].token_ids  # a fixed prompt whose logprobs fingerprint the engine's weights
+    # A fixed prompt whose greedy log-probs fingerprint the engine's weights, and a fixed sequence (the
+    # prompt's first tokens and its last few) whose log-probs under the actor say whether the actor moved.
+    probe = train_prompts[0].token_ids
+    probe_tail = list(probe[-4:])
+    actor_probe = {k: v.to(device) for k, v in vars(ro.pad_rollout(
+        [probe], [probe_tail], [[0.0] * len(probe_tail)], [0], len(probe_tail), tokenizer.pad_token_id)).items()}
+    stale_check = ro.StaleWeightsCheck(ro.STALE_TOLERANCE[str(param_dtype).removeprefix("torch.")])
     tracker = Tracker(out_dir, trainer_cfg.logger, trainer_cfg.project_name, trainer_cfg.experiment_name,
                       dict(cfg), total_steps, enabled=rank == 0)
     if rank == 0:
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
+
+    def sync_and_check() -> float:
+        """Actor -> engine, then check that it landed (rollout.StaleWeightsCheck); returns the sync's seconds."""
+        seconds = ro.sync_weights(llm, iter_full_params(actor, dtype=param_dtype))
+        actor.eval()
+        with torch.no_grad():
+            actor_log_probs, _ = compute_log_probs(actor, actor_probe, 1.0, 1)  # (1, 4)
+        stale_check.check(ro.engine_fingerprint(llm, probe), actor_log_probs.double().cpu())
+        return seconds
 
     def validate_now(step: int) -> dict[str, float]:
         return run_validation(llm, val_prompts, tokenizer, reward_fn, meshes.rollout, step, val_sampling, out_dir,
                               device)
 
     # --- the loop ----------------------------------------------------------------------------------
-    fingerprint = None
-    updated = False  # did the last step change the actor? (then the engine must change too)
     consecutive_skips = 0
     for step in range(start_step + 1, total_steps + 1):
         metrics: dict[str, float] = {}
@@ -436,11 +459,7 @@ def main(argv: list[str] | None = None) -> None:
         generator = torch.Generator().manual_seed(step_seed(trainer_cfg.seed, step, rank))
 
         # 1. weight sync: the engine samples from the current actor; check the update reached it
-        metrics["timing_s/sync_weights"] = ro.sync_weights(llm, iter_full_params(actor, dtype=param_dtype))
-        new_fingerprint = ro.engine_fingerprint(llm, probe)
-        if updated and fingerprint is not None:
-            ro.assert_weights_changed(fingerprint, new_fingerprint)
-        fingerprint = new_fingerprint
+        metrics["timing_s/sync_weights"] = sync_and_check()
         if step == start_step + 1 and trainer_cfg.val_before_train and val_prompts:  # on resume, too
             val_metrics = validate_now(start_step)
             print0(f"validation before training: val/score {val_metrics['val/score']:.3f}")
@@ -525,7 +544,6 @@ def main(argv: list[str] | None = None) -> None:
         metrics["actor/lr"] = actor_sched.get_last_lr()[0]
         actor_sched.step()
         skipped = actor_metrics.get("actor/skipped_steps", 0)
-        updated = skipped < plan.num_mini_batches * actor_cfg.ppo_epochs
         consecutive_skips = consecutive_skips + 1 if skipped else 0
 
         # 7. metrics (verl's names), reduced over ranks, and validation
@@ -535,6 +553,16 @@ def main(argv: list[str] | None = None) -> None:
         metrics.update(stats("critic/advantages", batch["advantages"][mask.bool()]))
         metrics.update(stats("response_length", lengths))
         metrics["response_length/clip_ratio"] = (lengths == data_cfg.max_response_length).float().mean().item()
+        prompt_lengths = batch["attention_mask"][:, :data_cfg.max_prompt_length].sum(-1)  # (B,)
+        metrics.update(stats("prompt_length", prompt_lengths))
+        metrics["prompt_length/clip_ratio"] = (prompt_lengths == data_cfg.max_prompt_length).float().mean().item()
+        if critic is not None:
+            metrics.update(stats("critic/values", batch["values"][mask.bool()]))
+            metrics.update(stats("critic/returns", batch["returns"][mask.bool()]))
+            # 1 - Var(returns - values) / Var(returns) over the step's whole batch (every rank's share)
+            _, residual_var = core.masked_mean_var(batch["returns"] - batch["values"], mask, dist.group.WORLD)
+            _, returns_var = core.masked_mean_var(batch["returns"], mask, dist.group.WORLD)
+            metrics["critic/vf_explained_var"] = (1.0 - residual_var / (returns_var + 1e-5)).item()
         metrics["perf/throughput"] = batch["attention_mask"].sum().item() / metrics["timing_s/step"]
         metrics["perf/max_memory_gb"] = peak_memory_gb(device)
         metrics.setdefault("actor/skipped_steps", 0)
@@ -544,8 +572,7 @@ def main(argv: list[str] | None = None) -> None:
             for key, value in sample_extras.items():
                 extra_values.setdefault(key, []).append(value)
         metrics.update(mean_over_ranks(extra_values, "reward_extra/", device))
-        metrics["batch/num_prompts"] = len(prompt_indices)
-        metrics["batch/num_samples"] = len(prompt_indices) * rollout_cfg.n
+        metrics.update(count_batch(batch["prompt_index"]))
         metrics["batch/ppo_mini_batch_size_per_rank"] = plan.ppo_mini_batch_size_per_rank
         metrics["training/epoch"] = sampler.epoch
         if consecutive_skips >= trainer_cfg.max_consecutive_skipped_steps:
@@ -556,8 +583,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         if val_prompts and trainer_cfg.test_freq > 0 and (step % trainer_cfg.test_freq == 0 or step == total_steps):
             # validate the weights just trained, not the ones this step sampled from
-            ro.sync_weights(llm, iter_full_params(actor, dtype=param_dtype))
-            fingerprint, updated = ro.engine_fingerprint(llm, probe), False
+            sync_and_check()
             with timed(metrics, "testing"):
                 metrics.update(validate_now(step))
         tracker.log(step, metrics)
