@@ -93,8 +93,7 @@ def sample_and_check(llm, actor, prompts, indices, eos, pad, step) -> tuple[dict
                              step=step, prompt_indices=indices)
     gen_s = time.perf_counter() - start
     with torch.no_grad():
-        actor_lp, _ = models.compute_log_probs(actor, batch.input_ids, batch.attention_mask, batch.position_ids,
-                                               MAX_TOKENS, temperature=1.0, micro_batch_size=8)
+        actor_lp, _ = models.compute_log_probs(actor, vars(batch), temperature=1.0, micro_batch_size=8)
     return {
         "samples": sample_record(batch),
         "shape_ok": [list(batch.prompts.shape), list(batch.responses.shape), list(batch.input_ids.shape)],
@@ -121,8 +120,9 @@ def train_towards_eos(actor: torch.nn.Module, batch: rollout.RolloutBatch, eos: 
     input_ids[:, -MAX_TOKENS:] = eos  # (B*n, P+R): every response token is EOS
     attention_mask = torch.ones_like(input_ids)
     attention_mask[:, : batch.prompts.shape[1]] = batch.attention_mask[:, : batch.prompts.shape[1]]
-    log_probs, _ = models.compute_log_probs(actor, input_ids, attention_mask, batch.position_ids, MAX_TOKENS,
-                                            temperature=1.0, micro_batch_size=len(batch))
+    eos_batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": batch.position_ids,
+                 "responses": input_ids[:, -MAX_TOKENS:]}
+    log_probs, _ = models.compute_log_probs(actor, eos_batch, temperature=1.0, micro_batch_size=len(batch))
     loss = -log_probs.mean()
     loss.backward()
     optimizer.step()

@@ -166,8 +166,10 @@ def test_compute_log_probs_matches_naive_log_softmax(assets):
     attention_mask[0, :4] = 0  # left padding
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        log_probs, entropy = models.compute_log_probs(model, ids, attention_mask, position_ids, response_len=5,
-                                                      temperature=0.7, micro_batch_size=2, calc_entropy=True)
+        batch = {"input_ids": ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                 "responses": ids[:, -5:]}
+        log_probs, entropy = models.compute_log_probs(model, batch, temperature=0.7, micro_batch_size=2,
+                                                      calc_entropy=True)
         logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids).logits / 0.7
     reference = torch.log_softmax(logits[:, -6:-1], -1)  # (3, 5, V)
     expected = reference.gather(-1, ids[:, -5:, None]).squeeze(-1)
