@@ -5,31 +5,36 @@ Free functions taking explicit meshes and dtypes (torchtitan's apply_fsdp style)
     param_dtype, reduce_dtype = default_dtypes(device.type)
     model = load_causal_lm("Qwen/Qwen2.5-0.5B", fsdp_mesh, device=device,
                            param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    log_probs, _ = compute_log_probs(model, input_ids, attention_mask, position_ids,
-                                     response_len, temperature=1.0, micro_batch_size=8)
+    # batch: input_ids, attention_mask, position_ids (B, P+R) and responses (B, R)
+    log_probs, _ = compute_log_probs(model, batch, temperature=1.0, micro_batch_size=8)
     for name, tensor in iter_full_params(model): ...   # HF names, full tensors, gathered in buckets
 
 Loading never holds more than one full copy of the weights on a host: every rank builds the model
-on the meta device, shards it, and only rank 0 reads the checkpoint and broadcasts it tensor by
-tensor into the shards. Master weights stay float32; MixedPrecisionPolicy casts for compute.
+with its parameters on the meta device (accelerate's init_empty_weights; buffers stay real), shards
+it, and only rank 0 reads the checkpoint and broadcasts it tensor by tensor into the shards. Master
+weights stay float32; MixedPrecisionPolicy casts for compute.
 """
 
 import functools
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
+from accelerate import init_empty_weights
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
+import ppo_core as core
 from config import ConfigError
+from mesh_utils import all_gather_single
 
 logger = logging.getLogger(__name__)
 
@@ -103,52 +108,36 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def load_causal_lm(
-    name_or_path: str,
-    fsdp_mesh: DeviceMesh,
-    *,
-    device: torch.device,
-    param_dtype: torch.dtype,
-    reduce_dtype: torch.dtype,
-    reshard_after_forward: bool = True,
-    cpu_offload: bool = False,
-    activation_checkpointing: bool = False,
-    attn_implementation: str = "sdpa",
-    trust_remote_code: bool = False,
-) -> nn.Module:
+class ShardingOptions(TypedDict, total=False):
+    """Keywords of load_causal_lm and load_value_model (defaults in brackets)."""
+
+    device: Required[torch.device]  # where the shards live (unless cpu_offload)
+    param_dtype: Required[torch.dtype]  # compute dtype (default_dtypes gives it); master weights stay fp32
+    reduce_dtype: Required[torch.dtype]  # gradient reduce-scatter dtype
+    reshard_after_forward: bool  # [True] free the gathered parameters after each block's forward
+    cpu_offload: bool  # [False] FSDP2's CPUOffloadPolicy: shards and their gradients in host memory
+    activation_checkpointing: bool  # [False] recompute each decoder block in backward
+    attn_implementation: str  # ["sdpa"] transformers' attention kernel
+    trust_remote_code: bool  # [False] allow the checkpoint's own modelling code
+
+
+def load_causal_lm(name_or_path: str, fsdp_mesh: DeviceMesh, **options: Unpack[ShardingOptions]) -> nn.Module:
     """An FSDP2-sharded causal LM with float32 master weights, from an HF path or hub name.
 
-    Every rank builds the model on the meta device (no memory), shards it, allocates only its
-    shard, then rank 0 alone reads the checkpoint and broadcasts it tensor by tensor.
+    Every rank builds the model with its parameters on the meta device (no memory), shards it,
+    allocates only its shard, then rank 0 alone reads the checkpoint and broadcasts it tensor by tensor.
     """
-    return _load_sharded(
-        AutoModelForCausalLM, name_or_path, fsdp_mesh, device=device, param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
-        activation_checkpointing=activation_checkpointing, attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-    )
+    return _load_sharded(AutoModelForCausalLM, name_or_path, fsdp_mesh, **options)
 
 
-def load_value_model(
-    name_or_path: str,
-    fsdp_mesh: DeviceMesh,
-    *,
-    device: torch.device,
-    param_dtype: torch.dtype,
-    reduce_dtype: torch.dtype,
-    cpu_offload: bool = False,
-    activation_checkpointing: bool = False,
-    trust_remote_code: bool = False,
-) -> nn.Module:
+def load_value_model(name_or_path: str, fsdp_mesh: DeviceMesh, **options: Unpack[ShardingOptions]) -> nn.Module:
     """The critic: the same transformer with a scalar head per token (verl's choice,
     AutoModelForTokenClassification with num_labels=1). From a causal-LM checkpoint the body is
-    loaded and the head starts at zero, so the first value estimates are 0 rather than noise."""
-    return _load_sharded(
-        AutoModelForTokenClassification, name_or_path, fsdp_mesh, device=device, param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype, cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
-        trust_remote_code=trust_remote_code, config_overrides={"num_labels": 1, "classifier_dropout": 0.0},
-        zero_init_head=True,
-    )
+    loaded and the head starts at zero, so the first value estimates are 0 rather than noise.
+    Loaded and sharded as load_causal_lm does."""
+    return _load_sharded(AutoModelForTokenClassification, name_or_path, fsdp_mesh,
+                         config_overrides={"num_labels": 1, "classifier_dropout": 0.0}, zero_init_head=True,
+                         **options)
 
 
 def _load_sharded(
@@ -167,17 +156,28 @@ def _load_sharded(
     config_overrides: dict | None = None,
     zero_init_head: bool = False,
 ) -> nn.Module:
-    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **(config_overrides or {}))
-    with torch.device("meta"):
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    # Set after loading: from_pretrained drops keyword arguments its config class does not declare
+    # (transformers 5 ignores classifier_dropout=0.0 there, leaving the critic head's dropout at 0.1).
+    for key, value in (config_overrides or {}).items():
+        setattr(config, key, value)
+    # Parameters on the meta device; buffers real, as the constructor computes them: it is the only
+    # source of the non-persistent ones (rotary inv_freq, ...), which no checkpoint holds.
+    with init_empty_weights(include_buffers=False):
         model = auto_cls.from_config(
             config, dtype=torch.float32, attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
+    model.tie_weights()  # init_empty_weights re-creates every parameter it moves, which unties them
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     apply_fsdp(model, fsdp_mesh, param_dtype, reduce_dtype, reshard_after_forward, cpu_offload)
-    shard_device = torch.device("cpu") if cpu_offload else device
-    model.to_empty(device=shard_device)
+    # to_empty allocates the parameter shards, and re-allocates the buffers uninitialised: put back
+    # the constructor's values (persistent buffers are then loaded again from the checkpoint).
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    model.to_empty(device=torch.device("cpu") if cpu_offload else device)
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        buffer.copy_(buffers[name])
     _load_weights_from_rank0(model, auto_cls, name_or_path, config, trust_remote_code, zero_init_head)
     _check_tied_embeddings(model)
     return model
@@ -187,9 +187,8 @@ def _load_weights_from_rank0(
     model: nn.Module, auto_cls: type, name_or_path: str, config: object, trust_remote_code: bool,
     zero_init_head: bool,
 ) -> None:
-    """Fill the sharded (empty) model from the checkpoint that only rank 0 reads."""
+    """Fill the sharded (empty) model's parameters from the checkpoint that only rank 0 reads."""
     full_state: dict[str, torch.Tensor] = {}
-    source = None
     if dist.get_rank() == 0:
         source = auto_cls.from_pretrained(
             name_or_path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code
@@ -201,24 +200,9 @@ def _load_weights_from_rank0(
             for p in head.parameters():
                 p.data.zero_()
         full_state = source.state_dict()
+        del source
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full_state, options=options)
-    # Non-persistent buffers (rotary inv_freq, ...) are not in any state dict and to_empty left
-    # them as garbage: copy them from rank 0's real model.
-    source_buffers = dict(source.named_buffers()) if source is not None else {}
-    for name, buffer in _non_persistent_buffers(model):
-        if dist.get_rank() == 0:
-            buffer.copy_(source_buffers[name])
-        dist.broadcast(buffer.data, src=0)
-    del source, full_state
-
-
-def _non_persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    for module_name, module in model.named_modules():
-        for buffer_name in sorted(module._non_persistent_buffers_set):
-            buffer = module._buffers.get(buffer_name)
-            if buffer is not None:
-                yield f"{module_name}.{buffer_name}" if module_name else buffer_name, buffer
 
 
 def _check_tied_embeddings(model: nn.Module) -> None:
@@ -292,6 +276,25 @@ def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device
 # Forward helpers
 
 
+_FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+
+def _response_len(batch: Mapping[str, torch.Tensor]) -> int:
+    """R, once the batch is known to hold what a forward needs."""
+    missing = [key for key in _FORWARD_KEYS if key not in batch]
+    if missing:
+        raise KeyError(f"the batch needs {list(_FORWARD_KEYS)} to run a forward; it has no {missing} "
+                       f"(keys: {sorted(batch)})")
+    return batch["responses"].shape[1]
+
+
+def _micro_batches(batch: Mapping[str, torch.Tensor], micro_batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The model inputs of each run of micro_batch_size rows."""
+    for start in range(0, batch["input_ids"].shape[0], micro_batch_size):
+        rows = slice(start, start + micro_batch_size)
+        yield {key: batch[key][rows] for key in ("input_ids", "attention_mask", "position_ids")}
+
+
 def compute_log_probs(
     model: nn.Module,
     batch: Mapping[str, torch.Tensor],
@@ -299,44 +302,40 @@ def compute_log_probs(
     micro_batch_size: int,
     calc_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (B, response_len) of the last `response_len` tokens under logits / temperature,
-    and their entropies if asked. Grad flows if the caller has it enabled.
+    """Log-probs (B, R) of the response tokens under logits / temperature, and their entropies if
+    asked. Grad flows if the caller has it enabled.
 
-    Only the last response_len + 1 positions go through the LM head (`logits_to_keep`), and the
-    log-prob is logit[target] - logsumexp(logits), so no full-vocab log_softmax copy is kept.
+    batch holds "input_ids", "attention_mask", "position_ids" (each (B, P+R): prompts, then responses)
+    and "responses" (B, R), which gives R. Only the last R + 1 positions go through the LM head
+    (`logits_to_keep`), and ppo_core's logprobs_from_logits / entropy_from_logits upcast one chunk of
+    rows at a time, so no forward holds the (tokens, vocab) logits in float32 at once.
     """
-    input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
-    response_len = batch["responses"].shape[1]
+    response_len = _response_len(batch)
     log_probs, entropies = [], []
-    for start in range(0, input_ids.shape[0], micro_batch_size):
-        rows = slice(start, start + micro_batch_size)
-        out = model(
-            input_ids=input_ids[rows], attention_mask=attention_mask[rows], position_ids=position_ids[rows],
-            use_cache=False, logits_to_keep=response_len + 1,
-        )
-        # Position t predicts token t+1: the last prompt token predicts the first response token,
-        # and the final position predicts past the end, so it is dropped.
-        logits = out.logits[:, :-1, :].float() / temperature  # (b, R, V)
-        targets = input_ids[rows, -response_len:]  # (b, R)
-        lse = torch.logsumexp(logits, dim=-1)  # (b, R)
-        log_probs.append(logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse)  # (b, R)
+    for inputs in _micro_batches(batch, micro_batch_size):
+        out = model(**inputs, use_cache=False, logits_to_keep=response_len + 1)
+        # In place and in the model's dtype (bf16 on GPU), as verl does: a copy, let alone a float32
+        # one, would double the largest tensor of the forward.
+        logits = out.logits.div_(temperature)  # (b, R+1, V)
+        # Position t predicts token t+1: the last prompt token predicts the first response token, and
+        # the final position predicts past the end. That position goes through the maths with label 0
+        # and is dropped after: slicing it off first would copy the logits to make them contiguous.
+        labels = F.pad(inputs["input_ids"][:, -response_len:], (0, 1))  # (b, R+1)
+        log_probs.append(core.logprobs_from_logits(logits, labels)[:, :-1])  # (b, R)
         if calc_entropy:
-            probs = torch.softmax(logits, dim=-1)  # (b, R, V)
-            entropies.append(lse - (probs * logits).sum(-1))  # (b, R)
+            entropies.append(core.entropy_from_logits(logits)[:, :-1])  # (b, R)
     entropy = torch.cat(entropies) if calc_entropy else None
     return torch.cat(log_probs), entropy
 
 
 def compute_values(critic: nn.Module, batch: Mapping[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
-    """V(s_t) for each response token (B, response_len): the critic's output at the position that
-    predicts that token (the last prompt token for the first response token). Grad flows if enabled."""
-    input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
-    response_len = batch["responses"].shape[1]
+    """V(s_t) for each response token (B, R): the critic's output at the position that predicts that
+    token (the last prompt token for the first response token). batch as for compute_log_probs.
+    Grad flows if enabled."""
+    response_len = _response_len(batch)
     values = []
-    for start in range(0, input_ids.shape[0], micro_batch_size):
-        rows = slice(start, start + micro_batch_size)
-        out = critic(input_ids=input_ids[rows], attention_mask=attention_mask[rows],
-                     position_ids=position_ids[rows], use_cache=False)
+    for inputs in _micro_batches(batch, micro_batch_size):
+        out = critic(**inputs, use_cache=False)
         values.append(out.logits[:, -response_len - 1:-1, 0].float())  # (b, R)
     return torch.cat(values)
 
@@ -382,9 +381,6 @@ def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None,
     yield from _gather_bucket(bucket)
 
 
-# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; older releases
-# (2.11 on some GPU images) only have the former.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _row_sharded_dim(tensor: DTensor) -> int | None:
@@ -432,7 +428,7 @@ def _gather_bucket(bucket: list[tuple[str, DTensor]]) -> Iterator[tuple[str, tor
         local[offset:offset + shard.numel()].copy_(shard)
         offset += n
     gathered = torch.empty(world * sum(slot), dtype=local.dtype, device=local.device)  # flat: gloo wants 1D
-    _all_gather_single(gathered, local, group=first.device_mesh.get_group(mesh_dim))
+    all_gather_single(gathered, local, group=first.device_mesh.get_group(mesh_dim))
     gathered = gathered.view(world, sum(slot))  # (world, slots)
     offset = 0
     for r, n, (name, t) in zip(rows, slot, bucket, strict=True):

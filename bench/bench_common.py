@@ -12,6 +12,8 @@ are >= 32 wide (vLLM's CPU attention supports head sizes 32, 64, 80, ...).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import math
 import os
@@ -19,16 +21,22 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from datetime import date
 from pathlib import Path
 from typing import Any
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
-# The repo is flat scripts at the top level; make them importable from bench/.
+# The repo is flat scripts at the top level; make them importable from bench/ (hence E402 below).
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import make_assets  # noqa: E402
+from mesh_utils import ParallelDims, build_meshes, init_distributed  # noqa: E402
 
 # name -> make_assets.model_config dimensions (about that many parameters with the 128-token vocabulary)
 SIZES: dict[str, dict[str, int]] = {
@@ -49,16 +57,12 @@ EOS_TOKEN_ID, PAD_TOKEN_ID = 1, 0  # make_assets' tokenizer: <pad>=0, <eos>=1
 
 def ensure_assets(assets: Path) -> dict[str, Path]:
     """The repo's default assets (tokenizer, tiny models, the demo data set); idempotent."""
-    import make_assets
-
     return make_assets.build_default_assets(assets)
 
 
 def resolve_model(spec: str, assets: Path) -> Path:
     """A size name from SIZES (built on first use), "tiny" (assets/tiny-qwen2), or a model directory."""
     if spec in SIZES:
-        import make_assets
-
         path = assets / f"bench-{spec}"
         config = make_assets.model_config("qwen2", **SIZES[spec], tied=False)
         make_assets.build_model(path, config, seed=0)  # no-op when it exists
@@ -81,8 +85,6 @@ def split_list(text: str) -> list[str]:
 
 def random_prompts(num: int, vocab: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
     """num prompts of random non-special tokens (ids >= 4), lengths uniform in [lengths[0], lengths[1]]."""
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     sizes = torch.randint(lengths[0], lengths[1] + 1, (num,), generator=g)
     return [torch.randint(4, vocab, (int(n),), generator=g).tolist() for n in sizes]
@@ -94,14 +96,10 @@ def random_prompts(num: int, vocab: int, lengths: tuple[int, int], seed: int) ->
 
 def device_and_dtype() -> tuple[str, str]:
     """("cuda", "bfloat16") on a GPU, ("cpu", "float32") elsewhere: bf16 matmuls are slow on CPUs."""
-    import torch
-
     return ("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")
 
 
 def synchronize() -> None:
-    import torch
-
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -129,14 +127,10 @@ class PeakMemory:
     """
 
     def __init__(self) -> None:
-        import torch
-
         self.cuda = torch.cuda.is_available()
 
     def reset(self) -> None:
         if self.cuda:
-            import torch
-
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         else:
@@ -147,15 +141,11 @@ class PeakMemory:
 
     def current_gb(self) -> float:
         if self.cuda:
-            import torch
-
             return torch.cuda.memory_allocated() / 1e9
         return _proc_status_kib("VmRSS") * 1024 / 1e9
 
     def peak_gb(self) -> float:
         if self.cuda:
-            import torch
-
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() / 1e9
         return _proc_status_kib("VmHWM") * 1024 / 1e9
@@ -163,17 +153,12 @@ class PeakMemory:
     def device_used_gb(self) -> float:
         """Whole-device memory in use (CUDA), or the current RSS (CPU)."""
         if self.cuda:
-            import torch
-
             free, total = torch.cuda.mem_get_info()
             return (total - free) / 1e9
         return self.current_gb()
 
 
 def _malloc_trim() -> None:
-    import ctypes
-    import ctypes.util
-
     try:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: the peak may then undercount reused memory
@@ -188,12 +173,10 @@ def _proc_status_kib(field: str) -> int:
 
 
 def machine_info() -> dict[str, Any]:
-    import torch
-
     info: dict[str, Any] = {"date": date.today().isoformat(), "cpu_count": os.cpu_count(),
                             "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
                             "device": "cpu"}
-    try:
+    try:  # optional here: device_check.py runs on GPU images without vLLM
         import vllm
 
         info["vllm"] = vllm.__version__
@@ -243,8 +226,6 @@ def launch_workers(script: Path | str, world: int, specs: Sequence[str], paths: 
                    args: Sequence[Any], log_file: Path) -> tuple[float, list[dict]]:
     """Run a bench script's worker (`script --worker`) on `world` ranks over the given models; returns
     wall seconds and each rank's JSON (what run_worker wrote)."""
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         wall = torchrun(script, world, ["--worker", "--rank-dir", tmp, "--models", ",".join(map(model_label, specs)),
                                         "--model-paths", ",".join(map(str, paths)), *args], log_file)
@@ -255,8 +236,7 @@ def run_worker(bench_model: Callable[..., tuple[dict, Any]], args: Any, tp: int)
     """The body every bench worker shares: process group, meshes (FSDP over all ranks, vLLM TP=tp),
     then bench_model(label, path, meshes, env, args) -> (result, engine) per model, each result
     printed and all of them written to <rank-dir>/rank<R>.json."""
-    import rollout as ro
-    from mesh_utils import ParallelDims, build_meshes, init_distributed
+    import rollout as ro  # here, not at the top: rollout needs vLLM, which device_check.py's images lack
 
     env = init_distributed()
     world = env.world_size
@@ -275,8 +255,6 @@ def run_worker(bench_model: Callable[..., tuple[dict, Any]], args: Any, tp: int)
 
 
 def gpus_available() -> int:
-    import torch
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 

@@ -26,7 +26,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import bench_common as bc
+import bench_common as bc  # first: it puts the repo root on sys.path
+import torch
+
+import models
+import rollout as ro
 
 PHASES = ("sync", "gen", "old_log_prob", "ref", "update")
 PROMPT_LEN = (8, 32)
@@ -57,11 +61,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def one_step(llm, actor, ref, optimizer, prompts, offload: bool, tp: tuple[int, int],  # noqa: ANN001
              env, args) -> dict:  # noqa: ANN001
     """One step's phases; {phase: {peak_gb, end_gb}} for this rank. tp = (infer_tp rank, size)."""
-    import torch
-
-    import models
-    import rollout as ro
-
     mem, out = bc.PeakMemory(), {}
     device = env.device
     param_dtype = models.default_dtypes(env.device_type)[0]
@@ -84,17 +83,15 @@ def one_step(llm, actor, ref, optimizer, prompts, offload: bool, tp: tuple[int, 
 
     def log_probs(model, batch) -> torch.Tensor:  # noqa: ANN001
         with torch.no_grad():
-            return models.compute_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
-                                            batch["responses"].shape[1], 1.0, args.micro_batch)[0]
+            return models.compute_log_probs(model, batch, 1.0, args.micro_batch)[0]
 
     def update(batch) -> None:  # noqa: ANN001
         if offload:
             models.load_optimizer(optimizer, device)
         for start in range(0, batch["input_ids"].shape[0], args.micro_batch):
             rows = slice(start, start + args.micro_batch)
-            lp, _ = models.compute_log_probs(actor, batch["input_ids"][rows], batch["attention_mask"][rows],
-                                             batch["position_ids"][rows], batch["responses"].shape[1], 1.0,
-                                             args.micro_batch)  # (b, R)
+            micro = {k: v[rows] for k, v in batch.items()}
+            lp, _ = models.compute_log_probs(actor, micro, 1.0, args.micro_batch)  # (b, R)
             mask = batch["response_mask"][rows].float()
             ratio = torch.exp(lp - batch["old_log_probs"][rows])
             kl = lp - batch["ref_log_probs"][rows]
@@ -121,11 +118,6 @@ def one_step(llm, actor, ref, optimizer, prompts, offload: bool, tp: tuple[int, 
 
 def bench_model(label: str, path: Path, meshes, env,  # noqa: ANN001
                 args: argparse.Namespace) -> tuple[dict, object]:
-    import torch
-
-    import models
-    import rollout as ro
-
     device_type, engine_dtype = bc.device_and_dtype()
     param_dtype, reduce_dtype = models.default_dtypes(device_type)
     mem = bc.PeakMemory()

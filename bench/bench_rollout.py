@@ -33,7 +33,12 @@ import sys
 import time
 from pathlib import Path
 
-import bench_common as bc
+import bench_common as bc  # first: it puts the repo root on sys.path
+import torch
+from transformers import AutoModelForCausalLM
+
+import rollout as ro
+from models import compute_log_probs, default_dtypes, iter_full_params, load_causal_lm
 
 PROMPT_LEN = (8, 32)  # prompt lengths are uniform in [8, 32] tokens
 CONTENDED_BELOW = 0.85  # cpu_util under this fraction of the thread count: the machine was busy
@@ -73,8 +78,6 @@ def length_stats(lengths: list[int], seconds: float, cpu_s: float, max_tokens: i
 def generate_once(llm, prompts: list[list[int]], args: argparse.Namespace) -> tuple[dict, object]:  # noqa: ANN001
     """One timed rollout.generate of the whole batch (what train_ppo.py calls), same seeds every time:
     its statistics and the RolloutBatch."""
-    import rollout as ro
-
     # Training prompts are new every step, and a sync resets the prefix cache: start every phase
     # cold, or the standalone repeats would reuse the prompts' cached KV blocks and look faster.
     llm.reset_prefix_cache()
@@ -102,8 +105,6 @@ def summarize(reps: list[dict]) -> dict:
 
 def hf_generate(model, prompts: list[list[int]], args: argparse.Namespace, device) -> dict:  # noqa: ANN001
     """HF generate on the whole batch at once (its best case): left-padded prompts, n return sequences."""
-    import torch
-
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), bc.PAD_TOKEN_ID, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -129,17 +130,11 @@ def hf_generate(model, prompts: list[list[int]], args: argparse.Namespace, devic
 def train_step(actor, optimizer, batch, device) -> float:  # noqa: ANN001
     """One real optimizer step on (up to) 8 of the batch's samples: log-likelihood of the sampled
     responses, so activations, gradients and AdamW state are those of an actor update."""
-    import torch
-
-    from models import compute_log_probs
-
-    rows = slice(0, min(8, len(batch)))
-    mask = batch.response_mask[rows].to(device).float()  # (b, R)
+    micro_batch = {k: v.to(device) for k, v in vars(batch.rows(slice(0, 8))).items()}  # (up to) 8 samples
+    mask = micro_batch["response_mask"].float()  # (b, R)
 
     def step() -> None:
-        log_probs, _ = compute_log_probs(actor, batch.input_ids[rows].to(device),
-                                         batch.attention_mask[rows].to(device), batch.position_ids[rows].to(device),
-                                         batch.responses.shape[1], temperature=1.0, micro_batch_size=8)  # (b, R)
+        log_probs, _ = compute_log_probs(actor, micro_batch, temperature=1.0, micro_batch_size=8)  # (b, R)
         loss = -(log_probs * mask).sum() / mask.sum().clamp(min=1)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(actor.parameters(), 1.0)
@@ -154,11 +149,6 @@ def collocated_cycle(llm, path: Path, prompts: list[list[int]], batch, meshes, e
     """Load an FSDP2 actor and its AdamW state beside the engine, generate with it idle (resident),
     then in a training step's order around a generate (collocated), training on `batch` (a
     RolloutBatch); the actor is freed on return."""
-    import torch
-
-    import rollout as ro
-    from models import default_dtypes, iter_full_params, load_causal_lm
-
     param_dtype, reduce_dtype = default_dtypes(env.device_type)
     actor = load_causal_lm(str(path), meshes.fsdp, device=env.device, param_dtype=param_dtype,
                            reduce_dtype=reduce_dtype)
@@ -178,12 +168,6 @@ def collocated_cycle(llm, path: Path, prompts: list[list[int]], batch, meshes, e
 def bench_model(label: str, path: Path, meshes, env,  # noqa: ANN001
                 args: argparse.Namespace) -> tuple[dict, object]:
     """Every phase for one model; returns the result and the (still running) engine."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    import rollout as ro
-    from models import default_dtypes
-
     device_type, engine_dtype = bc.device_and_dtype()
     device = env.device
     param_dtype, _ = default_dtypes(device_type)

@@ -24,7 +24,12 @@ import shutil
 import sys
 from pathlib import Path
 
-import bench_common as bc
+import bench_common as bc  # first: it puts the repo root on sys.path
+import matplotlib
+from matplotlib.figure import Figure
+from safetensors import safe_open
+
+from tracking import read_metrics
 
 PHASES = ("sync_weights", "gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
 WORLD = 2  # ranks per run (fewer on a machine with fewer GPUs)
@@ -47,8 +52,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def param_count(model_dir: Path) -> int:
-    from safetensors import safe_open
-
     total = 0
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(file, "pt") as f:
@@ -76,8 +79,6 @@ def overrides(model: Path, n: int, response_length: int, args: argparse.Namespac
 
 def run_point(name: str, model_spec: str, n: int, response_length: int, args: argparse.Namespace,
               data: dict[str, Path]) -> dict:
-    from tracking import read_metrics
-
     model = bc.resolve_model(model_spec, args.assets)
     out_dir = args.out.parent / "step" / name
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -119,17 +120,14 @@ def exponent(points: list[dict], x_key: str) -> float | None:
 
 
 def plot(sweeps: dict[str, list[dict]], png: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     labels = {"n": ("rollout.n", lambda p: f"n={p['n']}\n{p['samples_per_step']} samples"),
               "response_length": ("max_response_length", lambda p: f"{p['max_response_length']}\n"
                                   f"(mean {p['response_length_mean']:.0f})"),
               "size": ("model size", lambda p: f"{p['model']}\n{p['params_m']:.1f}M")}
-    fig, axes = plt.subplots(1, len(sweeps), figsize=(4.2 * len(sweeps), 4), squeeze=False)
-    colors = plt.get_cmap("tab10").colors
+    # A bare Figure, not pyplot: no GUI backend and no global figure state, savefig renders with Agg.
+    fig = Figure(figsize=(4.2 * len(sweeps), 4))
+    axes = fig.subplots(1, len(sweeps), squeeze=False)
+    colors = matplotlib.colormaps["tab10"].colors
     for ax, (sweep, points) in zip(axes[0], sweeps.items(), strict=True):
         bottom = [0.0] * len(points)
         xs = range(len(points))
@@ -151,7 +149,6 @@ def plot(sweeps: dict[str, list[dict]], png: Path) -> Path:
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=100)
-    plt.close(fig)
     return png
 
 

@@ -26,7 +26,13 @@ import argparse
 import sys
 from pathlib import Path
 
-import bench_common as bc
+import bench_common as bc  # first: it puts the repo root on sys.path
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import rollout as ro
+from models import default_dtypes, iter_full_params, load_causal_lm
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,8 +57,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def iter_full_params_gather_first(model, dtype):  # noqa: ANN001, ANN201 - a generator of (name, tensor)
     """iter_full_params, except each shard is gathered in its master dtype and cast after (the
     order iter_full_params avoids: twice the bytes when the masters are fp32 and dtype bf16)."""
-    from torch.distributed.tensor import DTensor
-
     for name, param in model.named_parameters(remove_duplicate=False):
         tensor = param.detach()
         yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).to(dtype)
@@ -60,8 +64,6 @@ def iter_full_params_gather_first(model, dtype):  # noqa: ANN001, ANN201 - a gen
 
 def repeat(fn, reps: int) -> list[float]:  # noqa: ANN001
     """reps timings of fn(), every rank starting together (they move weights together in training)."""
-    import torch.distributed as dist
-
     times = []
     for _ in range(reps):
         dist.barrier()
@@ -72,8 +74,6 @@ def repeat(fn, reps: int) -> list[float]:  # noqa: ANN001
 def copy_floor(nbytes: int, numels: list[int], dtype, device, reps: int) -> tuple[float, float]:  # noqa: ANN001
     """Seconds for one torch copy_ of nbytes, and for per-parameter copies of the same sizes (the floor
     for a loader that copies tensor by tensor), on every rank at once."""
-    import torch
-
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.zeros_like(src)  # both written, so no first-touch page faults inside the timing
     bulk = bc.median(repeat(lambda: dst.copy_(src), reps))
@@ -86,9 +86,6 @@ def copy_floor(nbytes: int, numels: list[int], dtype, device, reps: int) -> tupl
 def gather_floor(nbytes: int, reps: int, device) -> float:  # noqa: ANN001
     """Seconds for one all_gather_into_tensor that leaves nbytes on every rank: what the transport
     allows for gathering the parameters, with no per-tensor overhead."""
-    import torch
-    import torch.distributed as dist
-
     world = dist.get_world_size()
     if world == 1:
         return 0.0
@@ -99,21 +96,12 @@ def gather_floor(nbytes: int, reps: int, device) -> float:  # noqa: ANN001
 
 def engine_load(llm, actor, dtype, reps: int) -> float:  # noqa: ANN001
     """sync_weights from tensors gathered beforehand: vLLM's side of the sync alone."""
-    import rollout as ro
-    from models import iter_full_params
-
     gathered = list(iter_full_params(actor, dtype=dtype))
     return bc.median(repeat(lambda: ro.sync_weights(llm, iter(gathered)), reps))
 
 
 def bench_model(label: str, path: Path, meshes, env,  # noqa: ANN001
                 args: argparse.Namespace) -> tuple[dict, object]:
-    import torch
-    import torch.distributed as dist
-
-    import rollout as ro
-    from models import default_dtypes, iter_full_params, load_causal_lm
-
     device_type, engine_dtype = bc.device_and_dtype()
     device = env.device
     param_dtype, reduce_dtype = default_dtypes(device_type)

@@ -27,7 +27,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import bench_common as bc
+import bench_common as bc  # first: it puts the repo root on sys.path
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import models
+from mesh_utils import ParallelDims, build_meshes, init_distributed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,9 +52,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def local_tensors(actor, optimizer) -> list:  # noqa: ANN001
     """Host copies of this rank's parameter shards and optimizer state (local shards, not DTensors:
     their sizes are what this rank holds, and comparing them runs no collective)."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
     def local(t):  # noqa: ANN001, ANN202
         return (t.to_local() if isinstance(t, DTensor) else t).detach().cpu().clone()
 
@@ -58,12 +61,6 @@ def local_tensors(actor, optimizer) -> list:  # noqa: ANN001
 
 
 def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915 - one linear script
-    import torch
-    import torch.distributed as dist
-
-    import models
-    from mesh_utils import ParallelDims, build_meshes, init_distributed
-
     args = parse_args(argv)
     env = init_distributed()
     world, device = env.world_size, env.device
@@ -91,12 +88,14 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915 - one linear s
     input_ids = torch.randint(2, vocab, (args.batch, length), generator=generator).to(device)  # (B, P+R)
     attention_mask = torch.ones_like(input_ids)
     position_ids = torch.arange(length, device=device).expand(args.batch, -1)
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+             "responses": input_ids[:, args.prompt_len:]}  # (B, R)
     lengths = torch.randint(1, args.response_len + 1, (args.batch,), generator=generator)
     mask = (torch.arange(args.response_len)[None, :] < lengths[:, None]).float().to(device)  # (B, R)
 
     def log_probs(rows: slice = slice(None)) -> torch.Tensor:
-        return models.compute_log_probs(actor, input_ids[rows], attention_mask[rows], position_ids[rows],
-                                        args.response_len, 1.0, args.micro_batch)[0]  # (b, R)
+        micro_batch = {k: v[rows] for k, v in batch.items()}
+        return models.compute_log_probs(actor, micro_batch, 1.0, args.micro_batch)[0]  # (b, R)
 
     with torch.no_grad():
         old = phase("log_prob", log_probs)

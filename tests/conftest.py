@@ -1,9 +1,12 @@
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 # The repo is a set of flat scripts; make them importable from the tests without installing.
@@ -27,6 +30,18 @@ def sft_model(tiny_assets, tmp_path_factory) -> Path:
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return out
+
+
+def run_gloo(worker: Callable[..., None], world: int, *args: object, timeout_s: float = 120) -> None:
+    """Run worker(rank, *args) on `world` spawned processes (real process groups, no torchrun); a
+    deadlock fails the test after timeout_s instead of hanging the suite."""
+    ctx = mp.start_processes(worker, args=args, nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{world} spawned workers did not finish within {timeout_s:.0f} s")
 
 
 def clean_env() -> dict[str, str]:

@@ -2,13 +2,11 @@
 DTensor's own full_tensor() gives, for uneven shards (rows not divisible by the world, ranks with no
 rows), for FSDP and HSDP meshes and a world of one, any bucket size and a cast before the gather."""
 
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
+from conftest import run_gloo
 
 BUCKETS = (1, 200, 16 * 2**20)  # one parameter per collective, a few per collective, all in one
 
@@ -59,14 +57,7 @@ def _worker(rank: int, world: int, mesh_shape: tuple[int, ...], init_file: str, 
 
 def run_ranks(world: int, mesh_shape: tuple[int, ...], tmp_path) -> list[dict]:
     out = tmp_path / "result"
-    ctx = mp.start_processes(_worker, args=(world, mesh_shape, str(tmp_path / "pg"), str(out)), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 120  # a deadlock must fail the test, not hang the suite
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{world} gloo workers did not finish within 120 s")
+    run_gloo(_worker, world, world, mesh_shape, str(tmp_path / "pg"), str(out))
     return [torch.load(f"{out}.{r}") for r in range(world)]
 
 

@@ -3,14 +3,13 @@ examples), plus the micro-batch / data-parallel invariance of the loss scaling."
 
 import math
 import statistics
-import time
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import run_gloo
 
 import ppo_core as pc
 
@@ -456,17 +455,6 @@ def _dp_worker(rank, world, init_file, mode, out):
             torch.save((theta.grad, num_tokens, num_seqs), out)
     finally:
         dist.destroy_process_group()
-
-
-def run_gloo(worker, world, *args):
-    """Run worker(rank, *args) on `world` spawned processes (a real gloo group, no torchrun)."""
-    ctx = mp.start_processes(worker, args=args, nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + 60  # a deadlock must fail the test, not hang the suite
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("gloo workers did not finish within 60 s")
 
 
 def test_real_gloo_process_group(tmp_path):

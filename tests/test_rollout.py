@@ -64,7 +64,8 @@ def launch(request, assets, tmp_path_factory) -> list[dict]:
 
 def test_sync_makes_vllm_greedy_equal_actor_greedy(launch):
     for rank in launch:
-        assert rank["empty_sync_detected"], "assert_weights_changed did not notice a sync that did nothing"
+        assert rank["sync_changed_engine"], "syncing the checkpoint did not change the dummy-weight engine"
+        assert rank["empty_sync_detected"], "StaleWeightsCheck did not notice a sync that did nothing"
         assert rank["greedy_before"]["vllm"] == rank["greedy_before"]["actor"], rank["rank"]
         # After one optimizer step and a re-sync: still equal, and not what it was.
         assert rank["greedy_after"]["vllm"] == rank["greedy_after"]["actor"], rank["rank"]
@@ -166,8 +167,10 @@ def test_compute_log_probs_matches_naive_log_softmax(assets):
     attention_mask[0, :4] = 0  # left padding
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        log_probs, entropy = models.compute_log_probs(model, ids, attention_mask, position_ids, response_len=5,
-                                                      temperature=0.7, micro_batch_size=2, calc_entropy=True)
+        batch = {"input_ids": ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                 "responses": ids[:, -5:]}
+        log_probs, entropy = models.compute_log_probs(model, batch, temperature=0.7, micro_batch_size=2,
+                                                      calc_entropy=True)
         logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids).logits / 0.7
     reference = torch.log_softmax(logits[:, -6:-1], -1)  # (3, 5, V)
     expected = reference.gather(-1, ids[:, -5:, None]).squeeze(-1)
@@ -204,3 +207,18 @@ def test_sample_seed_depends_on_every_coordinate():
     seeds = {rollout.sample_seed(b, s, p, i) for b in (0, 1) for s in (0, 1) for p in (0, 1) for i in (0, 1)}
     assert len(seeds) == 16 and all(0 <= x < 2**63 for x in seeds)
     assert rollout.sample_seed(3, 2, 1, 0) == rollout.sample_seed(3, 2, 1, 0)
+
+
+def test_stale_weights_check_tells_a_lost_update_from_no_update():
+    """Pure logic: the engine's fingerprint may stay put only while the actor stays put too."""
+    check = rollout.StaleWeightsCheck(tolerance=1e-3)
+    engine = torch.tensor([[5.0, 6.0], [-0.5, -0.25]], dtype=torch.float64)
+    actor = torch.tensor([[-1.0, -2.0, -3.0, -4.0]], dtype=torch.float64)
+    check.check(engine, actor)
+    check.check(engine.clone(), actor.clone())  # a zero-gradient step: neither moved
+    check.check(engine.clone(), actor + 5e-4)  # below the tolerance: no verdict
+    moved_engine = engine + torch.tensor([[0.0, 0.0], [1e-6, 0.0]], dtype=torch.float64)
+    check.check(moved_engine, actor + 0.1)  # both moved: the update landed
+    check.check(moved_engine.clone(), actor + 0.1 + 4e-4)
+    with pytest.raises(RuntimeError, match="not reaching vLLM"):
+        check.check(moved_engine.clone(), actor + 0.1 + 2e-3)  # drift since the engine last changed
