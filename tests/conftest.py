@@ -25,10 +25,8 @@ def tiny_assets(tmp_path_factory) -> dict[str, Path]:
 def sft_model(tiny_assets, tmp_path_factory) -> Path:
     """tiny-qwen2 after the demo's short supervised warm-up: a weak solver RL can improve."""
     out = tmp_path_factory.mktemp("sft") / "tiny-qwen2-sft"
-    proc = subprocess.run([sys.executable, "sft_warmup.py", "--model", str(tiny_assets["tiny-qwen2"]),
-                           "--data", str(tiny_assets["train"]), "--out", str(out), "--steps", "75"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run([sys.executable, "sft_warmup.py", "--model", str(tiny_assets["tiny-qwen2"]), "--data", str(tiny_assets["train"]),
+         "--out", str(out), "--steps", "75"], timeout=600)
     return out
 
 
@@ -44,7 +42,35 @@ def run_gloo(worker: Callable[..., None], world: int, *args: object, timeout_s: 
             pytest.fail(f"{world} spawned workers did not finish within {timeout_s:.0f} s")
 
 
-def clean_env() -> dict[str, str]:
-    """The environment for a child torchrun: no rank variables leaking from a parent launch."""
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
-    return {k: v for k, v in os.environ.items() if k not in drop}
+# Variables torchrun sets for its workers: a child launch must not inherit a parent launch's.
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                 "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process: this one's, without torchrun's rank variables, plus `extra`."""
+    return {**{k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}, **extra}
+
+
+def torchrun_cmd(nproc: int, script: str | Path, *args: str, launcher: tuple[str, ...] = ()) -> list[str]:
+    """`torchrun --nproc_per_node=N [launcher args] script args`; --standalone (a free rendezvous port)
+    unless launcher args say otherwise (multi-node tests pass their own rendezvous)."""
+    rendezvous = launcher if any(a.startswith("--rdzv") for a in launcher) else ("--standalone", *launcher)
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc_per_node={nproc}", str(script),
+            *map(str, args)]
+
+
+def run(cmd: list[str], timeout: float = 900, env: dict[str, str] | None = None,
+        check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command from the repo root with a deadline; with check, a non-zero exit fails the test
+    and shows the ends of its output."""
+    proc = subprocess.run(cmd, cwd=ROOT, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    return proc
+
+
+def torchrun(nproc: int, script: str | Path, *args: str, timeout: float = 900,
+             env: dict[str, str] | None = None, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """A real multi-process launch of `script` (real gloo process groups); fails the test on a non-zero exit."""
+    return run(torchrun_cmd(nproc, script, *args, launcher=launcher), timeout=timeout, env=env)

@@ -1,4 +1,4 @@
-"""Worker for test_mesh_dist.py: build the meshes of several layouts in one process group and
+"""Worker for test_mesh_utils_dist.py: build the meshes of several layouts in one process group and
 write, per rank, the ranks of every group this rank belongs to, as torch.distributed sees them.
 
     torchrun --standalone --nproc_per_node=N tests/dist_mesh_check.py OUT_DIR 'k=v k=v' ['k=v' ...]

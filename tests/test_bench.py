@@ -6,12 +6,11 @@ These are not benchmarks: the numbers of a run this small measure overhead."""
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_env
+from conftest import ROOT, run, torchrun
 
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_step  # noqa: E402
@@ -19,9 +18,7 @@ import run_all  # noqa: E402
 
 
 def run_script(name: str, args: list[str], timeout: int = 400) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / name), *args], cwd=ROOT, env=clean_env(),
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run([sys.executable, str(ROOT / "bench" / name), *args], timeout=timeout)
 
 
 def assert_positive(obj: dict, *keys: str) -> None:
@@ -36,6 +33,7 @@ def smoke_args(tiny_assets: dict, out: Path) -> list[str]:
     return ["--assets", str(tiny_assets["tiny-qwen2"].parent), "--out", str(out)]
 
 
+@pytest.mark.slow
 def test_bench_rollout_smoke(tiny_assets, tmp_path):
     out = tmp_path / "rollout.json"
     run_script("bench_rollout.py", ["--models", str(tiny_assets["tiny-qwen2"]), "--prompts", "4", "--rollout-n", "2",
@@ -54,6 +52,7 @@ def test_bench_rollout_smoke(tiny_assets, tmp_path):
     assert abs(result["collocated"]["tokens"] - result["standalone"]["tokens"]) <= 0.1 * result["standalone"]["tokens"]
 
 
+@pytest.mark.slow
 def test_bench_sync_smoke(tiny_assets, tmp_path):
     out = tmp_path / "sync.json"
     run_script("bench_sync.py", ["--models", "tiny", "--layouts", "2x2", "--reps", "1",
@@ -78,6 +77,7 @@ def test_bench_sync_smoke(tiny_assets, tmp_path):
     assert f"| {result['sync_s']:.3f} |" in row and md[md.index(row) - 2].startswith("| WxTP | model |")
 
 
+@pytest.mark.slow
 def test_bench_memory_smoke(tiny_assets, tmp_path):
     out = tmp_path / "memory.json"
     run_script("bench_memory.py", ["--models", "tiny", "--prompts", "2", "--rollout-n", "2", "--max-tokens", "8",
@@ -95,6 +95,7 @@ def test_bench_memory_smoke(tiny_assets, tmp_path):
                 assert_positive(phase, "peak_gb", "end_gb")
 
 
+@pytest.mark.slow
 def test_bench_step_smoke(tiny_assets, tmp_path):
     out = tmp_path / "step.json"
     run_script("bench_step.py", ["--sizes", str(tiny_assets["tiny-qwen2"]), "--n-values", "2",
@@ -151,12 +152,8 @@ def test_targets_table():
 
 def test_device_check_smoke(tiny_assets, tmp_path):
     """bench/device_check.py (the GPU machine's first check, no vLLM) runs its checks on 2 CPU ranks."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "bench" / "device_check.py"), "--model", str(tiny_assets["tiny-qwen2"]),
-                           "--batch", "4", "--prompt-len", "16", "--response-len", "16", "--micro-batch", "2",
-                           "--out", str(tmp_path)], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    torchrun(2, ROOT / "bench" / "device_check.py", "--model", str(tiny_assets["tiny-qwen2"]), "--batch", "4",
+             "--prompt-len", "16", "--response-len", "16", "--micro-batch", "2", "--out", str(tmp_path), timeout=300)
     report = json.loads((tmp_path / "device_check.json").read_text())
     assert report["all_ranks_ok"] and report["world"] == 2
     assert set(report["checks_rank0"]) == {"update_finite_and_moved", "gather_equals_full_tensor",

@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import ROOT, clean_env
+import pytest
+from conftest import ROOT, clean_env, run, torchrun, torchrun_cmd
 
 from checkpoint import complete_checkpoints, find_resume_path
 from tracking import read_metrics
@@ -27,33 +28,25 @@ COMPARE = ["critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/
 
 
 def args_for(assets: dict, out: Path, *extra: str) -> list[str]:
-    return ["train_ppo.py", "--config", "configs/tiny_cpu.yaml", f"actor_rollout_ref.model.path={assets['tiny-qwen2']}",
+    return ["--config", "configs/tiny_cpu.yaml", f"actor_rollout_ref.model.path={assets['tiny-qwen2']}",
             f"data.train_files={assets['train']}", f"data.val_files={assets['val']}", f"trainer.default_local_dir={out}",
             "trainer.total_training_steps=6", "trainer.save_freq=3", "trainer.val_before_train=false",
             "trainer.test_freq=6", "data.max_val_samples=32", *extra]
-
-
-def torchrun(nproc: int, args: list[str], *launcher: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher, *args]
-
-
-def run(cmd: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
-    return proc
 
 
 def by_step(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
 
 
+@pytest.mark.slow
 def test_killed_rank_resumes_and_reproduces(tiny_assets, tmp_path):
     ref_dir, run_dir = tmp_path / "A", tmp_path / "B"
-    run(torchrun(2, args_for(tiny_assets, ref_dir, "trainer.max_actor_ckpt_to_keep=2")))
+    torchrun(2, "train_ppo.py", *args_for(tiny_assets, ref_dir, "trainer.max_actor_ckpt_to_keep=2"))
     assert [p.name for p in complete_checkpoints(ref_dir)] == ["global_step_3", "global_step_6"]
 
-    proc = subprocess.Popen(torchrun(2, args_for(tiny_assets, run_dir, "trainer.max_actor_ckpt_to_keep=1"),
-                                     "--max-restarts=1"),
+    proc = subprocess.Popen(torchrun_cmd(2, "train_ppo.py", *args_for(tiny_assets, run_dir,
+                                                                      "trainer.max_actor_ckpt_to_keep=1"),
+                                         launcher=("--max-restarts=1",)),
                             cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics, deadline, killed = run_dir / "metrics.jsonl", time.time() + 600, None
     while killed is None and time.time() < deadline and proc.poll() is None:
@@ -105,24 +98,23 @@ res = llm.generate([{{"prompt_token_ids": tok(p, add_special_tokens=False)["inpu
                    SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[tok.eos_token_id]), use_tqdm=False)
 print("RESULT" + json.dumps({{"hf": hf, "vllm": [tok.decode(r.outputs[0].token_ids, skip_special_tokens=True) for r in res]}}))
 """
-    env = dict(clean_env(), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(prompts)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = run([sys.executable, "-c", code, json.dumps(prompts)], timeout=600,
+               env=clean_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1"))
     got = json.loads(proc.stdout.split("RESULT", 1)[1])
     want = [r["response"] for r in expected]
     assert got["hf"] == want
     assert got["vllm"] == want
 
 
+@pytest.mark.slow
 def test_resume_at_a_smaller_world_size(tiny_assets, tmp_path):
     out = tmp_path / "reshard"
     four = ["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
             "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1"]
-    run(torchrun(4, args_for(tiny_assets, out, *four)))
+    torchrun(4, "train_ppo.py", *args_for(tiny_assets, out, *four))
     assert [p.name for p in complete_checkpoints(out)] == ["global_step_2"]
     two = ["trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.test_freq=-1"]
-    proc = run(torchrun(2, args_for(tiny_assets, out, *two)))
+    proc = torchrun(2, "train_ppo.py", *args_for(tiny_assets, out, *two))
     assert "resumed from" in proc.stdout and "written by 4 ranks" in proc.stdout
     rows = by_step(out)
     assert sorted(rows) == [1, 2, 3]

@@ -1,10 +1,9 @@
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from config import ConfigError, flat_keys, load_config, parse_override
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, clean_env
 
-ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
 SCRIPTS = sorted(LAUNCH.glob("*.sbatch")) + sorted(LAUNCH.glob("*.sh"))
 HOSTS = ["gpu-a17", "gpu-a18"]
@@ -47,11 +47,10 @@ def read_calls(log: Path) -> list[dict]:
 
 
 def job_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("SLURM_") and k not in ("CONFIG", "NGPU", "NPROC_PER_NODE", "NNODES", "PORT",
-                                                       "MAX_RESTARTS", "VENV", "SRUN_CPUS_PER_TASK")}
-    env.update(extra)
-    return env
+    """clean_env() without the SLURM job and the launch scripts' own variables, plus `extra`."""
+    launch_vars = ("CONFIG", "NGPU", "NPROC_PER_NODE", "NNODES", "PORT", "MAX_RESTARTS", "VENV", "SRUN_CPUS_PER_TASK")
+    env = {k: v for k, v in clean_env().items() if not k.startswith("SLURM_") and k not in launch_vars}
+    return {**env, **extra}
 
 
 def make_venv(tmp_path: Path) -> Path:

@@ -9,19 +9,16 @@ start-up (the expensive part), cached for the whole module:
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, torchrun
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import models
 import rollout
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist_rollout_check.py"
 N_PROMPTS, N_SAMPLES, MAX_TOKENS = 8, 4, 16  # as in the worker
 
@@ -44,11 +41,7 @@ def run_launch(name: str, assets: dict[str, Path], tmp_path_factory) -> list[dic
         return _RESULTS[name]
     world, model, tp, fsdp_size = LAUNCHES[name]
     out_dir = tmp_path_factory.mktemp(name)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(WORKER), str(out_dir), str(assets[model]), str(tp), str(fsdp_size)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    torchrun(world, WORKER, str(out_dir), str(assets[model]), str(tp), str(fsdp_size), timeout=400)
     _RESULTS[name] = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
     return _RESULTS[name]
 

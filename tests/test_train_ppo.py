@@ -15,18 +15,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_env
+from conftest import run, torchrun
 
 from mesh_utils import plan_device_map, validate
 from tracking import read_metrics
 
 
-def torchrun(nproc: int, args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "train_ppo.py", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
-    return proc
+def train(nproc: int, args: list[str], timeout: int = 900) -> None:
+    torchrun(nproc, "train_ppo.py", *args, timeout=timeout)
 
 
 def tiny(assets: dict, out: Path, model: Path | None = None) -> list[str]:
@@ -51,7 +47,7 @@ def assert_common(rows: list[dict], prompts: int, samples: int) -> None:
 
 def test_grpo_tp2(tiny_assets, tmp_path):
     out = tmp_path / "grpo"
-    torchrun(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out),
+    train(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out),
                  "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.total_training_steps=3",
                  "trainer.test_freq=3", "data.max_val_samples=16"])
     rows = step_rows(out)
@@ -66,7 +62,7 @@ def test_grpo_tp2(tiny_assets, tmp_path):
 
 def test_gae_with_kl(tiny_assets, tmp_path):
     out = tmp_path / "gae"
-    torchrun(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out), "algorithm.adv_estimator=gae",
+    train(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out), "algorithm.adv_estimator=gae",
                  "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
                  "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",
                  "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1"])
@@ -82,6 +78,7 @@ def test_gae_with_kl(tiny_assets, tmp_path):
     assert rows[1]["actor/reward_kl_penalty_coeff"] != 0.001  # the adaptive controller moved
 
 
+@pytest.mark.slow
 def test_seed_six_rank_job(tiny_assets, tmp_path):
     """The seed's 6-GPU config, as is but for a tiny model: its metrics show the seed's numbers."""
     out = tmp_path / "seed"
@@ -89,7 +86,7 @@ def test_seed_six_rank_job(tiny_assets, tmp_path):
             "data.max_response_length=8", "trainer.total_training_steps=2", "trainer.val_before_train=false",
             "trainer.test_freq=-1", "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
             "actor_rollout_ref.actor.optim.lr=1e-4"]
-    torchrun(6, args, timeout=1200)
+    train(6, args, timeout=1200)
     rows = step_rows(out)
     assert_common(rows, prompts=60, samples=720)
     assert all(r["batch/ppo_mini_batch_size_per_rank"] == 120 for r in rows)
@@ -102,10 +99,11 @@ def test_seed_six_rank_job(tiny_assets, tmp_path):
         assert layout["rollout_tp_group"] == groups[rank // 2] and layout["fsdp_group"] == list(range(6))
 
 
+@pytest.mark.slow
 def test_score_improves(tiny_assets, sft_model, tmp_path):
     """The demo's task, shortened: after 40 GRPO steps the greedy validation score is clearly higher."""
     out = tmp_path / "learn"
-    torchrun(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model),
+    train(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model),
                  "trainer.total_training_steps=40", "trainer.test_freq=40"])
     val = [r["val/score"] for r in read_metrics(out / "metrics.jsonl") if "val/score" in r]
     assert len(val) == 2
@@ -113,9 +111,8 @@ def test_score_improves(tiny_assets, sft_model, tmp_path):
 
 
 def run_python(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "train_ppo.py", "--config", "configs/tiny_cpu.yaml",
-                           "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-                           *args], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    return run([sys.executable, "train_ppo.py", "--config", "configs/tiny_cpu.yaml", "trainer.n_gpus_per_node=1",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=1", *args], timeout=300, check=False)
 
 
 @pytest.mark.parametrize("case", ["missing_file", "empty_data", "reward_name", "too_long", "layout", "timeout"])

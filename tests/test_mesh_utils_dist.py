@@ -2,17 +2,15 @@
 `build_meshes` makes, must equal the planner's pure `plan_device_map`, rank by rank."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, run, torchrun
 
 from config import load_config
 from mesh_utils import plan_device_map, validate
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist_mesh_check.py"
 BASE = "data.train_batch_size=12 actor_rollout_ref.actor.ppo_mini_batch_size=6 actor_rollout_ref.rollout.n=2 " \
        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1 algorithm.adv_estimator=grpo"
@@ -39,14 +37,10 @@ def run_world(world: int, tmp_path: Path) -> list[dict]:
     if world in _CACHE:
         return _CACHE[world]
     layouts = [f"{BASE} {layout}" for layout in LAYOUTS[world]]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     if world == 1:  # a plain python run must work as world size 1, no torchrun
-        cmd = [sys.executable, str(WORKER), str(tmp_path), *layouts]
+        run([sys.executable, str(WORKER), str(tmp_path), *layouts], timeout=300)
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               str(WORKER), str(tmp_path), *layouts]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        torchrun(world, WORKER, str(tmp_path), *layouts, timeout=300)
     _CACHE[world] = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     return _CACHE[world]
 

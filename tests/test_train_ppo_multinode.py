@@ -13,13 +13,12 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from conftest import clean_env
+from conftest import clean_env, torchrun_cmd
 
 from config import load_config
 from mesh_utils import plan_device_map, validate
@@ -52,10 +51,9 @@ def launch_nodes(nproc_per_node: int, overrides: list[str], log_dir: Path, timeo
     procs, logs = [], []
     for node in range(NNODES):
         # No --node_rank: the c10d rendezvous numbers the nodes itself (as under srun).
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NNODES}",
-               f"--nproc_per_node={nproc_per_node}", "--rdzv_backend=c10d",
-               f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={rdzv_id}",
-               "train_ppo.py", "--config", CONFIG, *overrides]
+        cmd = torchrun_cmd(nproc_per_node, "train_ppo.py", "--config", CONFIG, *overrides,
+                           launcher=(f"--nnodes={NNODES}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                                     f"--rdzv_id={rdzv_id}"))
         log = open(log_dir / f"node{node}.log", "w")  # a file, not a pipe: vLLM logs would fill a pipe
         logs.append(log)
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -98,6 +96,7 @@ def two_node_run(tiny_assets, tmp_path_factory) -> dict:
     return {"run_dir": run_dir, "overrides": overrides, "outputs": [out for _, out in results]}
 
 
+@pytest.mark.slow
 def test_two_nodes_train_two_steps(two_node_run):
     lines = (two_node_run["run_dir"] / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line) for line in lines]
@@ -109,6 +108,7 @@ def test_two_nodes_train_two_steps(two_node_run):
         assert 0 < s["response_length/mean"] <= 12  # data.max_response_length of the tiny config
 
 
+@pytest.mark.slow
 def test_each_rank_joined_the_planned_groups_on_the_planned_node(two_node_run):
     dims, _ = validate(load_config(str(ROOT / CONFIG), two_node_run["overrides"]))
     planned = plan_device_map(dims)

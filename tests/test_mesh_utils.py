@@ -3,14 +3,13 @@
 import itertools
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from config import ConfigError, load_config
 from mesh_utils import plan_device_map, validate
 
-ROOT = Path(__file__).resolve().parents[1]
 SEED_1 = ROOT / "configs" / "gsm8k_grpo_1node_6gpu.yaml"
 SEED_2 = ROOT / "configs" / "gsm8k_grpo_2node_6gpu.yaml"
 

@@ -1,0 +1,40 @@
+"""tracking.py: one metrics line per step, whatever restarts and merges happen."""
+
+import json
+
+from tracking import Tracker, read_metrics, summary, truncate_metrics
+
+
+def tracker(out, total=5) -> Tracker:
+    return Tracker(out, ["console"], "p", "e", {}, total_steps=total)
+
+
+def test_one_line_per_step_across_restarts_and_merges(tmp_path, capsys):
+    first = tracker(tmp_path)
+    first.log(0, {"val/score": 0.25})
+    for step in (1, 2, 3):
+        first.log(step, {"critic/score/mean": step / 10})
+    first.close()
+    # a restart without a checkpoint: the trainer truncates to step 0, then logs 0, 1, ... again
+    truncate_metrics(tmp_path / "metrics.jsonl", 0)
+    second = tracker(tmp_path)
+    second.log(0, {"val/score": 0.5, "val/num_samples": 8})  # merged into the surviving step-0 line
+    second.log(1, {"critic/score/mean": 0.7})
+    second.log(1, {"val/score": 0.75})  # validation after the step: same line
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[0] == {"step": 0, "val/score": 0.5, "val/num_samples": 8}
+    assert rows[1] == {"step": 1, "critic/score/mean": 0.7, "val/score": 0.75}
+    assert "step 1/5 | score 0.700" in capsys.readouterr().out
+    assert "val/score: 0.500 (step 0) -> 0.750 (step 1)" in summary(tmp_path / "metrics.jsonl")
+
+
+def test_resume_truncates_to_the_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(7)))
+    truncate_metrics(path, 3)
+    t = tracker(tmp_path)
+    t.log(3, {"val/score": 1.0})  # val_before_train on resume: the checkpoint's own step
+    t.log(4, {"x": 40})
+    assert read_metrics(path) == [{"step": 0, "x": 0}, {"step": 1, "x": 1}, {"step": 2, "x": 2},
+                                  {"step": 3, "x": 3, "val/score": 1.0}, {"step": 4, "x": 40}]
