@@ -360,23 +360,23 @@ LOGGERS = ("console", "tensorboard", "wandb")
 def check_supported(cfg: Config) -> None:
     """Refuse values that verl accepts but this program does not implement, and values that cannot
     work, each naming its key and what to set instead (so no accepted key is silently ignored)."""
-    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    actor_rollout_ref, critic = cfg.actor_rollout_ref, cfg.critic
     if cfg.reward_model.enable:
         raise ConfigError(
             "reward_model.enable=true (a learned reward model) is not supported; score with a rule "
             "function instead (custom_reward_function.path / .name) and set reward_model.enable=false."
         )
-    if not arr.hybrid_engine:
+    if not actor_rollout_ref.hybrid_engine:
         raise ConfigError("actor_rollout_ref.hybrid_engine=false (a separate rollout pool) is not supported: "
                           "the engine is collocated with the actor on every rank. Set it to true.")
     if cfg.data.val_batch_size is not None:
         raise ConfigError(f"data.val_batch_size={cfg.data.val_batch_size}: validation hands the whole held-out "
                           "set to the engine at once (vLLM batches it itself); set data.val_batch_size=null, or "
                           "data.max_val_samples to validate on fewer prompts.")
-    if critic.fsdp_config.fsdp_size not in (None, arr.actor.fsdp_config.fsdp_size):
+    if critic.fsdp_config.fsdp_size not in (None, actor_rollout_ref.actor.fsdp_config.fsdp_size):
         raise ConfigError(
             f"critic.fsdp_config.fsdp_size={critic.fsdp_config.fsdp_size} differs from the actor's "
-            f"actor_rollout_ref.actor.fsdp_config.fsdp_size={arr.actor.fsdp_config.fsdp_size}: the critic is "
+            f"actor_rollout_ref.actor.fsdp_config.fsdp_size={actor_rollout_ref.actor.fsdp_config.fsdp_size}: the critic is "
             f"sharded on the actor's FSDP mesh. Set them equal, or critic.fsdp_config.fsdp_size=null.")
     keep_actor, keep_critic = cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep
     if keep_critic is not None and keep_critic != keep_actor:
@@ -384,9 +384,9 @@ def check_supported(cfg: Config) -> None:
             f"trainer.max_critic_ckpt_to_keep={keep_critic} differs from trainer.max_actor_ckpt_to_keep="
             f"{keep_actor}: actor and critic are saved together, one directory per step. Set them equal "
             f"or leave max_critic_ckpt_to_keep null.")
-    if arr.rollout.temperature <= 0:
+    if actor_rollout_ref.rollout.temperature <= 0:
         raise ConfigError(
-            f"actor_rollout_ref.rollout.temperature={arr.rollout.temperature}: training samples must come from "
+            f"actor_rollout_ref.rollout.temperature={actor_rollout_ref.rollout.temperature}: training samples must come from "
             f"the policy, and the log-probs divide the logits by it; use a value > 0 (1.0 samples the policy "
             f"as it is). Greedy decoding is for validation: rollout.val_kwargs.do_sample=false.")
     unknown = [name for name in cfg.trainer.logger if name not in LOGGERS]

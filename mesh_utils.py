@@ -72,7 +72,7 @@ def _nearest_multiples(value: int, step: int) -> str:
 def parallel_dims(cfg: Config, world_size: int | None = None) -> ParallelDims:
     """Check the degrees against the world and the node size; `world_size=None` plans for the config's."""
     t = cfg.trainer
-    arr = cfg.actor_rollout_ref
+    actor_rollout_ref = cfg.actor_rollout_ref
     nnodes, per_node = t.nnodes, t.n_gpus_per_node
     if nnodes < 1 or per_node < 1:
         raise ConfigError(
@@ -89,7 +89,7 @@ def parallel_dims(cfg: Config, world_size: int | None = None) -> ParallelDims:
             f"(e.g. trainer.nnodes={world // local} trainer.n_gpus_per_node={local})."
         )
 
-    tp = arr.rollout.tensor_model_parallel_size
+    tp = actor_rollout_ref.rollout.tensor_model_parallel_size
     if tp < 1 or per_node % tp != 0:
         if tp < 1:
             why = "it must be >= 1"
@@ -105,7 +105,7 @@ def parallel_dims(cfg: Config, world_size: int | None = None) -> ParallelDims:
             f"{', '.join(map(str, _divisors(per_node)))}."
         )
 
-    fsdp_size = arr.actor.fsdp_config.fsdp_size
+    fsdp_size = actor_rollout_ref.actor.fsdp_config.fsdp_size
     if fsdp_size == -1:
         fsdp = world
     elif fsdp_size < 1 or fsdp_size > world or world % fsdp_size != 0:
@@ -117,7 +117,7 @@ def parallel_dims(cfg: Config, world_size: int | None = None) -> ParallelDims:
     else:
         fsdp = fsdp_size
 
-    sp = arr.actor.ulysses_sequence_parallel_size
+    sp = actor_rollout_ref.actor.ulysses_sequence_parallel_size
     if sp < 1 or world % sp != 0 or per_node % sp != 0:
         raise ConfigError(
             f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp} must divide both the world size "
@@ -191,8 +191,8 @@ def _mini_micro(
 def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
     """The seed's arithmetic: 60 prompts -> 3 groups x 20 -> x12 = 720 samples -> 120 per rank."""
     tbs = cfg.data.train_batch_size
-    arr = cfg.actor_rollout_ref
-    n = arr.rollout.n
+    actor_rollout_ref = cfg.actor_rollout_ref
+    n = actor_rollout_ref.rollout.n
     if n < 1:
         raise ConfigError(f"actor_rollout_ref.rollout.n={n} must be >= 1 (samples per prompt).")
     if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and n < 2:
@@ -218,11 +218,11 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
         )
     per_rank = total // dims.train_dp
 
-    actor = arr.actor
+    actor = actor_rollout_ref.actor
     mini, micro, accum = _mini_micro(
         "actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, tbs, n, dims
     )
-    lp_micro = arr.rollout.log_prob_micro_batch_size_per_gpu
+    lp_micro = actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
     if lp_micro < 1 or lp_micro > per_rank:
         raise ConfigError(
             f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={lp_micro} must be between 1 and "
@@ -230,7 +230,7 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
             f"training ranks). Valid values: 1..{per_rank}, e.g. {min(8, per_rank)}."
         )
     for key, forward_micro in (("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-                                arr.ref.log_prob_micro_batch_size_per_gpu),
+                                actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu),
                                ("critic.forward_micro_batch_size_per_gpu", cfg.critic.forward_micro_batch_size_per_gpu)):
         if forward_micro is not None and (forward_micro < 1 or forward_micro > per_rank):
             raise ConfigError(
@@ -468,11 +468,11 @@ def _fmt(groups: list[list[int]]) -> str:
 def describe(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> str:
     """The device map and batch flow of a valid config, as a person would want to read it."""
     dm = plan_device_map(dims)
-    arr = cfg.actor_rollout_ref
+    actor_rollout_ref = cfg.actor_rollout_ref
     w = dims.world_size
     lines = [f"Device map: {dims.nnodes} node(s) x {dims.n_gpus_per_node} devices = world {w}"]
     if dims.ddp == 1:
-        lines.append(f"  FSDP      fsdp_size={arr.actor.fsdp_config.fsdp_size}: mesh ('fsdp',) = ({w},), "
+        lines.append(f"  FSDP      fsdp_size={actor_rollout_ref.actor.fsdp_config.fsdp_size}: mesh ('fsdp',) = ({w},), "
                      f"one group {_fmt(dm.fsdp_groups)}")
     else:
         lines.append(f"  FSDP      fsdp_size={dims.fsdp}: HSDP mesh ('ddp','fsdp') = ({dims.ddp},{dims.fsdp}), "
@@ -498,9 +498,9 @@ def describe(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> str:
         f"  x rollout.n={p.n} -> {p.samples_per_rollout_group} samples per group, {p.total_samples} in all",
         f"  training: {p.total_samples} samples / {dims.train_dp} dp ranks (world {w} / sp {dims.sp}) = "
         f"{p.samples_per_rank} per rank",
-        f"  actor mini batch: ppo_mini_batch_size={arr.actor.ppo_mini_batch_size} x n={p.n} = "
-        f"{arr.actor.ppo_mini_batch_size * p.n} -> / {dims.train_dp} = {p.ppo_mini_batch_size_per_rank} per rank; "
-        f"{p.num_mini_batches} optimizer step(s) per ppo epoch x {arr.actor.ppo_epochs} epoch(s)",
+        f"  actor mini batch: ppo_mini_batch_size={actor_rollout_ref.actor.ppo_mini_batch_size} x n={p.n} = "
+        f"{actor_rollout_ref.actor.ppo_mini_batch_size * p.n} -> / {dims.train_dp} = {p.ppo_mini_batch_size_per_rank} per rank; "
+        f"{p.num_mini_batches} optimizer step(s) per ppo epoch x {actor_rollout_ref.actor.ppo_epochs} epoch(s)",
         f"  actor micro batch: {p.ppo_micro_batch_size_per_gpu} per gpu -> {p.grad_accum_steps} "
         f"gradient-accumulation step(s) per mini batch",
         f"  old log-probs: log_prob_micro_batch_size_per_gpu={p.log_prob_micro_batch_size_per_gpu} -> "
