@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from data import load_rows
 
 
-def encode_example(tokenizer, row: dict) -> tuple[list[int], int]:  # noqa: ANN001
+def encode_example(tokenizer: PreTrainedTokenizerBase, row: dict) -> tuple[list[int], int]:
     """Token ids of prompt + `#### answer` + EOS, and where the answer starts."""
     prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
     answer = f"#### {row['reward_model']['ground_truth']}"

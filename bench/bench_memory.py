@@ -24,13 +24,21 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import bench_common as bc  # first: it puts the repo root on sys.path
 import torch
 
 import models
 import rollout as ro
+from mesh_utils import DistEnv, Meshes
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+T = TypeVar("T")
 
 PHASES = ("sync", "gen", "old_log_prob", "ref", "update")
 PROMPT_LEN = (8, 32)
@@ -58,14 +66,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # Worker (every rank)
 
 
-def one_step(llm, actor, ref, optimizer, prompts, offload: bool, tp: tuple[int, int],  # noqa: ANN001
-             env, args) -> dict:  # noqa: ANN001
+def one_step(llm: LLM, actor: torch.nn.Module, ref: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             prompts: list[list[int]], offload: bool, tp: tuple[int, int], env: DistEnv,
+             args: argparse.Namespace) -> dict:
     """One step's phases; {phase: {peak_gb, end_gb}} for this rank. tp = (infer_tp rank, size)."""
     mem, out = bc.PeakMemory(), {}
     device = env.device
     param_dtype = models.default_dtypes(env.device_type)[0]
 
-    def phase(name: str, fn) -> object:  # noqa: ANN001
+    def phase(name: str, fn: Callable[[], T]) -> T:
         mem.reset()
         result = fn()
         out[name] = {"peak_gb": mem.peak_gb(), "end_gb": mem.device_used_gb()}
@@ -74,18 +83,18 @@ def one_step(llm, actor, ref, optimizer, prompts, offload: bool, tp: tuple[int, 
     def sync() -> None:
         ro.sync_weights(llm, models.iter_full_params(actor, dtype=param_dtype))
 
-    def gen() -> object:
+    def gen() -> ro.RolloutBatch:
         if offload:
             models.offload_fsdp_model_to_cpu(actor)
             models.offload_optimizer(optimizer)
         return ro.generate(llm, prompts, n=args.n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.max_tokens,
                            eos_token_id=bc.EOS_TOKEN_ID, pad_token_id=bc.PAD_TOKEN_ID, seed=0, step=1)
 
-    def log_probs(model, batch) -> torch.Tensor:  # noqa: ANN001
+    def log_probs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.no_grad():
             return models.compute_log_probs(model, batch, 1.0, args.micro_batch)[0]
 
-    def update(batch) -> None:  # noqa: ANN001
+    def update(batch: dict[str, torch.Tensor]) -> None:
         if offload:
             models.load_optimizer(optimizer, device)
         for start in range(0, batch["input_ids"].shape[0], args.micro_batch):
@@ -116,8 +125,8 @@ def one_step(llm, actor, ref, optimizer, prompts, offload: bool, tp: tuple[int, 
     return out
 
 
-def bench_model(label: str, path: Path, meshes, env,  # noqa: ANN001
-                args: argparse.Namespace) -> tuple[dict, object]:
+def bench_model(label: str, path: Path, meshes: Meshes, env: DistEnv,
+                args: argparse.Namespace) -> tuple[dict, LLM]:
     device_type, engine_dtype = bc.device_and_dtype()
     param_dtype, reduce_dtype = models.default_dtypes(device_type)
     mem = bc.PeakMemory()

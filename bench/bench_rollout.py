@@ -32,13 +32,18 @@ import gc
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import bench_common as bc  # first: it puts the repo root on sys.path
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 import rollout as ro
+from mesh_utils import DistEnv, Meshes
 from models import compute_log_probs, default_dtypes, iter_full_params, load_causal_lm
+
+if TYPE_CHECKING:
+    from vllm import LLM
 
 PROMPT_LEN = (8, 32)  # prompt lengths are uniform in [8, 32] tokens
 CONTENDED_BELOW = 0.85  # cpu_util under this fraction of the thread count: the machine was busy
@@ -75,7 +80,8 @@ def length_stats(lengths: list[int], seconds: float, cpu_s: float, max_tokens: i
             "stopped_frac": sum(n < max_tokens for n in lengths) / len(lengths), "cpu_util": cpu_s / seconds}
 
 
-def generate_once(llm, prompts: list[list[int]], args: argparse.Namespace) -> tuple[dict, object]:  # noqa: ANN001
+def generate_once(llm: LLM, prompts: list[list[int]],
+                  args: argparse.Namespace) -> tuple[dict, ro.RolloutBatch]:
     """One timed rollout.generate of the whole batch (what train_ppo.py calls), same seeds every time:
     its statistics and the RolloutBatch."""
     # Training prompts are new every step, and a sync resets the prefix cache: start every phase
@@ -103,7 +109,8 @@ def summarize(reps: list[dict]) -> dict:
     return out
 
 
-def hf_generate(model, prompts: list[list[int]], args: argparse.Namespace, device) -> dict:  # noqa: ANN001
+def hf_generate(model: PreTrainedModel, prompts: list[list[int]], args: argparse.Namespace,
+                device: torch.device) -> dict:
     """HF generate on the whole batch at once (its best case): left-padded prompts, n return sequences."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), bc.PAD_TOKEN_ID, dtype=torch.long)
@@ -127,7 +134,8 @@ def hf_generate(model, prompts: list[list[int]], args: argparse.Namespace, devic
     return length_stats(lengths, seconds, cpu, args.max_tokens)
 
 
-def train_step(actor, optimizer, batch, device) -> float:  # noqa: ANN001
+def train_step(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: ro.RolloutBatch,
+               device: torch.device) -> float:
     """One real optimizer step on (up to) 8 of the batch's samples: log-likelihood of the sampled
     responses, so activations, gradients and AdamW state are those of an actor update."""
     micro_batch = {k: v.to(device) for k, v in vars(batch.rows(slice(0, 8))).items()}  # (up to) 8 samples
@@ -144,8 +152,8 @@ def train_step(actor, optimizer, batch, device) -> float:  # noqa: ANN001
     return bc.timed(step)[0]
 
 
-def collocated_cycle(llm, path: Path, prompts: list[list[int]], batch, meshes, env,  # noqa: ANN001
-                     args: argparse.Namespace) -> tuple[dict, dict]:
+def collocated_cycle(llm: LLM, path: Path, prompts: list[list[int]], batch: ro.RolloutBatch, meshes: Meshes,
+                     env: DistEnv, args: argparse.Namespace) -> tuple[dict, dict]:
     """Load an FSDP2 actor and its AdamW state beside the engine, generate with it idle (resident),
     then in a training step's order around a generate (collocated), training on `batch` (a
     RolloutBatch); the actor is freed on return."""
@@ -165,8 +173,8 @@ def collocated_cycle(llm, path: Path, prompts: list[list[int]], batch, meshes, e
     return resident, collocated
 
 
-def bench_model(label: str, path: Path, meshes, env,  # noqa: ANN001
-                args: argparse.Namespace) -> tuple[dict, object]:
+def bench_model(label: str, path: Path, meshes: Meshes, env: DistEnv,
+                args: argparse.Namespace) -> tuple[dict, LLM]:
     """Every phase for one model; returns the result and the (still running) engine."""
     device_type, engine_dtype = bc.device_and_dtype()
     device = env.device

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import bench_common as bc  # first: it puts the repo root on sys.path
 import torch
@@ -32,7 +34,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import rollout as ro
+from mesh_utils import DistEnv, Meshes
 from models import default_dtypes, iter_full_params, load_causal_lm
+
+if TYPE_CHECKING:
+    from vllm import LLM
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # Worker (every rank)
 
 
-def iter_full_params_gather_first(model, dtype):  # noqa: ANN001, ANN201 - a generator of (name, tensor)
+def iter_full_params_gather_first(model: torch.nn.Module,
+                                  dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """iter_full_params, except each shard is gathered in its master dtype and cast after (the
     order iter_full_params avoids: twice the bytes when the masters are fp32 and dtype bf16)."""
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -62,7 +69,7 @@ def iter_full_params_gather_first(model, dtype):  # noqa: ANN001, ANN201 - a gen
         yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).to(dtype)
 
 
-def repeat(fn, reps: int) -> list[float]:  # noqa: ANN001
+def repeat(fn: Callable[[], object], reps: int) -> list[float]:
     """reps timings of fn(), every rank starting together (they move weights together in training)."""
     times = []
     for _ in range(reps):
@@ -71,7 +78,8 @@ def repeat(fn, reps: int) -> list[float]:  # noqa: ANN001
     return times
 
 
-def copy_floor(nbytes: int, numels: list[int], dtype, device, reps: int) -> tuple[float, float]:  # noqa: ANN001
+def copy_floor(nbytes: int, numels: list[int], dtype: torch.dtype, device: torch.device,
+               reps: int) -> tuple[float, float]:
     """Seconds for one torch copy_ of nbytes, and for per-parameter copies of the same sizes (the floor
     for a loader that copies tensor by tensor), on every rank at once."""
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
@@ -83,7 +91,7 @@ def copy_floor(nbytes: int, numels: list[int], dtype, device, reps: int) -> tupl
     return bulk, per_tensor
 
 
-def gather_floor(nbytes: int, reps: int, device) -> float:  # noqa: ANN001
+def gather_floor(nbytes: int, reps: int, device: torch.device) -> float:
     """Seconds for one all_gather_into_tensor that leaves nbytes on every rank: what the transport
     allows for gathering the parameters, with no per-tensor overhead."""
     world = dist.get_world_size()
@@ -94,14 +102,14 @@ def gather_floor(nbytes: int, reps: int, device) -> float:  # noqa: ANN001
     return bc.median(repeat(lambda: (dist.all_gather_into_tensor(full, shard), bc.synchronize()), reps))
 
 
-def engine_load(llm, actor, dtype, reps: int) -> float:  # noqa: ANN001
+def engine_load(llm: LLM, actor: torch.nn.Module, dtype: torch.dtype, reps: int) -> float:
     """sync_weights from tensors gathered beforehand: vLLM's side of the sync alone."""
     gathered = list(iter_full_params(actor, dtype=dtype))
     return bc.median(repeat(lambda: ro.sync_weights(llm, iter(gathered)), reps))
 
 
-def bench_model(label: str, path: Path, meshes, env,  # noqa: ANN001
-                args: argparse.Namespace) -> tuple[dict, object]:
+def bench_model(label: str, path: Path, meshes: Meshes, env: DistEnv,
+                args: argparse.Namespace) -> tuple[dict, LLM]:
     device_type, engine_dtype = bc.device_and_dtype()
     device = env.device
     param_dtype, reduce_dtype = default_dtypes(device_type)

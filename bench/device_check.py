@@ -25,7 +25,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import bench_common as bc  # first: it puts the repo root on sys.path
 import torch
@@ -34,6 +34,8 @@ from torch.distributed.tensor import DTensor
 
 import models
 from mesh_utils import ParallelDims, build_meshes, init_distributed
+
+T = TypeVar("T")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,10 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def local_tensors(actor, optimizer) -> list:  # noqa: ANN001
+def local_tensors(actor: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Host copies of this rank's parameter shards and optimizer state (local shards, not DTensors:
     their sizes are what this rank holds, and comparing them runs no collective)."""
-    def local(t):  # noqa: ANN001, ANN202
+    def local(t: torch.Tensor) -> torch.Tensor:
         return (t.to_local() if isinstance(t, DTensor) else t).detach().cpu().clone()
 
     shards = [local(p) for p in actor.parameters()]
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915 - one linear s
     param_dtype, reduce_dtype = models.default_dtypes(env.device_type)
     mem, phases, checks = bc.PeakMemory(), {}, {}
 
-    def phase(name: str, fn: Callable[[], Any]) -> Any:  # noqa: ANN401 - whatever the phase returns
+    def phase(name: str, fn: Callable[[], T]) -> T:
         dist.barrier()
         mem.reset()
         seconds, result = bc.timed(fn)
