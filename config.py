@@ -223,13 +223,40 @@ class ConfigError(ValueError):
 
 
 class Config(dict):
-    """A nested dict whose keys also read as attributes: `cfg.data.train_batch_size`."""
+    """A nested dict whose keys also read as attributes: `cfg.data.train_batch_size`.
+
+    It remembers which leaf keys the program read (`cfg.a.b` or `cfg.a["b"]`; serialising the whole
+    config does not count), so a run can tell which keys it never used (`unread_keys`).
+    """
+
+    def __init__(self, prefix: str = "", reads: set[str] | None = None) -> None:
+        super().__init__()
+        self._prefix, self._reads = prefix, set() if reads is None else reads
+
+    def __getitem__(self, name: str) -> Any:
+        value = super().__getitem__(name)
+        if not isinstance(value, Config):
+            self._reads.add(self._prefix + name)
+        return value
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # _prefix / _reads before __init__ set them (copy, pickle)
+            raise AttributeError(name)
         try:
             return self[name]
         except KeyError:
             raise AttributeError(f"config has no key {name!r}") from None
+
+    def section(self, name: str) -> Config:
+        """The sub-config `name`, creating it (used while building)."""
+        if not dict.__contains__(self, name):
+            dict.__setitem__(self, name, Config(f"{self._prefix}{name}.", self._reads))
+        return dict.__getitem__(self, name)
+
+
+def unread_keys(cfg: Config) -> list[str]:
+    """The schema's keys that nothing has read from `cfg` so far."""
+    return [key for key in _KEYS if key not in cfg._reads]
 
 
 def _is_leaf(node: Any) -> bool:
@@ -326,8 +353,8 @@ def _nest(flat: dict[str, Any]) -> Config:
         node = root
         *parents, leaf = key.split(".")
         for p in parents:
-            node = node.setdefault(p, Config())
-        node[leaf] = value
+            node = node.section(p)
+        dict.__setitem__(node, leaf, value)
     return root
 
 
@@ -361,6 +388,12 @@ def check_supported(cfg: Config) -> None:
     """Refuse values that verl accepts but this program does not implement, and values that cannot
     work, each naming its key and what to set instead (so no accepted key is silently ignored)."""
     actor_rollout_ref, critic = cfg.actor_rollout_ref, cfg.critic
+    implemented = {"actor_rollout_ref.actor.strategy": actor_rollout_ref.actor.strategy,
+                   "actor_rollout_ref.rollout.name": actor_rollout_ref.rollout.name,
+                   "reward_model.reward_manager": cfg.reward_model.reward_manager}
+    for key, value in implemented.items():  # one implementation each (CHOICES lists it); say so if that changes
+        if value not in CHOICES[key]:
+            raise ConfigError(f"{key}={value!r} is not implemented; valid: {', '.join(CHOICES[key])}.")
     if cfg.reward_model.enable:
         raise ConfigError(
             "reward_model.enable=true (a learned reward model) is not supported; score with a rule "
@@ -401,7 +434,7 @@ def non_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
     for key, (_, default) in _KEYS.items():
         node: Any = cfg
         for part in key.split("."):
-            node = node[part]
+            node = dict.__getitem__(node, part)  # looking, not using: not a read
         if node != default:
             out[key] = node
     return out

@@ -49,6 +49,7 @@ from config import (
     load_config,
     non_defaults,
     to_yaml,
+    unread_keys,
 )
 from data import Prompt, PromptSampler, load_prompts
 from mesh_utils import (
@@ -367,7 +368,8 @@ def main(argv: list[str] | None = None) -> None:
     if rule_reward:  # a data source without a rule fails now, not at the first rollout
         check_data_sources(p.data_source for p in train_prompts + val_prompts)
     sampler = PromptSampler(len(train_prompts), data_cfg.train_batch_size, data_cfg.seed, data_cfg.shuffle)
-    total_steps = trainer_cfg.total_training_steps or sampler.batches_per_epoch * trainer_cfg.total_epochs
+    epochs_in_steps = sampler.batches_per_epoch * trainer_cfg.total_epochs
+    total_steps = trainer_cfg.total_training_steps or epochs_in_steps
 
     # --- models: actor (+ reference for KL, + critic for GAE), FSDP2 on the FSDP mesh ---------------
     param_dtype, reduce_dtype = default_dtypes(env.device_type)
@@ -385,6 +387,7 @@ def main(argv: list[str] | None = None) -> None:
     if algo_cfg.adv_estimator in CRITIC_ESTIMATORS:
         critic = load_value_model(critic_cfg.model.path or model_cfg.path, meshes.fsdp,
                                   cpu_offload=critic_cfg.fsdp_config.param_offload,
+                                  reshard_after_forward=critic_cfg.fsdp_config.reshard_after_forward,
                                   activation_checkpointing=critic_cfg.model.enable_gradient_checkpointing,
                                   **fsdp_kwargs)
         critic_optim, critic_sched = make_optimizer(critic, critic_cfg.optim, total_steps)
@@ -422,7 +425,8 @@ def main(argv: list[str] | None = None) -> None:
     train_sampling = dict(n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
                           top_k=rollout_cfg.top_k, seed=trainer_cfg.seed, **length_limits)
     val_cfg = rollout_cfg.val_kwargs
-    val_sampling = dict(n=val_cfg.n, temperature=val_cfg.temperature if val_cfg.do_sample else 0.0,
+    val_temperature = val_cfg.temperature
+    val_sampling = dict(n=val_cfg.n, temperature=val_temperature if val_cfg.do_sample else 0.0,
                         top_p=val_cfg.top_p, top_k=val_cfg.top_k, seed=trainer_cfg.seed + 7919, **length_limits)
     # A fixed prompt whose greedy log-probs fingerprint the engine's weights, and a fixed sequence (the
     # prompt's first tokens and its last few) whose log-probs under the actor say whether the actor moved.
@@ -597,6 +601,12 @@ def main(argv: list[str] | None = None) -> None:
             print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
 
     tracker.close()
+    if rank == 0:  # every key should have done something; say which did not (a typo'd intent, a dead key)
+        unread = unread_keys(cfg)
+        (out_dir / "config_unread.json").write_text(json.dumps(unread, indent=1))
+        ignored = sorted(set(unread) & set(non_defaults(cfg)))
+        if ignored:
+            print0(f"warning: this run never read these keys you set: {', '.join(ignored)}")
     if rank == 0 and (out_dir / "metrics.jsonl").is_file():
         png = plot_metrics(out_dir / "metrics.jsonl", out_dir / "metrics.png")
         print0(summary(out_dir / "metrics.jsonl"))

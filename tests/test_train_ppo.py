@@ -1,9 +1,13 @@
 """train_ppo.py end to end: real torchrun/gloo process groups, the real vLLM CPU engine, real files.
 
-Each launch pays an engine start-up per rank, so each checks as much as it can from its metrics file:
-  GRPO, world 2, TP 2   (the TP-group gather of GRPO's group baselines, validation, the plot)
-  GAE + KL, world 2     (critic, reference model, KL in reward with an adaptive controller, KL loss)
-  the seed's 6-rank job (60 prompts -> 720 samples -> 120 per rank), two steps on a tiny model
+Each launch pays an engine start-up per rank, so each checks as much as it can from its files. The
+runs that test learning start from the warmed (SFT) tiny model, which scores on the demo task from
+step 1, so advantages, losses and gradients are not zero and the weights really move:
+  GRPO, world 2, TP 2   (the TP-group gather of GRPO's group baselines, validation, checkpoint, export)
+  GAE + KL, world 2     (critic, reference model, KL in reward with an adaptive controller, KL loss,
+                         validation of an odd-sized held-out set over 2 rollout groups)
+  an untrained model, weight decay 0: every gradient is exactly 0, and that is not a sync failure
+  the GSM8K job's config on 6 ranks (60 prompts -> 720 samples -> 120 per rank; lr 1e-6)
   a learning check      (the demo's task, short: the validation score must rise)
 Config errors are checked with plain `python` runs: they must fail before any model loads.
 """
@@ -16,7 +20,9 @@ from pathlib import Path
 
 import pytest
 from conftest import run, torchrun
+from safetensors.torch import load_file
 
+import config
 from mesh_utils import plan_device_map, validate
 from tracking import read_metrics
 
@@ -45,54 +51,109 @@ def assert_common(rows: list[dict], prompts: int, samples: int) -> None:
         assert r["actor/skipped_steps"] == 0
 
 
-def test_grpo_tp2(tiny_assets, tmp_path):
-    out = tmp_path / "grpo"
-    train(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out),
-                 "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.total_training_steps=3",
-                 "trainer.test_freq=3", "data.max_val_samples=16"])
-    rows = step_rows(out)
+def weights_moved(model_dir: Path, run_dir: Path, lr: float, steps: int, weight_decay: float = 0.01) -> float:
+    """How much more the exported final actor differs from the initial one than AdamW's weight decay
+    alone would have moved it (relative norms; > 1 means the gradient did the moving)."""
+    exported = run_dir / "exported"
+    run([sys.executable, "export_hf.py", str(run_dir), "--out", str(exported)])
+    initial, final = load_file(model_dir / "model.safetensors"), load_file(exported / "model.safetensors")
+    change = math.sqrt(sum(((final[k] - initial[k]) ** 2).sum().item() for k in initial))
+    norm = math.sqrt(sum((initial[k] ** 2).sum().item() for k in initial))
+    return change / norm / (steps * lr * weight_decay)
+
+
+def assert_learning_signal(rows: list[dict]) -> None:
+    """Scores differ between samples (some groups are not uniform), so advantages and gradients are not 0."""
+    for r in rows:
+        assert r["critic/score/max"] > r["critic/score/min"], r
+        assert r["critic/advantages/max"] > 0 > r["critic/advantages/min"], r
+        assert r["actor/grad_norm"] > 0 and r["actor/pg_loss"] != 0, r
+
+
+@pytest.fixture(scope="module")
+def grpo_tp2(tiny_assets, sft_model, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("grpo") / "run"
+    train(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model),
+              "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.total_training_steps=3",
+              "trainer.test_freq=3", "trainer.save_freq=3", "data.max_val_samples=16"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def gae_kl(tiny_assets, sft_model, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gae") / "run"
+    train(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model), "algorithm.adv_estimator=gae",
+              "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
+              "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",
+              "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=2",
+              "data.max_val_samples=17"])
+    return out
+
+
+def test_grpo_tp2(grpo_tp2, sft_model):
+    rows = step_rows(grpo_tp2)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert_common(rows, prompts=32, samples=256)
+    assert_learning_signal(rows)
     assert "val/score" in rows[-1] and rows[-1]["val/num_samples"] == 16
-    assert read_metrics(out / "metrics.jsonl")[0]["step"] == 0  # val_before_train
-    assert (out / "metrics.png").stat().st_size > 0
-    layouts = [json.loads((out / "layout" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert rows[-1]["val-core/arithmetic/reward/mean@1"] == rows[-1]["val/score"]
+    assert read_metrics(grpo_tp2 / "metrics.jsonl")[0]["step"] == 0  # val_before_train
+    assert (grpo_tp2 / "metrics.png").stat().st_size > 0
+    layouts = [json.loads((grpo_tp2 / "layout" / f"rank{r}.json").read_text()) for r in range(2)]
     assert [lay["rollout_tp_group"] for lay in layouts] == [[0, 1], [0, 1]]
+    assert weights_moved(sft_model, grpo_tp2, lr=3e-4, steps=3) > 10
 
 
-def test_gae_with_kl(tiny_assets, tmp_path):
-    out = tmp_path / "gae"
-    train(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out), "algorithm.adv_estimator=gae",
-                 "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
-                 "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",
-                 "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1"])
-    rows = step_rows(out)
+def test_gae_with_kl(gae_kl):
+    rows = step_rows(gae_kl)
     assert len(rows) == 2
     assert_common(rows, prompts=32, samples=256)
+    assert_learning_signal(rows)
     for r in rows:
         for key in ("critic/vf_loss", "critic/grad_norm", "timing_s/values", "timing_s/ref", "timing_s/update_critic",
-                    "actor/kl_loss", "actor/reward_kl_penalty", "actor/entropy_loss"):
+                    "actor/kl_loss", "actor/reward_kl_penalty", "actor/entropy_loss", "critic/values/mean",
+                    "critic/returns/mean", "critic/vf_explained_var", "prompt_length/mean"):
             assert math.isfinite(r[key]), key
     # before any update the reference equals the actor, so the first step's KL penalty is ~0
     assert abs(rows[0]["actor/reward_kl_penalty"]) < 1e-5
+    assert rows[0]["actor/reward_kl_penalty_coeff"] == 0.001  # the coefficient this batch used
     assert rows[1]["actor/reward_kl_penalty_coeff"] != 0.001  # the adaptive controller moved
+    # an odd-sized held-out set over 2 rollout groups: every prompt scored, none dropped
+    assert rows[-1]["val/num_samples"] == 17
+
+
+def test_every_config_key_is_read(grpo_tp2, gae_kl):
+    """No key is accepted and ignored: between them, the two runs read every key of the schema."""
+    unread = [set(json.loads((out / "config_unread.json").read_text())) for out in (grpo_tp2, gae_kl)]
+    assert set.intersection(*unread) == set(), sorted(set.intersection(*unread))
+
+
+def test_zero_gradient_steps_are_not_a_sync_failure(tiny_assets, tmp_path):
+    """An untrained model never earns a reward: every GRPO group is uniform, every gradient is 0, and with
+    weight decay 0 the weights do not change at all. The stale-weights check must let that pass."""
+    out = tmp_path / "zero"
+    train(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out), "trainer.total_training_steps=3",
+              "trainer.val_before_train=false", "trainer.test_freq=-1",
+              "actor_rollout_ref.actor.optim.weight_decay=0.0"])
+    rows = step_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["actor/grad_norm"] == 0 and r["critic/score/max"] == 0 for r in rows)
 
 
 @pytest.mark.slow
 def test_seed_six_rank_job(tiny_assets, tmp_path):
-    """The seed's 6-GPU config, as is but for a tiny model: its metrics show the seed's numbers."""
+    """The GSM8K job's 6-GPU config, as is but for a tiny untrained model and short lengths: its metrics
+    show the seed's numbers, counted from the data each rank trained on; and lr 1e-6 with weight decay
+    0.01 on zero gradients (nothing to learn) passes the stale-weights check."""
     out = tmp_path / "seed"
     args = ["--config", "configs/gsm8k_grpo_1node_6gpu.yaml", *tiny(tiny_assets, out), "data.max_prompt_length=16",
             "data.max_response_length=8", "trainer.total_training_steps=2", "trainer.val_before_train=false",
-            "trainer.test_freq=-1", "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
-            "actor_rollout_ref.actor.optim.lr=1e-4"]
+            "trainer.test_freq=-1", "actor_rollout_ref.rollout.gpu_memory_utilization=0.3"]
     train(6, args, timeout=1200)
     rows = step_rows(out)
     assert_common(rows, prompts=60, samples=720)
     assert all(r["batch/ppo_mini_batch_size_per_rank"] == 120 for r in rows)
-    from config import load_config
-
-    dims, _ = validate(load_config("configs/gsm8k_grpo_1node_6gpu.yaml"), 6)
+    dims, _ = validate(config.load_config("configs/gsm8k_grpo_1node_6gpu.yaml"), 6)
     groups = plan_device_map(dims).rollout_tp_groups
     for rank in range(6):
         layout = json.loads((out / "layout" / f"rank{rank}.json").read_text())
@@ -115,7 +176,8 @@ def run_python(args: list[str]) -> subprocess.CompletedProcess:
                 "actor_rollout_ref.rollout.tensor_model_parallel_size=1", *args], timeout=300, check=False)
 
 
-@pytest.mark.parametrize("case", ["missing_file", "empty_data", "reward_name", "too_long", "layout", "timeout"])
+@pytest.mark.parametrize("case", ["missing_file", "empty_data", "reward_name", "too_long", "layout", "timeout",
+                                  "temperature", "logger", "model_path", "head_size"])
 def test_bad_input_fails_before_models_load(case, tiny_assets, tmp_path):
     base = tiny(tiny_assets, tmp_path / "out")
     if case == "missing_file":
@@ -136,6 +198,20 @@ def test_bad_input_fails_before_models_load(case, tiny_assets, tmp_path):
         args, expect = [*base, "data.max_prompt_length=500", "data.max_response_length=100"], "max_position_embeddings"
     elif case == "timeout":
         args, expect = [*base, "actor_rollout_ref.nccl_timeout=0"], "actor_rollout_ref.nccl_timeout=0"
+    elif case == "temperature":
+        args, expect = [*base, "actor_rollout_ref.rollout.temperature=0"], "rollout.temperature=0.0"
+    elif case == "logger":
+        args, expect = [*base, "trainer.logger=[console,tensorbord]"], "trainer.logger has unknown entries"
+    elif case == "model_path":
+        args = [*base, f"actor_rollout_ref.model.path={tmp_path / 'no-such-model'}"]
+        expect = "cannot read the model's config"
+    elif case == "head_size":  # vLLM's CPU engine has no kernels for heads of 16
+        import make_assets
+
+        small_heads = tmp_path / "heads16"
+        make_assets.build_model(small_heads, make_assets.model_config("qwen2", hidden=64, layers=1, heads=4,
+                                                                      kv_heads=2, intermediate=128, tied=False), 0)
+        args, expect = [*base, f"actor_rollout_ref.model.path={small_heads}"], "attention heads of size 16"
     else:
         args, expect = [*base, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "tensor_model_parallel_size"
     proc = run_python(args)
