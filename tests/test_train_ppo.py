@@ -116,6 +116,7 @@ def test_gae_with_kl(gae_kl):
             assert math.isfinite(r[key]), key
     # before any update the reference equals the actor, so the first step's KL penalty is ~0
     assert abs(rows[0]["actor/reward_kl_penalty"]) < 1e-5
+    assert rows[1]["actor/reward_kl_penalty"] > 1e-6  # after one update the actor has left the reference
     assert rows[0]["actor/reward_kl_penalty_coeff"] == 0.001  # the coefficient this batch used
     assert rows[1]["actor/reward_kl_penalty_coeff"] != 0.001  # the adaptive controller moved
     # an odd-sized held-out set over 2 rollout groups: every prompt scored, none dropped

@@ -1,0 +1,129 @@
+"""Show that the suite catches the bugs it guards against: each mutation below plants one bug in a
+temporary copy of the repo and runs only the test that should catch it; that test must fail.
+
+    .venv/bin/python tests/mutations.py               # all of them (about 15 min on 2 CPU cores)
+    .venv/bin/python tests/mutations.py --only sync   # the ones whose name contains "sync"
+
+Prints a table (mutation | test | caught) and writes it to outputs/mutations.md; exits 1 if any
+mutation survives. A mutation whose text is no longer in the source is reported as stale (exit 1):
+the table must keep describing the code as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str
+    edits: tuple[tuple[str, str], ...]  # (text in the file, what replaces it)
+    test: str  # a pytest node id (or file plus -k expression after a space)
+
+
+MUTATIONS = (
+    Mutation("resume restores the model but not the optimizer", "checkpoint.py", ((
+        'set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])',
+        '__import__("torch.distributed.checkpoint.state_dict", fromlist=["_"]).set_model_state_dict('
+        'model, loaded["model"])'),),
+        "tests/test_checkpoint.py::test_killed_rank_resumes_and_reproduces"),
+    Mutation("resume restores neither model nor optimizer", "checkpoint.py", ((
+        'set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])',
+        'pass'),),
+        "tests/test_checkpoint.py::test_killed_rank_resumes_and_reproduces"),
+    Mutation("GRPO baselines from one TP rank's samples, not the whole rollout group", "train_ppo.py", (
+        ('gather_in_group((rewards * mask).sum(-1), tp_group)[:, None]', '(rewards * mask).sum(-1)[:, None]'),
+        ('gather_in_group(batch["prompt_index"], tp_group)', 'batch["prompt_index"]'),
+        ('if not bool((counts == samples_per_prompt).all()):', 'if False:'),
+        ('mine = slice(tp_rank * len(mask), (tp_rank + 1) * len(mask))', 'mine = slice(0, len(mask))')),
+        "tests/test_train_ppo_steps.py::test_advantages_use_the_whole_rollout_group"),
+    Mutation("weight sync silently skips a layer", "models.py", ((
+        '        tensor = param.detach()\n        if not isinstance(tensor, DTensor):',
+        '        if ".layers.1.mlp." in name:\n            continue\n'
+        '        tensor = param.detach()\n        if not isinstance(tensor, DTensor):'),),
+        "tests/test_rollout.py -k w2_tp1_qwen2 and greedy"),
+    Mutation("the export writes the initial (unloaded) weights", "export_hf.py", ((
+        '    model.load_state_dict(state["model"])', '    pass'),),
+        "tests/test_checkpoint.py::test_killed_rank_resumes_and_reproduces"),
+    Mutation("micro-batch loss scaled by the micro batch's own token count", "train_ppo.py", ((
+        'loss, terms = loss_fn(mb, scale)',
+        'loss, terms = loss_fn(mb, {**scale, "global_num_tokens": mb["response_mask"].sum() * dp_size})'),),
+        "tests/test_train_ppo_steps.py::test_micro_batch_cut_does_not_change_the_update[token-mean]"),
+    Mutation("the reference model is the actor (updated with it)", "train_ppo.py", ((
+        '                             **fsdp_kwargs).eval()\n',
+        '                             **fsdp_kwargs).eval()\n        ref = actor\n'),),
+        "tests/test_train_ppo.py::test_gae_with_kl"),
+    Mutation("rollout.n samples of a prompt split across rollout dp groups", "train_ppo.py", (
+        ('mine = ro.shard_for_dp(prompt_indices, meshes.rollout.get_local_rank("dp"), dims.rollout_dp)',
+         'mine = prompt_indices'),
+        ('train_sampling = dict(n=rollout_cfg.n,', 'train_sampling = dict(n=rollout_cfg.n // dims.rollout_dp,')),
+        "tests/test_train_ppo.py::test_zero_gradient_steps_are_not_a_sync_failure"),
+)
+
+
+def copy_repo(dest: Path) -> None:
+    """The working tree's tracked and untracked-but-not-ignored files (no .venv, no outputs)."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split("\n")
+    for name in filter(None, files):
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+
+
+def run_one(mutation: Mutation) -> tuple[str, float]:
+    """'caught', 'SURVIVED' or 'stale' and the seconds the test took."""
+    with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
+        repo = Path(tmp)
+        copy_repo(repo)
+        source = (repo / mutation.file).read_text()
+        for old, new in mutation.edits:
+            if source.count(old) != 1:
+                return "stale", 0.0
+            source = source.replace(old, new)
+        (repo / mutation.file).write_text(source)
+        node, _, keyword = mutation.test.partition(" -k ")
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", node]
+        cmd += ["-k", keyword] if keyword else []
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=1800)
+        seconds = time.perf_counter() - start
+        if "no tests ran" in proc.stdout or " deselected" in proc.stdout and " passed" not in proc.stdout \
+                and " failed" not in proc.stdout:
+            return "stale", seconds
+        return ("caught" if proc.returncode != 0 else "SURVIVED"), seconds
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="", help="run the mutations whose name contains this text")
+    args = ap.parse_args()
+    rows = ["| mutation | test that must fail | result | s |", "|---|---|---|---:|"]
+    failed = False
+    for mutation in MUTATIONS:
+        if args.only not in mutation.name:
+            continue
+        result, seconds = run_one(mutation)
+        failed |= result != "caught"
+        rows.append(f"| {mutation.name} | `{mutation.test}` | {result} | {seconds:.0f} |")
+        print(rows[-1], flush=True)
+    table = "\n".join(rows) + "\n"
+    out = ROOT / "outputs" / "mutations.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table)
+    print(f"\n{table}\nwritten to {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
