@@ -6,7 +6,9 @@ call `generate` with the same prompts and parameters, and they get the same samp
 
     llm = build_rollout_engine(model_path, rollout_mesh, max_model_len=1024,
                                gpu_memory_utilization=0.5, dtype="bfloat16", enforce_eager=False)
-    sync_weights(llm, iter_full_params(actor))          # every step, after the optimizer
+    sync_weights(llm, iter_full_params(actor))          # every step: wake -> reload -> wake the KV cache
+    check = StaleWeightsCheck(STALE_TOLERANCE["bfloat16"])
+    check.check(engine_fingerprint(llm, probe), actor_probe_log_probs)   # did the update land?
     my_prompts = shard_for_dp(prompts, dp_rank, dp_size)
     batch = generate(llm, my_prompts, n=12, ..., seed=0, step=step, prompt_indices=...)
     my_share = split_for_training(batch, infer_tp_rank, infer_tp_size)

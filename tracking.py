@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import platform
 import resource
 import time
 from collections.abc import Iterator
@@ -181,6 +182,15 @@ def route_library_logs(log_file: Path, rank: int) -> None:
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def machine(device: torch.device, world_size: int) -> str:
+    """Where a run ran, for its summary: date, host, ranks, the device or the CPU and its cores."""
+    if device.type == "cuda":
+        what = torch.cuda.get_device_name(device)
+    else:
+        what = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    return f"{time.strftime('%Y-%m-%d')} on {platform.node()}: {world_size} ranks, {what}, torch {torch.__version__}"
 
 
 def summary(metrics_file: str | Path) -> str:

@@ -70,16 +70,16 @@ from models import (
     iter_full_params,
     load_causal_lm,
     load_fsdp_model_to_device,
-    load_optimizer,
     load_value_model,
     make_optimizer,
     offload_fsdp_model_to_cpu,
-    offload_optimizer,
+    optimizer_on,
     optimizer_step,
 )
 from rewards import RewardFn, check_data_sources, load_reward_fn, score_batch
 from tracking import (
     Tracker,
+    machine,
     mean_over_ranks,
     peak_memory_gb,
     plot_metrics,
@@ -261,6 +261,37 @@ def update_critic(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
                        micro_batch_size=micro_batch_size, shuffle=shuffle, generator=generator,
                        grad_clip=critic_cfg.grad_clip, prefix="critic", dp_size=dp_size,
                        loss_scale_factor=loss_scale_factor)
+
+
+def batch_metrics(batch: Batch, max_prompt_length: int) -> dict[str, float]:
+    """verl's per-step statistics of this rank's samples (reduce_metrics then combines the ranks).
+    Collective when the batch has values (the explained variance spans every rank's share)."""
+    mask = batch["response_mask"].bool()  # (B, R)
+    lengths = batch["response_mask"].sum(-1)  # (B,)
+    prompt_lengths = batch["attention_mask"][:, :max_prompt_length].sum(-1)  # (B,)
+    metrics = {**stats("critic/score", batch["token_level_scores"].sum(-1)),
+               **stats("critic/rewards", (batch["token_level_rewards"] * mask).sum(-1)),
+               **stats("critic/advantages", batch["advantages"][mask]),
+               **stats("response_length", lengths), **stats("prompt_length", prompt_lengths),
+               "response_length/clip_ratio": (lengths == batch["responses"].shape[1]).float().mean().item(),
+               "prompt_length/clip_ratio": (prompt_lengths == max_prompt_length).float().mean().item()}
+    if "values" in batch:
+        metrics.update(stats("critic/values", batch["values"][mask]))
+        metrics.update(stats("critic/returns", batch["returns"][mask]))
+        # 1 - Var(returns - values) / Var(returns) over the step's whole batch (every rank's share)
+        _, residual_var = core.masked_mean_var(batch["returns"] - batch["values"], mask, dist.group.WORLD)
+        _, returns_var = core.masked_mean_var(batch["returns"], mask, dist.group.WORLD)
+        metrics["critic/vf_explained_var"] = (1.0 - residual_var / (returns_var + 1e-5)).item()
+    return metrics
+
+
+def by_key(per_sample: list[dict[str, float]]) -> dict[str, list[float]]:
+    """[{key: value} per sample] -> {key: [values of the samples that have it]}."""
+    out: dict[str, list[float]] = {}
+    for sample in per_sample:
+        for key, value in sample.items():
+            out.setdefault(key, []).append(value)
+    return out
 
 
 def count_batch(prompt_index: torch.Tensor) -> dict[str, float]:
@@ -527,9 +558,8 @@ def main(argv: list[str] | None = None) -> None:
 
         # 6. updates: critic first (verl's order), then the actor; Adam's moments may live on the host between
         if critic is not None:
-            with timed(metrics, "update_critic"):
-                if critic_cfg.fsdp_config.optimizer_offload:
-                    load_optimizer(critic_optim, device)
+            with timed(metrics, "update_critic"), optimizer_on(critic_optim, device,
+                                                               critic_cfg.fsdp_config.optimizer_offload):
                 metrics.update(update_critic(
                     critic, critic_optim, batch, critic_cfg, epochs=critic_cfg.ppo_epochs or actor_cfg.ppo_epochs,
                     shuffle=actor_cfg.shuffle if critic_cfg.shuffle is None else critic_cfg.shuffle,
@@ -537,18 +567,12 @@ def main(argv: list[str] | None = None) -> None:
                     mini_batch_size=plan.critic_ppo_mini_batch_size_per_rank,
                     micro_batch_size=plan.critic_ppo_micro_batch_size_per_gpu, dp_size=world,
                     loss_scale_factor=data_cfg.max_response_length, generator=generator))
-                if critic_cfg.fsdp_config.optimizer_offload:
-                    offload_optimizer(critic_optim)
             critic_sched.step()
-        with timed(metrics, "update_actor"):
-            if actor_cfg.fsdp_config.optimizer_offload:
-                load_optimizer(actor_optim, device)
+        with timed(metrics, "update_actor"), optimizer_on(actor_optim, device, actor_cfg.fsdp_config.optimizer_offload):
             actor_metrics = update_actor(
                 actor, actor_optim, batch, actor_cfg, temperature=rollout_cfg.temperature,
                 mini_batch_size=plan.ppo_mini_batch_size_per_rank, micro_batch_size=plan.ppo_micro_batch_size_per_gpu,
                 dp_size=world, loss_scale_factor=data_cfg.max_response_length, generator=generator)
-            if actor_cfg.fsdp_config.optimizer_offload:
-                offload_optimizer(actor_optim)
         metrics.update(actor_metrics)
         metrics["actor/lr"] = actor_sched.get_last_lr()[0]
         actor_sched.step()
@@ -557,30 +581,12 @@ def main(argv: list[str] | None = None) -> None:
 
         # 7. metrics (verl's names), reduced over ranks, and validation
         metrics["timing_s/step"] = time.perf_counter() - step_start
-        metrics.update(stats("critic/score", scores))
-        metrics.update(stats("critic/rewards", (batch["token_level_rewards"] * mask).sum(-1)))
-        metrics.update(stats("critic/advantages", batch["advantages"][mask.bool()]))
-        metrics.update(stats("response_length", lengths))
-        metrics["response_length/clip_ratio"] = (lengths == data_cfg.max_response_length).float().mean().item()
-        prompt_lengths = batch["attention_mask"][:, :data_cfg.max_prompt_length].sum(-1)  # (B,)
-        metrics.update(stats("prompt_length", prompt_lengths))
-        metrics["prompt_length/clip_ratio"] = (prompt_lengths == data_cfg.max_prompt_length).float().mean().item()
-        if critic is not None:
-            metrics.update(stats("critic/values", batch["values"][mask.bool()]))
-            metrics.update(stats("critic/returns", batch["returns"][mask.bool()]))
-            # 1 - Var(returns - values) / Var(returns) over the step's whole batch (every rank's share)
-            _, residual_var = core.masked_mean_var(batch["returns"] - batch["values"], mask, dist.group.WORLD)
-            _, returns_var = core.masked_mean_var(batch["returns"], mask, dist.group.WORLD)
-            metrics["critic/vf_explained_var"] = (1.0 - residual_var / (returns_var + 1e-5)).item()
+        metrics.update(batch_metrics(batch, data_cfg.max_prompt_length))
         metrics["perf/throughput"] = batch["attention_mask"].sum().item() / metrics["timing_s/step"]
         metrics["perf/max_memory_gb"] = peak_memory_gb(device)
         metrics.setdefault("actor/skipped_steps", 0)
         metrics = reduce_metrics(metrics, device)
-        extra_values: dict[str, list[float]] = {}  # a reward function's extra outputs, by key
-        for sample_extras in reward_extras:
-            for key, value in sample_extras.items():
-                extra_values.setdefault(key, []).append(value)
-        metrics.update(mean_over_ranks(extra_values, "reward_extra/", device))
+        metrics.update(mean_over_ranks(by_key(reward_extras), "reward_extra/", device))  # a reward fn's extras
         metrics.update(count_batch(batch["prompt_index"]))
         metrics["batch/ppo_mini_batch_size_per_rank"] = plan.ppo_mini_batch_size_per_rank
         metrics["training/epoch"] = sampler.epoch
@@ -612,10 +618,11 @@ def main(argv: list[str] | None = None) -> None:
         ignored = sorted(set(unread) & set(non_defaults(cfg)))
         if ignored:
             print0(f"warning: this run never read these keys you set: {', '.join(ignored)}")
-    if rank == 0 and (out_dir / "metrics.jsonl").is_file():
+    if rank == 0 and (out_dir / "metrics.jsonl").is_file():  # the run's summary, also in summary.txt
         png = plot_metrics(out_dir / "metrics.jsonl", out_dir / "metrics.png")
-        print0(summary(out_dir / "metrics.jsonl"))
-        print0(f"metrics: {out_dir / 'metrics.jsonl'}, plot: {png}")
+        text = f"{summary(out_dir / 'metrics.jsonl')}\n{machine(device, world)}\n"
+        (out_dir / "summary.txt").write_text(text)
+        print0(text + f"metrics: {out_dir / 'metrics.jsonl'}, plot: {png}, summary: {out_dir / 'summary.txt'}")
     ro.shutdown(llm)  # stops the engine, then the process group, in the order vLLM needs
 
 

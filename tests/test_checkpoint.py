@@ -14,7 +14,6 @@ metrics and the final weights.
 """
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -123,23 +122,29 @@ print("RESULT" + json.dumps({{"hf": hf, "vllm": [tok.decode(r.outputs[0].token_i
 
 @pytest.mark.slow
 def test_resume_at_a_smaller_world_size(tiny_assets, sft_model, tmp_path):
-    out, straight = tmp_path / "reshard", tmp_path / "straight"
+    """C trains 2 steps on 4 ranks and validates its final weights; D resumes them on 2 ranks (DCP
+    reshards) and validates before training: the same weights must answer the held-out prompts with
+    the same greedy tokens, although they now live in 2 shards and 2 engines instead of 4."""
+    out = tmp_path / "reshard"
     four = ["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-            "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1"]
+            "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=2"]
     torchrun(4, "train_ppo.py", *args_for(tiny_assets, sft_model, out, *four))
     assert [p.name for p in complete_checkpoints(out)] == ["global_step_2"]
-    two = ["trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.test_freq=-1"]
+    written_by_four = validation_answers(out, step=2)
+    assert len(written_by_four) > 10, written_by_four
+    two = ["trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.test_freq=-1",
+           "trainer.val_before_train=true"]
     proc = torchrun(2, "train_ppo.py", *args_for(tiny_assets, sft_model, out, *two))
     assert "resumed from" in proc.stdout and "written by 4 ranks" in proc.stdout
+    assert validation_answers(out, step=2) == written_by_four  # exact: the very same weights
     rows = by_step(out)
     assert sorted(rows) == [1, 2, 3]
     # the resharded weights reached both the actor and the engine: their logprobs agree
-    assert rows[3]["rollout/logprob_diff_max"] < 1e-3 and math.isfinite(rows[3]["actor/pg_loss"])
+    assert rows[3]["rollout/logprob_diff_max"] < 1e-3 and rows[3]["actor/grad_norm"] > 0
     assert rows[3]["training/epoch"] == 0 and rows[3]["batch/num_prompts"] == 32
-    # the same 3 steps without stopping, at world 2 throughout: steps 1-2 ran at world 4 in D, so the
-    # rollout layout differed; the sampled data are layout-independent (per-request seeds), the sums not
-    torchrun(2, "train_ppo.py", *args_for(tiny_assets, sft_model, straight, "trainer.total_training_steps=3",
-                                          "trainer.save_freq=-1", "trainer.test_freq=-1"))
-    want = by_step(straight)[3]
-    for key, value in compared(rows[3]).items():
-        assert math.isclose(value, want[key], rel_tol=1e-3, abs_tol=1e-5), (key, value, want[key])
+
+
+def validation_answers(run_dir: Path, step: int) -> dict[str, str]:
+    """prompt -> greedy response, from every rollout group's val_generations file of `step`."""
+    return {row["prompt"]: row["response"] for f in (run_dir / "val_generations").glob(f"step{step}_dp*.jsonl")
+            for row in map(json.loads, f.read_text().splitlines())}

@@ -96,3 +96,37 @@ def test_choices_equal_what_ppo_core_implements():
         ppo_core.agg_loss(ppo_core.torch.ones(2, 3), ppo_core.torch.ones(2, 3), mode)
     code = "import sys, config; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=config.Path(config.__file__).parent).returncode == 0
+
+
+def test_verl_defaults():
+    cfg = load_config()
+    assert cfg.data.filter_overlong_prompts is False and cfg.data.truncation == "error"
+    assert cfg.critic.loss_agg_mode is None and cfg.critic.shuffle is None  # null: the actor's
+    assert cfg.actor_rollout_ref.actor.optim.lr_scheduler_type == "constant"
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("actor_rollout_ref.hybrid_engine=false", "hybrid_engine=false"),
+    ("data.val_batch_size=8", "data.val_batch_size=8"),
+    ("critic.fsdp_config.fsdp_size=2", "critic.fsdp_config.fsdp_size=2"),
+    ("trainer.max_critic_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=2"),
+    ("actor_rollout_ref.rollout.temperature=0", "temperature=0.0"),
+    ("trainer.logger=[console,wandbb]", "['wandbb']"),
+    ("reward_model.enable=true", "reward_model.enable=true"),
+])
+def test_unsupported_values_are_refused_with_the_key(override, fragment):
+    from config import check_supported
+
+    with pytest.raises(ConfigError, match=None) as err:
+        check_supported(load_config(None, [override]))
+    assert fragment in str(err.value)
+
+
+def test_config_records_the_keys_a_program_reads():
+    from config import non_defaults, to_yaml, unread_keys
+
+    cfg = load_config(None, ["data.seed=3"])
+    to_yaml(cfg), non_defaults(cfg), dict(cfg)  # looking at the whole config is not reading it
+    assert len(unread_keys(cfg)) == len(flat_keys())
+    cfg.data.seed, cfg.actor_rollout_ref.actor.optim["lr"]
+    assert set(flat_keys()) - set(unread_keys(cfg)) == {"data.seed", "actor_rollout_ref.actor.optim.lr"}

@@ -38,3 +38,27 @@ def test_resume_truncates_to_the_checkpoint(tmp_path):
     t.log(4, {"x": 40})
     assert read_metrics(path) == [{"step": 0, "x": 0}, {"step": 1, "x": 1}, {"step": 2, "x": 2},
                                   {"step": 3, "x": 3, "val/score": 1.0}, {"step": 4, "x": 40}]
+
+
+def _mean_worker(rank: int, init_file: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from tracking import mean_over_ranks
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        # rank 0 has an "acc" for 3 samples, rank 1 for 1 and a key of its own
+        values = {"acc": [1.0, 0.0, 1.0]} if rank == 0 else {"acc": [0.0], "only_here": [4.0, 6.0]}
+        torch.save(mean_over_ranks(values, "reward_extra/", torch.device("cpu")), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mean_over_ranks_weighs_samples_and_takes_every_key(tmp_path):
+    import torch
+    from conftest import run_gloo
+
+    run_gloo(_mean_worker, 2, str(tmp_path / "pg"), str(tmp_path / "mean"))
+    for rank in range(2):
+        assert torch.load(tmp_path / f"mean.{rank}") == {"reward_extra/acc": 0.5, "reward_extra/only_here": 5.0}
