@@ -32,14 +32,18 @@ class Mutation:
 
 
 MUTATIONS = (
-    Mutation("resume restores the model but not the optimizer", "checkpoint.py", ((
-        'set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])',
-        '__import__("torch.distributed.checkpoint.state_dict", fromlist=["_"]).set_model_state_dict('
-        'model, loaded["model"])'),),
+    # (dcp.load fills the state dicts in place, and they share storage with the model and the optimizer:
+    # the load itself restores them, so the mutations drop what is loaded, not only what is set after)
+    Mutation("resume restores the model but not the optimizer", "checkpoint.py", (
+        ('loaded = {"model": model_sd, "optim": optim_sd}', 'loaded = {"model": model_sd}'),
+        ('set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])',
+         '__import__("torch.distributed.checkpoint.state_dict", fromlist=["_"]).set_model_state_dict('
+         'model, loaded["model"])')),
         "tests/test_checkpoint.py::test_killed_rank_resumes_and_reproduces"),
-    Mutation("resume restores neither model nor optimizer", "checkpoint.py", ((
-        'set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])',
-        'pass'),),
+    Mutation("resume restores neither model nor optimizer", "checkpoint.py", (
+        ('dcp.load(loaded, checkpoint_id=str(path / name))', 'pass'),
+        ('set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])',
+         'pass')),
         "tests/test_checkpoint.py::test_killed_rank_resumes_and_reproduces"),
     Mutation("GRPO baselines from one TP rank's samples, not the whole rollout group", "train_ppo.py", (
         ('gather_in_group((rewards * mask).sum(-1), tp_group)[:, None]', '(rewards * mask).sum(-1)[:, None]'),
@@ -53,7 +57,7 @@ MUTATIONS = (
         '        tensor = param.detach()\n        if not isinstance(tensor, DTensor):'),),
         "tests/test_rollout.py -k w2_tp1_qwen2 and greedy"),
     Mutation("the export writes the initial (unloaded) weights", "export_hf.py", ((
-        '    model.load_state_dict(state["model"])', '    pass'),),
+        'dcp.load(state, checkpoint_id=str(ckpt / which), no_dist=True)', 'pass'),),
         "tests/test_checkpoint.py::test_killed_rank_resumes_and_reproduces"),
     Mutation("micro-batch loss scaled by the micro batch's own token count", "train_ppo.py", ((
         'loss, terms = loss_fn(mb, scale)',

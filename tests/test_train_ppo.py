@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run, torchrun
+from conftest import run, torchrun, torchrun_cmd
 from safetensors.torch import load_file
 
 import config
@@ -40,14 +40,15 @@ def step_rows(out: Path) -> list[dict]:
     return [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
 
 
-def assert_common(rows: list[dict], prompts: int, samples: int) -> None:
+def assert_common(rows: list[dict], prompts: int, samples: int, sync_check: bool = True) -> None:
     for r in rows:
         assert r["batch/num_prompts"] == prompts and r["batch/num_samples"] == samples
         for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean", "perf/throughput",
                     "timing_s/gen", "timing_s/sync_weights", "timing_s/update_actor", "response_length/mean"):
             assert math.isfinite(r[key]), (key, r[key])
-        # the sync check: vLLM's logprobs of its own samples equal the actor's (float32 on CPU)
-        assert r["rollout/logprob_diff_max"] < 1e-3
+        # the sync check: vLLM's logprobs of its own samples equal the actor's (float32 on CPU); top_p /
+        # top_k renormalise vLLM's logprobs over the kept tokens, so they differ by design then
+        assert r["rollout/logprob_diff_max"] < 1e-3 or not sync_check
         assert r["actor/skipped_steps"] == 0
 
 
@@ -85,6 +86,7 @@ def gae_kl(tiny_assets, sft_model, tmp_path_factory) -> Path:
     train(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model), "algorithm.adv_estimator=gae",
               "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
               "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",
+              "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm", "critic.loss_agg_mode=token-mean",
               "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=2",
               "data.max_val_samples=17"])
     return out
@@ -127,6 +129,47 @@ def test_every_config_key_is_read(grpo_tp2, gae_kl):
     """No key is accepted and ignored: between them, the two runs read every key of the schema."""
     unread = [set(json.loads((out / "config_unread.json").read_text())) for out in (grpo_tp2, gae_kl)]
     assert set.intersection(*unread) == set(), sorted(set.intersection(*unread))
+
+
+def test_reinforce_plus_plus_seq_mean_token_mean(tiny_assets, sft_model, tmp_path):
+    out = tmp_path / "rpp"
+    train(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model),
+              "algorithm.adv_estimator=reinforce_plus_plus", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+              "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1"])
+    rows = step_rows(out)
+    assert_common(rows, prompts=32, samples=256)
+    assert_learning_signal(rows)
+    assert abs(rows[0]["critic/advantages/mean"]) < 0.05  # whitened over the whole batch
+
+
+@pytest.mark.slow
+def test_rloo_hsdp_epochs_shuffle_top_p_top_k(tiny_assets, sft_model, tmp_path):
+    """4 ranks: FSDP groups of 2 (HSDP), vLLM TP=2, RLOO, 2 shuffled PPO epochs, nucleus and top-k sampling."""
+    out = tmp_path / "rloo"
+    train(4, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model), "trainer.n_gpus_per_node=4",
+              "actor_rollout_ref.actor.fsdp_config.fsdp_size=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+              "algorithm.adv_estimator=rloo", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum",
+              "actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.shuffle=true",
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+              "actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.top_k=20",
+              "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1"])
+    rows = step_rows(out)
+    assert_common(rows, prompts=32, samples=256, sync_check=False)
+    assert_learning_signal(rows)
+    layouts = [json.loads((out / "layout" / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [lay["fsdp_group"] for lay in layouts] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+
+
+def test_a_reward_function_that_raises_stops_the_run_with_the_sample(tiny_assets, tmp_path):
+    reward = tmp_path / "bad_reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return {'score': 1.0} if len(solution_str) > 100 else 1 / 0\n")
+    proc = run(torchrun_cmd(2, "train_ppo.py", "--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, tmp_path / "out"),
+                            f"custom_reward_function.path={reward}", "trainer.total_training_steps=2",
+                            "trainer.val_before_train=false", "trainer.test_freq=-1"), timeout=600, check=False)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "ZeroDivisionError" in output and "response=" in output and "ground_truth=" in output, output[-3000:]
 
 
 def test_zero_gradient_steps_are_not_a_sync_failure(tiny_assets, tmp_path):
