@@ -72,6 +72,10 @@ MUTATIONS = (
          'mine = prompt_indices'),
         ('train_sampling = dict(n=rollout_cfg.n,', 'train_sampling = dict(n=rollout_cfg.n // dims.rollout_dp,')),
         "tests/test_train_ppo.py::test_zero_gradient_steps_are_not_a_sync_failure"),
+    Mutation("prepare_data writes a row whose ground truth its reward rule cannot match", "prepare_data.py", ((
+        "if (result[\"score\"] if isinstance(result, dict) else result) != 1.0:",
+        "if result is None:"),),
+        "tests/test_prepare_data.py::test_dapo_rows_are_checked_and_copied"),
 )
 
 
