@@ -89,15 +89,16 @@ def copy_repo(dest: Path) -> None:
             shutil.copy2(ROOT / name, dest / name)
 
 
-def run_one(mutation: Mutation) -> tuple[str, float]:
-    """'caught', 'SURVIVED' or 'stale' and the seconds the test took."""
+def run_one(mutation: Mutation) -> tuple[str, float, str]:
+    """'caught', 'SURVIVED' or 'stale', the seconds the test took, and how it failed (the first
+    error line pytest printed), so a failure for an unrelated reason is visible in the table."""
     with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
         repo = Path(tmp)
         copy_repo(repo)
         source = (repo / mutation.file).read_text()
         for old, new in mutation.edits:
             if source.count(old) != 1:
-                return "stale", 0.0
+                return "stale", 0.0, f"{old[:40]!r} is not in {mutation.file} once"
             source = source.replace(old, new)
         (repo / mutation.file).write_text(source)
         node, _, keyword = mutation.test.partition(" -k ")
@@ -108,22 +109,24 @@ def run_one(mutation: Mutation) -> tuple[str, float]:
         seconds = time.perf_counter() - start
         if "no tests ran" in proc.stdout or " deselected" in proc.stdout and " passed" not in proc.stdout \
                 and " failed" not in proc.stdout:
-            return "stale", seconds
-        return ("caught" if proc.returncode != 0 else "SURVIVED"), seconds
+            return "stale", seconds, "the test id selects nothing"
+        errors = [line[1:].strip() for line in proc.stdout.splitlines() if line.startswith("E ")]
+        how = errors[0] if errors else (proc.stdout.strip().splitlines() or [""])[-1]
+        return ("caught" if proc.returncode != 0 else "SURVIVED"), seconds, how[:90].replace("|", "/")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="", help="run the mutations whose name contains this text")
     args = ap.parse_args()
-    rows = ["| mutation | test that must fail | result | s |", "|---|---|---|---:|"]
+    rows = ["| mutation | test that must fail | result | s | how it failed |", "|---|---|---|---:|---|"]
     failed = False
     for mutation in MUTATIONS:
         if args.only not in mutation.name:
             continue
-        result, seconds = run_one(mutation)
+        result, seconds, how = run_one(mutation)
         failed |= result != "caught"
-        rows.append(f"| {mutation.name} | `{mutation.test}` | {result} | {seconds:.0f} |")
+        rows.append(f"| {mutation.name} | `{mutation.test}` | {result} | {seconds:.0f} | {how} |")
         print(rows[-1], flush=True)
     table = "\n".join(rows) + "\n"
     out = ROOT / "outputs" / "mutations.md"
