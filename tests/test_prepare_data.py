@@ -284,6 +284,7 @@ def test_errors_name_the_problem_and_write_nothing(gsm8k_raw, math_raw, tmp_path
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_train_two_steps_on_converted_gsm8k(gsm8k_out, tiny_assets, tmp_path):
     out, run_dir = gsm8k_out[0], tmp_path / "run"
     torchrun(2, "train_ppo.py", "--config", "configs/tiny_cpu.yaml",

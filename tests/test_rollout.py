@@ -46,7 +46,9 @@ def run_launch(name: str, assets: dict[str, Path], tmp_path_factory) -> list[dic
     return _RESULTS[name]
 
 
-@pytest.fixture(params=list(LAUNCHES))
+# the 4-rank HSDP launch is the longest (4 engine start-ups): in the full suite, not the inner loop
+@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.slow) if name.startswith("w4") else name
+                        for name in LAUNCHES])
 def launch(request, assets, tmp_path_factory) -> list[dict]:
     return run_launch(request.param, assets, tmp_path_factory)
 

@@ -131,6 +131,7 @@ def test_every_config_key_is_read(grpo_tp2, gae_kl):
     assert set.intersection(*unread) == set(), sorted(set.intersection(*unread))
 
 
+@pytest.mark.slow
 def test_reinforce_plus_plus_seq_mean_token_mean(tiny_assets, sft_model, tmp_path):
     out = tmp_path / "rpp"
     train(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model),
@@ -160,6 +161,7 @@ def test_rloo_hsdp_epochs_shuffle_top_p_top_k(tiny_assets, sft_model, tmp_path):
     assert [lay["fsdp_group"] for lay in layouts] == [[0, 1], [0, 1], [2, 3], [2, 3]]
 
 
+@pytest.mark.slow
 def test_a_reward_function_that_raises_stops_the_run_with_the_sample(tiny_assets, tmp_path):
     reward = tmp_path / "bad_reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
