@@ -218,3 +218,40 @@ def test_planner_prints_the_memory_plan(tiny_assets, tmp_path):
     proc = run([sys.executable, "mesh_utils.py", "--config", "configs/tiny_cpu.yaml",
                 f"actor_rollout_ref.model.path={tmp_path / 'nowhere'}"])
     assert "Device map" in proc.stdout and "cannot read the config.json of actor_rollout_ref.model.path" in proc.stdout
+
+
+def test_apply_moves_walks_a_step_on_the_cpu():
+    """The trainer's executor on a real FSDP2 model and AdamW: every move of a step with every flag
+    on is a no-op on the CPU (the same plan, nothing to move), values stay bit-exact, and an item it
+    cannot move is an error."""
+    import socket
+
+    from torch.distributed.fsdp import fully_shard
+
+    import models
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        model = fully_shard(torch.nn.Linear(4, 3))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        before = [t.detach().to_local().clone() for t in model.parameters()]
+        flags = dict(mp.flag_combinations())["param_offload + optimizer_offload + ref param_offload"]
+        slept = []
+        previous = mp.LOADED
+        for phase in ("sync", "generate", "log_prob", "update", "sync"):
+            models.apply_moves(mp.plan_moves(flags, previous, phase), {"actor": model, "critic": None},
+                               {"actor": optimizer, "critic": None}, torch.device("cpu"),
+                               sleep_engine=lambda phase=phase: slept.append(phase))
+            previous = phase
+        assert slept == ["log_prob"]  # the engine sleeps once a step, entering the forwards
+        assert all(torch.equal(b, p.detach().to_local()) for b, p in zip(before, model.parameters(), strict=True))
+        assert all(v.device.type == "cpu" for s in optimizer.state.values() for v in s.values())
+        with pytest.raises(ValueError, match="actor.grads"):
+            models.apply_moves([("actor.grads", "host")], {"actor": model}, {}, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
