@@ -54,3 +54,12 @@ clean:
 .PHONY: bench
 bench: setup
 	$(PY) bench/run_all.py $(ARGS)
+
+# On a GPU machine (CUDA, NCCL, bf16; no vLLM needed): the training side of a step for every offload
+# combination on FSDP and HSDP, checked against memory_plan's table and byte estimates; exits 1 on a
+# failed check. NGPU defaults to every visible GPU; on a CPU machine it runs 2 ranks and skips (and
+# names) the device checks.
+NGPU ?= $(shell nvidia-smi -L 2>/dev/null | wc -l | awk '{print ($$1 > 0 ? $$1 : 2)}')
+.PHONY: gpu-check
+gpu-check:
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NGPU) bench/device_check.py --model $(or $(MODEL),700m) $(ARGS)

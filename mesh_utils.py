@@ -525,7 +525,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="YAML file under configs/ (default: built-in defaults)")
     ap.add_argument("--world-size", type=int, default=None,
                     help="plan for this many processes (default: trainer.nnodes x trainer.n_gpus_per_node)")
-    ap.add_argument("--json", action="store_true", help="print the device map and batch plan as JSON")
+    ap.add_argument("--json", action="store_true", help="print the device map, batch plan and memory plan as JSON")
+    ap.add_argument("--gpu-memory-gb", type=float, default=80.0,
+                    help="device memory per GPU that the memory plan is checked against (default 80)")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args(argv)
     try:
@@ -534,11 +536,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"invalid config: {e}", file=sys.stderr)
         return 1
+    from memory_plan import describe_memory, memory_report
+
+    memory = memory_report(cfg, dims, plan, args.gpu_memory_gb)
     if args.json:
-        out = {"dims": asdict(dims), "device_map": asdict(plan_device_map(dims)), "batch": asdict(plan)}
+        out = {"dims": asdict(dims), "device_map": asdict(plan_device_map(dims)), "batch": asdict(plan),
+               "memory": memory}
         print(json.dumps(out, indent=1))
     else:
         print(describe(cfg, dims, plan))
+        print(describe_memory(memory))
     return 0
 
 

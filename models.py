@@ -18,7 +18,7 @@ weights stay float32; MixedPrecisionPolicy casts for compute.
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Required, TypedDict, Unpack
 
@@ -86,12 +86,16 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
 ) -> nn.Module:
-    """fully_shard each decoder block, then the root. A 2D ('ddp','fsdp') mesh gives HSDP."""
+    """fully_shard each decoder block, then the root. A 2D ('ddp','fsdp') mesh gives HSDP.
+
+    cpu_offload (FSDP2's CPUOffloadPolicy: shards, gradients and the optimizer step on the host for
+    the whole run) is for a model that is never moved by hand: the reference model. The actor and
+    critic are moved between phases by apply_moves instead; the two mechanisms on one model fight."""
     if fsdp_mesh.ndim not in (1, 2):
         raise ValueError(f"fsdp_mesh must be 1D ('fsdp') or 2D ('ddp','fsdp'); got dims {fsdp_mesh.mesh_dim_names}")
     offload: OffloadPolicy = OffloadPolicy()
     if cpu_offload and fsdp_mesh.device_type == "cpu":
-        _warn_once("actor_rollout_ref.actor.fsdp_config.offload_policy has no effect on CPU: "
+        _warn_once("actor_rollout_ref.ref.fsdp_config.param_offload has no effect on CPU: "
                    "parameters already live in host memory.")
     elif cpu_offload:
         offload = CPUOffloadPolicy()
@@ -116,7 +120,7 @@ class ShardingOptions(TypedDict, total=False):
     param_dtype: Required[torch.dtype]  # compute dtype (default_dtypes gives it); master weights stay fp32
     reduce_dtype: Required[torch.dtype]  # gradient reduce-scatter dtype
     reshard_after_forward: bool  # [True] free the gathered parameters after each block's forward
-    cpu_offload: bool  # [False] FSDP2's CPUOffloadPolicy: shards and their gradients in host memory
+    cpu_offload: bool  # [False] FSDP2's CPUOffloadPolicy, for the reference model only (see apply_fsdp)
     activation_checkpointing: bool  # [False] recompute each decoder block in backward
     attn_implementation: str  # ["sdpa"] transformers' attention kernel
     trust_remote_code: bool  # [False] allow the checkpoint's own modelling code
@@ -220,6 +224,36 @@ def _check_tied_embeddings(model: nn.Module) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Memory phases: param_offload / optimizer_offload around the rollout
+#
+# memory_plan.plan_moves says what moves between two phases of a step; apply_moves does it. On the
+# CPU every move is a no-op (everything already lives in host memory), but the plan is the same.
+
+
+def apply_moves(moves: Sequence[tuple[str, str]], models: Mapping[str, nn.Module | None],
+                optimizers: Mapping[str, torch.optim.Optimizer | None], device: torch.device,
+                sleep_engine: Callable[[], object] | None = None) -> None:
+    """Carry out memory_plan.plan_moves' list: ("actor.params", "host") offloads the actor's shards,
+    ("critic.optimizer", "device") loads the critic's Adam state, ("engine.kv_cache", "freed") puts
+    the engine to sleep (`sleep_engine`); the engine's way back ("device") is rollout.sync_weights'
+    own wake-up, so it is not done here. Entries for a model that is not built (None) are skipped."""
+    for item, where in moves:
+        owner, part = item.split(".")
+        if owner == "engine":
+            if part == "kv_cache" and where == "freed" and sleep_engine is not None:
+                sleep_engine()
+            continue
+        if part == "params" and models.get(owner) is not None:
+            model = models[owner]
+            if where == "host":
+                offload_fsdp_model_to_cpu(model)
+            else:
+                load_fsdp_model_to_device(model, device)
+        elif part == "optimizer" and optimizers.get(owner) is not None:
+            _move_optimizer_state(optimizers[owner], torch.device("cpu") if where == "host" else device,
+                                  f"{owner}.fsdp_config.optimizer_offload")
+        elif part not in ("params", "optimizer"):
+            raise ValueError(f"apply_moves: cannot move {item!r} (only <model>.params / <model>.optimizer "
+                             "and engine.kv_cache are moved)")
 
 
 def _is_on_cpu(model: nn.Module) -> bool:
@@ -230,8 +264,8 @@ def _is_on_cpu(model: nn.Module) -> bool:
 def offload_fsdp_model_to_cpu(model: nn.Module) -> None:
     """Move the parameter shards to host memory to free the accelerator for the rollout."""
     if _is_on_cpu(model):
-        _warn_once("actor_rollout_ref.actor.fsdp_config.param_offload: parameters already live in host "
-                   "memory (CPU run or already offloaded); nothing to move.")
+        _warn_once("fsdp_config.param_offload: parameters already live in host memory (CPU run or already "
+                   "offloaded); nothing to move.")
         return
     model.to("cpu")
     torch.accelerator.empty_cache()
@@ -241,7 +275,7 @@ def offload_fsdp_model_to_cpu(model: nn.Module) -> None:
 def load_fsdp_model_to_device(model: nn.Module, device: torch.device) -> None:
     """Bring the parameter shards back to `device` for training."""
     if device.type == "cpu":
-        _warn_once("actor_rollout_ref.actor.fsdp_config.param_offload: running on CPU; nothing to load.")
+        _warn_once("fsdp_config.param_offload: running on CPU; nothing to load.")
         return
     model.to(device)
 
@@ -249,13 +283,13 @@ def load_fsdp_model_to_device(model: nn.Module, device: torch.device) -> None:
 @torch.no_grad()
 def offload_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Move optimizer state (e.g. Adam moments) to host memory."""
-    _move_optimizer_state(optimizer, torch.device("cpu"), "optimizer_offload")
+    _move_optimizer_state(optimizer, torch.device("cpu"), "fsdp_config.optimizer_offload")
 
 
 @torch.no_grad()
 def load_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """Bring optimizer state back to `device` before optimizer.step()."""
-    _move_optimizer_state(optimizer, device, "optimizer_offload")
+    _move_optimizer_state(optimizer, device, "fsdp_config.optimizer_offload")
 
 
 @contextmanager
@@ -272,8 +306,7 @@ def optimizer_on(optimizer: torch.optim.Optimizer, device: torch.device, offload
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device, key: str) -> None:
     tensors = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
     if all(t.device.type == "cpu" for t in tensors) and device.type == "cpu":
-        _warn_once(f"actor_rollout_ref.actor.fsdp_config.{key}: optimizer state already lives in host "
-                   "memory; nothing to move.")
+        _warn_once(f"{key}: optimizer state already lives in host memory; nothing to move.")
         return
     for state in optimizer.state.values():
         for name, value in state.items():

@@ -52,6 +52,7 @@ from config import (
     unread_keys,
 )
 from data import Prompt, PromptSampler, load_prompts
+from memory_plan import LOADED, OffloadFlags, plan_moves
 from mesh_utils import (
     build_meshes,
     check_launch,
@@ -63,17 +64,15 @@ from mesh_utils import (
     write_rank_layout,
 )
 from models import (
+    apply_moves,
     check_model,
     compute_log_probs,
     compute_values,
     default_dtypes,
     iter_full_params,
     load_causal_lm,
-    load_fsdp_model_to_device,
     load_value_model,
     make_optimizer,
-    offload_fsdp_model_to_cpu,
-    optimizer_on,
     optimizer_step,
 )
 from rewards import RewardFn, check_data_sources, load_reward_fn, score_batch
@@ -410,7 +409,9 @@ def main(argv: list[str] | None = None) -> None:
     param_dtype, reduce_dtype = default_dtypes(env.device_type)
     fsdp_kwargs = dict(device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                        trust_remote_code=model_cfg.trust_remote_code)
-    actor = load_causal_lm(model_cfg.path, meshes.fsdp, cpu_offload=actor_cfg.fsdp_config.param_offload,
+    # The actor and critic are plain FSDP2 modules that apply_moves offloads between phases (below);
+    # only the reference model, never stepped, streams its shards from the host (CPUOffloadPolicy).
+    actor = load_causal_lm(model_cfg.path, meshes.fsdp,
                            reshard_after_forward=actor_cfg.fsdp_config.reshard_after_forward,
                            activation_checkpointing=model_cfg.enable_gradient_checkpointing, **fsdp_kwargs)
     actor_optim, actor_sched = make_optimizer(actor, actor_cfg.optim, total_steps)
@@ -421,7 +422,6 @@ def main(argv: list[str] | None = None) -> None:
     critic = critic_optim = critic_sched = None
     if algo_cfg.adv_estimator in CRITIC_ESTIMATORS:
         critic = load_value_model(critic_cfg.model.path or model_cfg.path, meshes.fsdp,
-                                  cpu_offload=critic_cfg.fsdp_config.param_offload,
                                   reshard_after_forward=critic_cfg.fsdp_config.reshard_after_forward,
                                   activation_checkpointing=critic_cfg.model.enable_gradient_checkpointing,
                                   **fsdp_kwargs)
@@ -488,7 +488,19 @@ def main(argv: list[str] | None = None) -> None:
         return run_validation(llm, val_prompts, tokenizer, reward_fn, meshes.rollout, step, val_sampling, out_dir,
                               device)
 
+    # Where everything lives in each phase (sync, generate, log_prob, update) follows from the offload
+    # flags: memory_plan.placement, the README's table. enter(phase) makes the moves between phases.
+    offload_flags = OffloadFlags.from_config(cfg)
+    current_phase = LOADED
+
+    def enter(phase: str) -> None:
+        nonlocal current_phase
+        apply_moves(plan_moves(offload_flags, current_phase, phase), {"actor": actor, "critic": critic},
+                    {"actor": actor_optim, "critic": critic_optim}, device, sleep_engine=lambda: ro.sleep(llm))
+        current_phase = phase
+
     # --- the loop ----------------------------------------------------------------------------------
+    enter("sync")
     consecutive_skips = 0
     for step in range(start_step + 1, total_steps + 1):
         metrics: dict[str, float] = {}
@@ -503,8 +515,7 @@ def main(argv: list[str] | None = None) -> None:
             val_metrics = validate_now(start_step)
             print0(f"validation before training: val/score {val_metrics['val/score']:.3f}")
             tracker.log(start_step, val_metrics)
-        if actor_cfg.fsdp_config.param_offload:  # free the accelerator for the engine
-            offload_fsdp_model_to_cpu(actor)
+        enter("generate")  # param_offload: the actor's (and critic's) shards to the host for the engine
 
         # 2. generate: this rollout dp group's share of the step's prompts, n samples each
         with timed(metrics, "gen"):
@@ -512,10 +523,7 @@ def main(argv: list[str] | None = None) -> None:
             mine = ro.shard_for_dp(prompt_indices, meshes.rollout.get_local_rank("dp"), dims.rollout_dp)
             generated = ro.generate(llm, [train_prompts[i].token_ids for i in mine], step=step, prompt_indices=mine,
                                     **train_sampling)  # the group's samples, prompt-major
-        if rollout_cfg.free_cache_engine:  # free the engine's accelerator memory for training (vLLM sleep mode)
-            ro.sleep(llm)
-        if actor_cfg.fsdp_config.param_offload:
-            load_fsdp_model_to_device(actor, device)
+        enter("log_prob")  # free_cache_engine: the engine sleeps; param_offload: the shards come back
         # training is data parallel over all ranks: TP rank r keeps slice r of its group's samples
         samples = ro.split_for_training(generated, meshes.rollout.get_local_rank("infer_tp"), dims.infer_tp)
         batch = {k: v.to(device) for k, v in vars(samples).items()}
@@ -557,9 +565,9 @@ def main(argv: list[str] | None = None) -> None:
                                               rollout_cfg.n))
 
         # 6. updates: critic first (verl's order), then the actor; Adam's moments may live on the host between
+        enter("update")  # optimizer_offload: Adam's state to the device for the steps
         if critic is not None:
-            with timed(metrics, "update_critic"), optimizer_on(critic_optim, device,
-                                                               critic_cfg.fsdp_config.optimizer_offload):
+            with timed(metrics, "update_critic"):
                 metrics.update(update_critic(
                     critic, critic_optim, batch, critic_cfg, epochs=critic_cfg.ppo_epochs or actor_cfg.ppo_epochs,
                     shuffle=actor_cfg.shuffle if critic_cfg.shuffle is None else critic_cfg.shuffle,
@@ -568,11 +576,12 @@ def main(argv: list[str] | None = None) -> None:
                     micro_batch_size=plan.critic_ppo_micro_batch_size_per_gpu, dp_size=world,
                     loss_scale_factor=data_cfg.max_response_length, generator=generator))
             critic_sched.step()
-        with timed(metrics, "update_actor"), optimizer_on(actor_optim, device, actor_cfg.fsdp_config.optimizer_offload):
+        with timed(metrics, "update_actor"):
             actor_metrics = update_actor(
                 actor, actor_optim, batch, actor_cfg, temperature=rollout_cfg.temperature,
                 mini_batch_size=plan.ppo_mini_batch_size_per_rank, micro_batch_size=plan.ppo_micro_batch_size_per_gpu,
                 dp_size=world, loss_scale_factor=data_cfg.max_response_length, generator=generator)
+        enter("sync")  # optimizer_offload: Adam's state back to the host; ready for validation and the next sync
         metrics.update(actor_metrics)
         metrics["actor/lr"] = actor_sched.get_last_lr()[0]
         actor_sched.step()

@@ -156,8 +156,19 @@ def test_device_check_smoke(tiny_assets, tmp_path):
              "--prompt-len", "16", "--response-len", "16", "--micro-batch", "2", "--out", str(tmp_path), timeout=300)
     report = json.loads((tmp_path / "device_check.json").read_text())
     assert report["all_ranks_ok"] and report["world"] == 2
-    assert set(report["checks_rank0"]) == {"update_finite_and_moved", "gather_equals_full_tensor",
-                                           "offload_round_trip_exact"}  # + offload_freed_device_memory on CUDA
+    checks = set(report["checks_rank0"])
+    assert {"update_finite_and_moved", "gather_equals_full_tensor", "offload_round_trip_exact"} <= checks
+    # the offload plan: every combination on FSDP and HSDP, walked with the trainer's functions; on the
+    # CPU the device checks are skipped, and the report says so
+    import memory_plan
+
+    combos = [label for label, _ in memory_plan.flag_combinations()]
+    assert [(r["layout"], r["flags"]) for r in report["plan"]] == [(m, c) for m in ("fsdp", "hsdp") for c in combos]
+    assert all(r["finite_and_moved"] and len(r["losses"]) == 4 for r in report["plan"])
+    assert checks - {"update_finite_and_moved", "gather_equals_full_tensor", "offload_round_trip_exact"} == {
+        f"plan[{m}: {c}] {check}" for m in ("fsdp", "hsdp") for c in combos
+        for check in ("finite_and_moved",)}  # + placement_ok, freed_ok, estimate_ok on CUDA
+    assert any("CPU" in part for part in report["skipped"]) and any("vLLM" in part for part in report["skipped"])
     for name in ("load", "log_prob", "update", "gather", "offload"):
         assert math.isfinite(report["phases"][name]["seconds"]) and report["phases"][name]["peak_gb"] > 0
     assert all(math.isfinite(loss) for loss in report["losses"]) and len(report["losses"]) == 2

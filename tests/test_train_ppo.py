@@ -88,7 +88,11 @@ def gae_kl(tiny_assets, sft_model, tmp_path_factory) -> Path:
               "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",
               "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm", "critic.loss_agg_mode=token-mean",
               "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=2",
-              "data.max_val_samples=17"])
+              "data.max_val_samples=17",
+              # every offload flag: on the CPU each move is a no-op, but the trainer walks the whole plan
+              "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+              "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true", "critic.fsdp_config.param_offload=true",
+              "critic.fsdp_config.optimizer_offload=true", "actor_rollout_ref.ref.fsdp_config.param_offload=true"])
     return out
 
 

@@ -1,0 +1,457 @@
+"""Where everything lives in each phase of a step, and how many bytes that is per rank.
+
+Two plans, both pure arithmetic, both used before (and while) anything touches a GPU:
+
+  placement   for each phase of a step (sync, generate, log_prob, update), where the actor's
+              parameters, gradients and optimizer state, the critic's, the reference model's
+              parameters, and the engine's weights and KV cache live, given the offload flags.
+              `plan_moves(flags, src, dst)` is the list of moves between two phases; train_ppo.py
+              executes exactly that list (models.apply_moves), so the table in the README, this
+              function and the trainer cannot drift apart.
+  memory      per rank and phase, the estimated bytes of each of those, plus the activations of one
+              micro batch and the log-prob chunk, and a verdict against the device's memory
+              (`python mesh_utils.py --config X --gpu-memory-gb 80` prints it).
+
+One offload mechanism per model, as verl does it:
+  actor, critic  plain FSDP2 modules; with fsdp_config.param_offload their shards are moved to the
+                 host while the engine generates and back for the forwards and updates; with
+                 fsdp_config.optimizer_offload Adam's moments live on the host except in the update.
+                 Gradients exist only inside the update (zero_grad(set_to_none=True) frees them).
+  reference      never stepped: ref.fsdp_config.param_offload builds it with FSDP2's
+                 CPUOffloadPolicy, which streams one block at a time to the device in its forward.
+  engine         rollout.free_cache_engine puts vLLM to sleep after generating (weights to the
+                 host, KV cache freed); rollout.sync_weights wakes it again. Without vLLM sleep
+                 mode (the CPU) nothing moves, and everything is in host memory anyway.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+PHASES = ("sync", "generate", "log_prob", "update")
+DEVICE, HOST, FREED, NONE = "device", "host", "freed", "-"
+# What the placement plan covers, in table order.
+ITEMS = ("actor.params", "actor.grads", "actor.optimizer", "critic.params", "critic.grads", "critic.optimizer",
+         "ref.params", "engine.weights", "engine.kv_cache")
+
+
+# -----------------------------------------------------------------------------
+# Placement: where each thing lives in each phase
+
+
+@dataclass(frozen=True)
+class OffloadFlags:
+    """The config's offload switches (keys in the comments)."""
+
+    actor_param: bool = False  # actor_rollout_ref.actor.fsdp_config.param_offload
+    actor_optimizer: bool = False  # actor_rollout_ref.actor.fsdp_config.optimizer_offload
+    critic_param: bool = False  # critic.fsdp_config.param_offload
+    critic_optimizer: bool = False  # critic.fsdp_config.optimizer_offload
+    ref_param: bool = False  # actor_rollout_ref.ref.fsdp_config.param_offload
+    free_cache_engine: bool = True  # actor_rollout_ref.rollout.free_cache_engine
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> OffloadFlags:
+        arr = cfg.actor_rollout_ref
+        return cls(actor_param=arr.actor.fsdp_config.param_offload,
+                   actor_optimizer=arr.actor.fsdp_config.optimizer_offload,
+                   critic_param=cfg.critic.fsdp_config.param_offload,
+                   critic_optimizer=cfg.critic.fsdp_config.optimizer_offload,
+                   ref_param=arr.ref.fsdp_config.param_offload,
+                   free_cache_engine=arr.rollout.free_cache_engine)
+
+
+def placement(flags: OffloadFlags, phase: str) -> dict[str, str]:
+    """Where each of ITEMS lives during `phase` (device, host, freed, or '-' for does not exist).
+
+    sync      the actor's shards are gathered into the engine, which is awake (weights, then KV cache)
+    generate  the engine generates; offloaded actor/critic shards wait on the host
+    log_prob  no-grad forwards of actor, reference and critic; a sleeping engine holds no device memory
+    update    forward + backward + AdamW step of critic and actor: the only phase with gradients
+              and with the optimizer state on the device
+    """
+    if phase not in PHASES:
+        raise ValueError(f"phase {phase!r} is not one of {PHASES}")
+    training = phase in ("log_prob", "update")
+    engine_asleep = training and flags.free_cache_engine
+    return {
+        "actor.params": HOST if phase == "generate" and flags.actor_param else DEVICE,
+        "actor.grads": DEVICE if phase == "update" else NONE,
+        "actor.optimizer": HOST if phase != "update" and flags.actor_optimizer else DEVICE,
+        "critic.params": HOST if not training and flags.critic_param else DEVICE,
+        "critic.grads": DEVICE if phase == "update" else NONE,
+        "critic.optimizer": HOST if phase != "update" and flags.critic_optimizer else DEVICE,
+        "ref.params": HOST if flags.ref_param else DEVICE,  # CPUOffloadPolicy: streamed per block
+        "engine.weights": HOST if engine_asleep else DEVICE,
+        "engine.kv_cache": FREED if engine_asleep else DEVICE,
+    }
+
+
+# As loaded: every model on the device, the engine awake, optimizer state (empty) on the device.
+LOADED = "loaded"
+
+
+def plan_moves(flags: OffloadFlags, src: str, dst: str) -> list[tuple[str, str]]:
+    """The moves (item, destination) that take `src`'s placement to `dst`'s, in ITEMS order.
+    `src` may be LOADED (right after the models and the engine are built). Gradients never move:
+    they are created in the update and freed at its end. The reference model never moves."""
+    before = ({item: DEVICE for item in ITEMS} | {"ref.params": placement(flags, dst)["ref.params"]}
+              if src == LOADED else placement(flags, src))
+    after = placement(flags, dst)
+    return [(item, after[item]) for item in ITEMS
+            if before[item] != after[item] and not item.endswith(".grads") and item != "ref.params"]
+
+
+def flag_combinations() -> list[tuple[str, OffloadFlags]]:
+    """The README table's rows: the actor's flags (the critic's behave the same), with and without
+    the reference offloaded and the engine sleeping."""
+    return [
+        ("no offload, free_cache_engine=false", OffloadFlags(free_cache_engine=False)),
+        ("no offload", OffloadFlags()),
+        ("param_offload", OffloadFlags(actor_param=True, critic_param=True)),
+        ("optimizer_offload", OffloadFlags(actor_optimizer=True, critic_optimizer=True)),
+        ("param_offload + optimizer_offload + ref param_offload",
+         OffloadFlags(actor_param=True, actor_optimizer=True, critic_param=True, critic_optimizer=True,
+                      ref_param=True)),
+    ]
+
+
+def placement_table() -> str:
+    """The README's table, rendered from `placement` (tests check the README holds this text)."""
+    items = ("actor.params", "actor.grads", "actor.optimizer", "ref.params", "engine.weights", "engine.kv_cache")
+    lines = ["| flags | phase | " + " | ".join(items) + " |", "|---|---|" + "---|" * len(items)]
+    for label, flags in flag_combinations():
+        for phase in PHASES:
+            where = placement(flags, phase)
+            lines.append(f"| {label} | {phase} | " + " | ".join(where[i] for i in items) + " |")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# Model shapes, from config.json only
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory estimate needs of a model: its parameters' shapes and its dimensions."""
+
+    param_shapes: list[tuple[int, ...]]  # unique parameters (a tied embedding once), as FSDP2 shards them
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    largest_block_numel: int  # parameters of the largest fully_shard unit (one decoder block)
+
+
+def model_shape(path: str, value_head: bool = False, trust_remote_code: bool = False) -> ModelShape:
+    """The shapes of the causal LM (or, with value_head, the critic) at `path` (a local directory
+    or a hub id in the HF cache), built on the meta device: exact, no weights read, no memory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    # the HF cache only: a plan must not wait on (or need) the network
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    if value_head:
+        config.num_labels = 1
+    auto_cls = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto_cls.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    from models import decoder_layers
+
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    blocks = decoder_layers(model)
+    return ModelShape(
+        param_shapes=[tuple(p.shape) for p in model.parameters()],  # tied ones once, as FSDP2 holds them
+        hidden=config.hidden_size, layers=config.num_hidden_layers, heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        intermediate=config.intermediate_size, vocab=config.vocab_size,
+        largest_block_numel=max(sum(p.numel() for p in b.parameters()) for b in blocks))
+
+
+# -----------------------------------------------------------------------------
+# Bytes
+
+
+def shard_numel(shape: tuple[int, ...], fsdp: int, fsdp_rank: int) -> int:
+    """Elements of FSDP2's local shard on `fsdp_rank`: dim 0 cut as torch.chunk cuts it (ceil rows
+    per rank, the last ranks fewer or none)."""
+    if not shape:
+        return 1
+    rows = -(-shape[0] // fsdp)
+    mine = max(0, min(rows, shape[0] - fsdp_rank * rows))
+    return mine * math.prod(shape[1:])
+
+
+def param_shard_bytes(shape: ModelShape, fsdp: int, fsdp_rank: int, dtype_bytes: int = 4) -> int:
+    """fp32 master-weight shard bytes on one rank (gradients are the same size and dtype)."""
+    return sum(shard_numel(s, fsdp, fsdp_rank) for s in shape.param_shapes) * dtype_bytes
+
+
+def adam_state_bytes(shape: ModelShape, fsdp: int, fsdp_rank: int) -> int:
+    """AdamW's state on one rank: exp_avg and exp_avg_sq (fp32, shard-sized) and a float32 `step`
+    per parameter."""
+    return 2 * param_shard_bytes(shape, fsdp, fsdp_rank) + 4 * len(shape.param_shapes)
+
+
+def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype_bytes: int,
+                     checkpointing: bool) -> int:
+    """Bytes autograd saves for backward in one training forward of (micro_batch, seq_len) tokens
+    through an HF Llama/Qwen2-style decoder (sdpa attention, RMSNorm, SwiGLU), up to the LM head's
+    input. Per token and layer, with e = dtype_bytes, h hidden, q = heads x head_dim,
+    kv = kv_heads x head_dim, i = intermediate:
+      2 RMSNorms      each its float32 input (4h) and its normalised output (e h)
+      attention       q, k, v projections; q and k rotated and embedded; sdpa's output and o_proj's
+                      input: e (5 q + 4 kv)
+      SwiGLU          gate, silu(gate), up, their product: 4 e i
+    With gradient checkpointing a block keeps only its input (e h); backward then recomputes one
+    block at a time, which `peak_recompute_bytes` adds. Shared by all blocks: the final norm
+    (4h + e h), the rotary cos and sin (2 e head_dim) and, with padding, the boolean (seq_len, seq_len)
+    attention mask of each row."""
+    h, i = shape.hidden, shape.intermediate
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    e = dtype_bytes
+    tokens = micro_batch * seq_len
+    per_layer = 2 * (4 * h + e * h) + e * (5 * q + 4 * kv) + 4 * e * i
+    kept = e * h if checkpointing else per_layer
+    shared = 4 * h + e * h + 2 * e * shape.head_dim + seq_len
+    return tokens * (shape.layers * kept + shared)
+
+
+def peak_recompute_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype_bytes: int,
+                         checkpointing: bool) -> int:
+    """With gradient checkpointing, one block's recomputed activations exist during its backward."""
+    if not checkpointing:
+        return 0
+    one = activation_bytes(shape, micro_batch, seq_len, dtype_bytes, False)
+    base = activation_bytes(shape, micro_batch, seq_len, dtype_bytes, True)
+    return (one - base) // max(shape.layers, 1) + micro_batch * seq_len * dtype_bytes * shape.hidden
+
+
+def logprob_chunk_bytes(shape: ModelShape, micro_batch: int, response_len: int, dtype_bytes: int,
+                        chunk_rows: int = 1024) -> int:
+    """The LM head's logits for the response positions (micro_batch, R+1, V) in the compute dtype,
+    plus one float32 chunk of rows that logprobs_from_logits upcasts at a time."""
+    rows = micro_batch * (response_len + 1)
+    return rows * shape.vocab * dtype_bytes + min(chunk_rows, rows) * shape.vocab * 4
+
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """What the estimate reads from the config, the layout and the batch plan (for one FSDP rank)."""
+
+    actor: ModelShape
+    critic: ModelShape | None
+    use_ref: bool
+    flags: OffloadFlags
+    fsdp: int
+    infer_tp: int
+    compute_bytes: int  # 2 for bf16 compute on CUDA
+    engine_bytes: int  # the engine's weight dtype
+    prompt_len: int
+    response_len: int
+    ppo_micro: int  # actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (resolved)
+    log_prob_micro: int
+    critic_micro: int | None
+    actor_checkpointing: bool
+    critic_checkpointing: bool
+    gpu_memory_utilization: float
+    gpu_memory_bytes: int
+
+
+def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
+    """Estimated device bytes per phase and item on one rank (rank `fsdp_rank` of its FSDP group)."""
+    seq = m.prompt_len + m.response_len
+    actor_shard = param_shard_bytes(m.actor, m.fsdp, fsdp_rank)
+    critic_shard = param_shard_bytes(m.critic, m.fsdp, fsdp_rank) if m.critic else 0
+    engine_weights = sum(math.prod(s) for s in m.actor.param_shapes) * m.engine_bytes // m.infer_tp
+    engine_total = int(m.gpu_memory_utilization * m.gpu_memory_bytes)
+    # two blocks gathered at once in a forward or backward: the current one and the prefetched next
+    gathered = 2 * m.actor.largest_block_numel * m.compute_bytes
+    out: dict[str, dict[str, int]] = {}
+    for phase in PHASES:
+        where = placement(m.flags, phase)
+        on = {item: where[item] == DEVICE for item in ITEMS}
+        b = {
+            "actor.params": actor_shard if on["actor.params"] else 0,
+            "actor.grads": actor_shard if on["actor.grads"] else 0,
+            "actor.optimizer": adam_state_bytes(m.actor, m.fsdp, fsdp_rank) if on["actor.optimizer"] else 0,
+            "critic.params": critic_shard if m.critic and on["critic.params"] else 0,
+            "critic.grads": critic_shard if m.critic and on["critic.grads"] else 0,
+            "critic.optimizer": adam_state_bytes(m.critic, m.fsdp, fsdp_rank) if m.critic and on["critic.optimizer"]
+            else 0,
+            "ref.params": actor_shard if m.use_ref and on["ref.params"] else 0,
+            "engine.weights": engine_weights if on["engine.weights"] else 0,
+            "engine.kv_cache": max(0, engine_total - engine_weights) if on["engine.kv_cache"] else 0,
+            "gathered_blocks": gathered if phase in ("log_prob", "update") else 0,
+            "activations": 0,
+            "log_prob_chunk": 0,
+        }
+        if phase == "sync":  # iter_full_params: one bucket (<= 16 MiB) of full tensors in the engine's dtype
+            b["gathered_blocks"] = min(16 * 2**20, engine_weights * m.infer_tp)
+        if phase == "log_prob":
+            b["log_prob_chunk"] = logprob_chunk_bytes(m.actor, m.log_prob_micro, m.response_len, m.compute_bytes)
+        if phase == "update":
+            actor_act = (activation_bytes(m.actor, m.ppo_micro, seq, m.compute_bytes, m.actor_checkpointing)
+                         + peak_recompute_bytes(m.actor, m.ppo_micro, seq, m.compute_bytes, m.actor_checkpointing))
+            critic_act = 0
+            if m.critic and m.critic_micro:
+                critic_act = (activation_bytes(m.critic, m.critic_micro, seq, m.compute_bytes, m.critic_checkpointing)
+                              + peak_recompute_bytes(m.critic, m.critic_micro, seq, m.compute_bytes,
+                                                     m.critic_checkpointing))
+            b["activations"] = max(actor_act, critic_act)  # the critic updates first, then the actor
+            b["log_prob_chunk"] = logprob_chunk_bytes(m.actor, m.ppo_micro, m.response_len, m.compute_bytes)
+        out[phase] = b
+    return out
+
+
+def _remedies(m: MemoryInputs, phase: str, items: dict[str, int], over: int,
+              ppo_mini_per_rank: int) -> list[tuple[str, int]]:
+    """(the key=value to set, the bytes it frees in `phase`), in the order worth trying."""
+    out: list[tuple[str, int]] = []
+    engine = items["engine.weights"] + items["engine.kv_cache"]
+    if phase in ("log_prob", "update") and engine:
+        out.append(("actor_rollout_ref.rollout.free_cache_engine=true", engine))
+    if phase in ("sync", "generate"):
+        room = m.gpu_memory_bytes - (sum(items.values()) - engine)
+        if room > items["engine.weights"]:
+            util = math.floor(room / m.gpu_memory_bytes * 100) / 100
+            out.append((f"actor_rollout_ref.rollout.gpu_memory_utilization={util:.2f}", over))
+    if phase == "update":
+        if not m.actor_checkpointing:
+            saved = items["activations"] - activation_bytes(m.actor, m.ppo_micro, m.prompt_len + m.response_len,
+                                                            m.compute_bytes, True)
+            out.append(("actor_rollout_ref.model.enable_gradient_checkpointing=true", saved))
+        per_sample = (items["activations"] + items["log_prob_chunk"]) / m.ppo_micro
+        smaller = [d for d in range(m.ppo_micro - 1, 0, -1) if ppo_mini_per_rank % d == 0]
+        fitting = [d for d in smaller if per_sample * (m.ppo_micro - d) >= over]
+        if smaller:
+            d = fitting[0] if fitting else smaller[-1]
+            out.append((f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={d}",
+                        int(per_sample * (m.ppo_micro - d))))
+    if phase == "log_prob" and m.log_prob_micro > 1:
+        per_sample = items["log_prob_chunk"] / m.log_prob_micro
+        d = max(1, m.log_prob_micro - math.ceil(over / per_sample))
+        out.append((f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={d}",
+                    int(per_sample * (m.log_prob_micro - d))))
+    for item, key, flag in (("actor.optimizer", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+                             m.flags.actor_optimizer),
+                            ("critic.optimizer", "critic.fsdp_config.optimizer_offload", m.flags.critic_optimizer),
+                            ("ref.params", "actor_rollout_ref.ref.fsdp_config.param_offload", m.flags.ref_param)):
+        if items[item] and not flag and (item == "ref.params" or phase != "update"):
+            out.append((f"{key}=true", items[item]))
+    if phase == "generate":
+        for item, key, flag in (("actor.params", "actor_rollout_ref.actor.fsdp_config.param_offload",
+                                 m.flags.actor_param),
+                                ("critic.params", "critic.fsdp_config.param_offload", m.flags.critic_param)):
+            if items[item] and not flag:
+                out.append((f"{key}=true", items[item]))
+    return out
+
+
+def verdict(m: MemoryInputs, per_phase: dict[str, dict[str, int]], ppo_mini_per_rank: int) -> tuple[bool, str]:
+    """(fits, one line): the tightest phase against the device's memory and, when it does not fit,
+    the key to change and a value that makes it fit (or that helps most, when no single one does)."""
+    limit = m.gpu_memory_bytes
+    totals = {phase: sum(items.values()) for phase, items in per_phase.items()}
+    worst = max(totals, key=totals.get)
+
+    def gb(n: float) -> str:
+        return f"{n / GIB:.1f} GiB" if abs(n) >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+    head = f"phase {worst} needs {gb(totals[worst])} of {gb(limit)} (--gpu-memory-gb)"
+    if totals[worst] <= limit:
+        return True, f"fits: the largest phase, {head}, leaves {gb(limit - totals[worst])}"
+    over = totals[worst] - limit
+    remedies = _remedies(m, worst, per_phase[worst], over, ppo_mini_per_rank)
+    enough = [(key, freed) for key, freed in remedies if freed >= over]
+    if enough:
+        key, freed = enough[0]
+        return False, f"does not fit: {head}; set {key} (frees about {gb(freed)})"
+    if remedies:
+        key, freed = max(remedies, key=lambda r: r[1])
+        return False, (f"does not fit: {head}; no single key frees {gb(over)}: set {key} (frees the most, "
+                       f"{gb(freed)}) and shard over more ranks (more trainer.n_gpus_per_node, fsdp_size=-1)")
+    return False, (f"does not fit: {head}; no single key frees {gb(over)}: shard over more ranks "
+                   f"(actor_rollout_ref.actor.fsdp_config.fsdp_size=-1, more trainer.n_gpus_per_node) or "
+                   f"lower data.max_response_length")
+
+
+def memory_inputs(cfg: Any, dims: Any, plan: Any, gpu_memory_gb: float) -> MemoryInputs:
+    """Read the model shapes (config.json) and the settings; raises OSError/ValueError when the
+    model's config cannot be read."""
+    from config import CRITIC_ESTIMATORS
+
+    arr = cfg.actor_rollout_ref
+    trust = arr.model.trust_remote_code
+    actor = model_shape(arr.model.path, trust_remote_code=trust)
+    use_critic = cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
+    critic = model_shape(cfg.critic.model.path or arr.model.path, value_head=True,
+                         trust_remote_code=trust) if use_critic else None
+    return MemoryInputs(
+        actor=actor, critic=critic, use_ref=arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
+        flags=OffloadFlags.from_config(cfg), fsdp=dims.fsdp, infer_tp=dims.infer_tp, compute_bytes=2,
+        engine_bytes=2, prompt_len=cfg.data.max_prompt_length, response_len=cfg.data.max_response_length,
+        ppo_micro=plan.ppo_micro_batch_size_per_gpu, log_prob_micro=plan.log_prob_micro_batch_size_per_gpu,
+        critic_micro=plan.critic_ppo_micro_batch_size_per_gpu,
+        actor_checkpointing=arr.model.enable_gradient_checkpointing,
+        critic_checkpointing=cfg.critic.model.enable_gradient_checkpointing,
+        gpu_memory_utilization=arr.rollout.gpu_memory_utilization, gpu_memory_bytes=int(gpu_memory_gb * GIB))
+
+
+def has_config_json(path: str) -> bool:
+    """A local directory with config.json, or a hub id whose config.json is in the HF cache."""
+    from pathlib import Path
+
+    if Path(path).expanduser().is_dir():
+        return (Path(path).expanduser() / "config.json").is_file()
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(path, "config.json"), str)
+    except Exception:  # not a valid repo id either
+        return False
+
+
+def memory_report(cfg: Any, dims: Any, plan: Any, gpu_memory_gb: float) -> dict[str, Any]:
+    """The planner's `memory` section: per FSDP rank and phase, bytes per item, and the verdict.
+    {"error": message} when the model's config.json cannot be read."""
+    path = cfg.actor_rollout_ref.model.path
+    message = (f"no memory plan: cannot read the config.json of actor_rollout_ref.model.path={path!r}. Give a "
+               f"local model directory, or download the model to the HF cache first (huggingface-cli download "
+               f"{path}); the planner reads only config.json and never downloads.")
+    if not has_config_json(path):  # say so at once, without importing transformers (seconds)
+        return {"error": message}
+    try:
+        m = memory_inputs(cfg, dims, plan, gpu_memory_gb)
+    except (OSError, ValueError) as e:
+        return {"error": f"{message} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"}
+    ranks = [phase_bytes(m, r) for r in range(m.fsdp)]
+    fits, line = verdict(m, ranks[0], plan.ppo_mini_batch_size_per_rank)  # FSDP rank 0 holds the largest shards
+    return {"assumes": "CUDA: bf16 compute and engine weights, fp32 master weights, gradients and Adam state",
+            "gpu_memory_gb": gpu_memory_gb, "fits": fits, "verdict": line,
+            "per_fsdp_rank": ranks,  # rank r of the world is entry r % fsdp_size
+            "totals_rank0": {phase: sum(items.values()) for phase, items in ranks[0].items()}}
+
+
+def describe_memory(report: dict[str, Any]) -> str:
+    """The memory section as a table (GiB per item and phase, FSDP rank 0: the largest shards)."""
+    if "error" in report:
+        return f"Memory plan: {report['error']}"
+    rank0 = report["per_fsdp_rank"][0]
+    items = [i for i in next(iter(rank0.values())) if any(rank0[p][i] for p in PHASES)]
+    lines = [f"Memory plan per rank, GiB on the device ({report['assumes']}; FSDP rank 0, the largest shards):",
+             f"  {'item':<18}" + "".join(f"{p:>10}" for p in PHASES)]
+    for item in items:
+        lines.append(f"  {item:<18}" + "".join(f"{rank0[p][item] / GIB:>10.2f}" for p in PHASES))
+    lines.append(f"  {'total':<18}" + "".join(f"{report['totals_rank0'][p] / GIB:>10.2f}" for p in PHASES))
+    lines.append(f"  verdict: {report['verdict']}")
+    return "\n".join(lines)

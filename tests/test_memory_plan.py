@@ -1,0 +1,257 @@
+"""memory_plan.py: the placement table and its moves, and the byte estimates checked against real
+FSDP2 shards (2 and 4 gloo ranks) and against the tensors autograd really saves for backward."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import ROOT, run, run_gloo
+
+import memory_plan as mp
+
+# Written out by hand from verl's offload rules (not from placement()): per phase, where
+# (actor.params, actor.grads, actor.optimizer, ref.params, engine.weights, engine.kv_cache) live.
+D, H, F, N = "device", "host", "freed", "-"
+EXPECTED = {
+    "no offload, free_cache_engine=false": {
+        "sync": (D, N, D, D, D, D), "generate": (D, N, D, D, D, D),
+        "log_prob": (D, N, D, D, D, D), "update": (D, D, D, D, D, D)},
+    "no offload": {
+        "sync": (D, N, D, D, D, D), "generate": (D, N, D, D, D, D),
+        "log_prob": (D, N, D, D, H, F), "update": (D, D, D, D, H, F)},
+    "param_offload": {
+        "sync": (D, N, D, D, D, D), "generate": (H, N, D, D, D, D),
+        "log_prob": (D, N, D, D, H, F), "update": (D, D, D, D, H, F)},
+    "optimizer_offload": {
+        "sync": (D, N, H, D, D, D), "generate": (D, N, H, D, D, D),
+        "log_prob": (D, N, H, D, H, F), "update": (D, D, D, D, H, F)},
+    "param_offload + optimizer_offload + ref param_offload": {
+        "sync": (D, N, H, H, D, D), "generate": (H, N, H, H, D, D),
+        "log_prob": (D, N, H, H, H, F), "update": (D, D, D, H, H, F)},
+}
+COLUMNS = ("actor.params", "actor.grads", "actor.optimizer", "ref.params", "engine.weights", "engine.kv_cache")
+
+
+def test_placement_is_the_table_and_the_readme_shows_it():
+    combos = dict(mp.flag_combinations())
+    assert set(combos) == set(EXPECTED)
+    for label, phases in EXPECTED.items():
+        for phase, row in phases.items():
+            where = mp.placement(combos[label], phase)
+            assert tuple(where[c] for c in COLUMNS) == row, (label, phase)
+            # the critic follows its own flags exactly as the actor follows the actor's, except that
+            # its shards stay on the host through sync too (only the actor's are gathered into the engine)
+            assert where["critic.optimizer"] == where["actor.optimizer"]
+            assert where["critic.grads"] == where["actor.grads"]
+    assert mp.placement_table() in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("label", list(EXPECTED))
+def test_moves_of_a_step_reach_every_phase(label):
+    """Applying plan_moves from the loaded state through two steps (the trainer's order) lands each
+    movable item where placement() says, and moves nothing that is already in place."""
+    flags = dict(mp.flag_combinations())[label]
+    state = {item: D for item in mp.ITEMS} | {"ref.params": mp.placement(flags, "sync")["ref.params"]}
+    previous = mp.LOADED
+    for phase in ("sync", "generate", "log_prob", "update", "sync", "generate", "log_prob", "update", "sync"):
+        moves = mp.plan_moves(flags, previous, phase)
+        for item, where in moves:
+            assert state[item] != where, (item, where, "moved to where it already is")
+            state[item] = where
+        target = mp.placement(flags, phase)
+        assert {i: state[i] for i in mp.ITEMS if not i.endswith(".grads")} == \
+            {i: target[i] for i in mp.ITEMS if not i.endswith(".grads")}, phase
+        previous = phase
+    if flags.actor_param:
+        assert ("actor.params", H) in mp.plan_moves(flags, "sync", "generate")
+        assert ("actor.params", D) in mp.plan_moves(flags, "generate", "log_prob")
+    if flags.actor_optimizer:
+        assert mp.plan_moves(flags, "log_prob", "update")[:1] == [("actor.optimizer", D)]
+    if flags.free_cache_engine:
+        assert ("engine.kv_cache", F) in mp.plan_moves(flags, "generate", "log_prob")
+
+
+# --- shard bytes: the estimate against real FSDP2 shards -------------------------------------------
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def _shard_worker(rank: int, world: int, paths: dict[str, str], init_file: str, out_dir: str) -> None:
+    import models
+    from mesh_utils import ParallelDims, build_meshes
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        meshes = build_meshes(ParallelDims(world, 1, world, world, 1, 1), "cpu")
+        result = {}
+        for name, path in paths.items():
+            for value_head in (False, True):
+                load = models.load_value_model if value_head else models.load_causal_lm
+                model = load(path, meshes.fsdp, device=torch.device("cpu"), param_dtype=torch.float32,
+                             reduce_dtype=torch.float32)
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+                ids = torch.randint(3, model.config.vocab_size, (2, 8))
+                model(input_ids=ids).logits.float().square().mean().backward()
+                grads = sum(_local_bytes(p.grad) for p in model.parameters())
+                optimizer.step()
+                result[f"{name}/{'critic' if value_head else 'actor'}"] = {
+                    "params": sum(_local_bytes(p) for p in model.parameters()), "grads": grads,
+                    "optimizer": sum(_local_bytes(v) for s in optimizer.state.values() for v in s.values())}
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shard_bytes_equal_real_fsdp2_shards(world, tiny_assets, tmp_path):
+    """Parameter, gradient and AdamW state bytes per rank, from config.json alone, equal what each
+    rank of a real FSDP2 model holds: two architectures (one tied), actor and critic, and a model
+    whose rows do not divide by the world (uneven and empty shards)."""
+    import make_assets
+
+    uneven = tmp_path / "uneven"
+    make_assets.build_model(uneven, make_assets.model_config("qwen2", hidden=96, layers=2, heads=3, kv_heads=1,
+                                                             intermediate=202, tied=True), seed=0)
+    paths = {"tiny-qwen2": str(tiny_assets["tiny-qwen2"]), "tiny-llama-tied": str(tiny_assets["tiny-llama-tied"]),
+             "uneven": str(uneven)}
+    run_gloo(_shard_worker, world, world, paths, str(tmp_path / "init"), str(tmp_path), timeout_s=600)
+    for rank in range(world):
+        real = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for name, path in paths.items():
+            for kind in ("actor", "critic"):
+                shape = mp.model_shape(path, value_head=kind == "critic")
+                got = real[f"{name}/{kind}"]
+                assert got["params"] == mp.param_shard_bytes(shape, world, rank), (name, kind, rank)
+                assert got["grads"] == mp.param_shard_bytes(shape, world, rank), (name, kind, rank)
+                assert got["optimizer"] == mp.adam_state_bytes(shape, world, rank), (name, kind, rank)
+    assert mp.shard_numel((202, 96), 4, 3) == 49 * 96 and mp.shard_numel((3, 5), 4, 3) == 0
+
+
+# --- activations: the estimate against the tensors autograd saves ---------------------------------
+
+
+def saved_for_backward_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], checkpointing: bool) -> int:
+    """Bytes of the distinct storages autograd keeps for backward after one forward (parameters
+    excluded). Under non-reentrant checkpointing, the checkpoint's own hooks take a block's saved
+    tensors (and drop them); what it keeps is each block's input, recorded here as it enters."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def block_input(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        kept[hidden.untyped_storage().data_ptr()] = hidden.untyped_storage().nbytes()
+
+    hooks = ([layer.register_forward_pre_hook(block_input, with_kwargs=True) for layer in model.model.layers]
+             if checkpointing else [])
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(**batch, use_cache=False, logits_to_keep=1)
+    for hook in hooks:
+        hook.remove()
+    del out
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch,tied", [("qwen2", False), ("llama", True)])
+def test_activation_estimate_within_30_percent(arch, tied, dtype, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    import make_assets
+
+    path = tmp_path / arch
+    make_assets.build_model(path, make_assets.model_config(arch, hidden=256, layers=4, heads=8, kv_heads=2,
+                                                           intermediate=704, tied=tied), seed=0)
+    shape = mp.model_shape(str(path))
+    micro_batch, seq_len = 4, 256
+    ids = torch.randint(3, make_assets.VOCAB_SIZE, (micro_batch, seq_len), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :17] = 0  # a left-padded row, as the trainer's batches have
+    batch = {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").train()
+    errors = {}
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        measured = saved_for_backward_bytes(model, batch, checkpointing)
+        estimate = mp.activation_bytes(shape, micro_batch, seq_len, dtype.itemsize, checkpointing)
+        errors[checkpointing] = (estimate - measured) / measured
+        assert abs(errors[checkpointing]) <= 0.30, (checkpointing, estimate, measured)
+    print(f"{arch} {dtype}: activation estimate error {errors[False]:+.1%} (no checkpointing), "
+          f"{errors[True]:+.1%} (checkpointing)")
+
+
+# --- the planner ------------------------------------------------------------------------------------
+
+
+def test_planner_prints_the_memory_plan(tiny_assets, tmp_path):
+    common = ["--config", "configs/tiny_cpu.yaml", f"actor_rollout_ref.model.path={tiny_assets['tiny-qwen2']}"]
+    proc = run([sys.executable, "mesh_utils.py", "--json", *common])
+    memory = json.loads(proc.stdout)["memory"]
+    shape = mp.model_shape(str(tiny_assets["tiny-qwen2"]))
+    ranks = memory["per_fsdp_rank"]
+    for rank, phases in enumerate(ranks):
+        assert phases["update"]["actor.params"] == mp.param_shard_bytes(shape, len(ranks), rank)
+        assert phases["update"]["actor.grads"] == phases["update"]["actor.params"]
+    assert memory["fits"] is True and memory["verdict"].startswith("fits")
+    # a device a little too small for the update's activations: the verdict names the key and a value
+    update = memory["per_fsdp_rank"][0]["update"]
+    limit_gb = (sum(update.values()) - update["activations"] / 2) / mp.GIB
+    proc = run([sys.executable, "mesh_utils.py", "--json", *common, "--gpu-memory-gb", str(limit_gb)])
+    small = json.loads(proc.stdout)["memory"]
+    assert small["fits"] is False
+    assert "set actor_rollout_ref.model.enable_gradient_checkpointing=true" in small["verdict"], small["verdict"]
+    proc = run([sys.executable, "mesh_utils.py", *common, "--gpu-memory-gb", "0.001"])
+    assert "does not fit" in proc.stdout and "set actor_rollout_ref." in proc.stdout
+    # no config.json: a clear message, and the rest of the plan still prints
+    proc = run([sys.executable, "mesh_utils.py", "--config", "configs/tiny_cpu.yaml",
+                f"actor_rollout_ref.model.path={tmp_path / 'nowhere'}"])
+    assert "Device map" in proc.stdout and "cannot read the config.json of actor_rollout_ref.model.path" in proc.stdout
+
+
+def test_apply_moves_walks_a_step_on_the_cpu():
+    """The trainer's executor on a real FSDP2 model and AdamW: every move of a step with every flag
+    on is a no-op on the CPU (the same plan, nothing to move), values stay bit-exact, and an item it
+    cannot move is an error."""
+    import socket
+
+    from torch.distributed.fsdp import fully_shard
+
+    import models
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        model = fully_shard(torch.nn.Linear(4, 3))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        before = [t.detach().to_local().clone() for t in model.parameters()]
+        flags = dict(mp.flag_combinations())["param_offload + optimizer_offload + ref param_offload"]
+        slept = []
+        previous = mp.LOADED
+        for phase in ("sync", "generate", "log_prob", "update", "sync"):
+            models.apply_moves(mp.plan_moves(flags, previous, phase), {"actor": model, "critic": None},
+                               {"actor": optimizer, "critic": None}, torch.device("cpu"),
+                               sleep_engine=lambda phase=phase: slept.append(phase))
+            previous = phase
+        assert slept == ["log_prob"]  # the engine sleeps once a step, entering the forwards
+        assert all(torch.equal(b, p.detach().to_local()) for b, p in zip(before, model.parameters(), strict=True))
+        assert all(v.device.type == "cpu" for s in optimizer.state.values() for v in s.values())
+        with pytest.raises(ValueError, match="actor.grads"):
+            models.apply_moves([("actor.grads", "host")], {"actor": model}, {}, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
