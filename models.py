@@ -19,7 +19,6 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from typing import Any, Required, TypedDict, Unpack
 
 import torch
@@ -290,17 +289,6 @@ def offload_optimizer(optimizer: torch.optim.Optimizer) -> None:
 def load_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """Bring optimizer state back to `device` before optimizer.step()."""
     _move_optimizer_state(optimizer, device, "fsdp_config.optimizer_offload")
-
-
-@contextmanager
-def optimizer_on(optimizer: torch.optim.Optimizer, device: torch.device, offload: bool) -> Iterator[None]:
-    """With `offload` (fsdp_config.optimizer_offload), the optimizer state is on `device` inside the
-    block and in host memory outside it; without, nothing moves."""
-    if offload:
-        load_optimizer(optimizer, device)
-    yield
-    if offload:
-        offload_optimizer(optimizer)
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device, key: str) -> None:
