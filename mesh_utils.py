@@ -267,7 +267,8 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
                                   ("ref_log_prob_max_token_len_per_gpu", ref, "actor_rollout_ref.ref")):
         dynamic = actor.use_dynamic_bsz if section.log_prob_use_dynamic_bsz is None else section.log_prob_use_dynamic_bsz
         budget = section.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu
-        if dynamic:
+        uses_model = section is rollout or actor.use_kl_loss or cfg.algorithm.use_kl_in_reward  # a reference model
+        if dynamic and uses_model:
             budgets[name] = _token_budget(f"{prefix}.log_prob_max_token_len_per_gpu", budget, sequence_len, lp_micro)
 
     c_mini = c_micro = c_accum = None

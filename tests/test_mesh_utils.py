@@ -137,6 +137,8 @@ def test_token_budgets_follow_verl_defaults():
     _, p = plan(SEED_1, "actor_rollout_ref.actor.use_dynamic_bsz=true",
                 "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false")
     assert (p.ppo_max_token_len_per_gpu, p.log_prob_max_token_len_per_gpu) == (16384, None)
+    _, p = plan(SEED_1, "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.use_kl_loss=false")
+    assert p.ref_log_prob_max_token_len_per_gpu is None  # no reference model, no budget to show
 
 
 @pytest.mark.parametrize("path, overrides, fragments", PITFALLS, ids=lambda x: None)
