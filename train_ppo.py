@@ -609,6 +609,7 @@ def main(argv: list[str] | None = None) -> None:
         metrics.update(batch_metrics(batch, data_cfg.max_prompt_length))
         metrics["perf/throughput"] = batch["attention_mask"].sum().item() / metrics["timing_s/step"]
         metrics["perf/max_memory_gb"] = peak_memory_gb(device)
+        # of the actor's and reference model's forwards (the critic's follow critic.model.use_remove_padding)
         metrics["perf/padding_fraction"] = padding_fraction(batch["attention_mask"], model_cfg.use_remove_padding)
         metrics.setdefault("actor/skipped_steps", 0)
         metrics = reduce_metrics(metrics, device)
