@@ -79,11 +79,17 @@ SCHEMA: dict[str, Any] = {
             "path": (str, "assets/tiny-qwen2"),
             "enable_gradient_checkpointing": (bool, False),
             "trust_remote_code": (bool, False),
+            # training forwards (actor, reference) on the valid tokens only, packed into one row
+            "use_remove_padding": (bool, True),
         },
         "actor": {
             "strategy": (str, "fsdp2"),
             "ppo_mini_batch_size": (int, 256),  # in prompts, as in verl; x rollout.n / dp per rank
             "ppo_micro_batch_size_per_gpu": (_INT_OR_NONE, None),  # null: the whole mini batch
+            # micro batches cut by token count (at most ppo_max_token_len_per_gpu valid tokens each)
+            # instead of ppo_micro_batch_size_per_gpu samples
+            "use_dynamic_bsz": (bool, False),
+            "ppo_max_token_len_per_gpu": (int, 16384),
             "ppo_epochs": (int, 1),
             "shuffle": (bool, False),
             "grad_clip": (float, 1.0),
@@ -102,6 +108,8 @@ SCHEMA: dict[str, Any] = {
         },
         "ref": {
             "log_prob_micro_batch_size_per_gpu": (_INT_OR_NONE, None),  # null: rollout's value
+            "log_prob_use_dynamic_bsz": (_BOOL_OR_NONE, None),  # null: actor.use_dynamic_bsz
+            "log_prob_max_token_len_per_gpu": (_INT_OR_NONE, None),  # null: actor.ppo_max_token_len_per_gpu
             "fsdp_config": {"param_offload": (bool, False)},
         },
         "rollout": {
@@ -117,6 +125,8 @@ SCHEMA: dict[str, Any] = {
             "max_num_seqs": (int, 1024),
             "max_num_batched_tokens": (int, 8192),
             "log_prob_micro_batch_size_per_gpu": (int, 8),
+            "log_prob_use_dynamic_bsz": (_BOOL_OR_NONE, None),  # null: actor.use_dynamic_bsz
+            "log_prob_max_token_len_per_gpu": (_INT_OR_NONE, None),  # null: actor.ppo_max_token_len_per_gpu
             "cpu_kv_cache_space_gb": (int, 1),  # VLLM_CPU_KVCACHE_SPACE (whole GiB) on the CPU backend
             "val_kwargs": {
                 "n": (int, 1),
@@ -131,11 +141,15 @@ SCHEMA: dict[str, Any] = {
         "model": {
             "path": (_STR_OR_NONE, None),  # null: the actor's model path
             "enable_gradient_checkpointing": (bool, False),
+            "use_remove_padding": (bool, True),  # as actor_rollout_ref.model's, for the value forwards
         },
         "optim": _optim(1e-5),
         "ppo_mini_batch_size": (_INT_OR_NONE, None),  # null: the actor's
         "ppo_micro_batch_size_per_gpu": (_INT_OR_NONE, None),
         "forward_micro_batch_size_per_gpu": (_INT_OR_NONE, None),
+        "use_dynamic_bsz": (_BOOL_OR_NONE, None),  # null: actor.use_dynamic_bsz
+        "ppo_max_token_len_per_gpu": (int, 32768),
+        "forward_max_token_len_per_gpu": (_INT_OR_NONE, None),  # null: critic.ppo_max_token_len_per_gpu
         "ppo_epochs": (_INT_OR_NONE, None),  # null: the actor's
         "shuffle": (_BOOL_OR_NONE, None),  # null: the actor's
         "grad_clip": (float, 1.0),

@@ -158,6 +158,24 @@ class BatchPlan:
     critic_ppo_mini_batch_size_per_rank: int | None
     critic_ppo_micro_batch_size_per_gpu: int | None
     critic_grad_accum_steps: int | None
+    # use_dynamic_bsz: each forward's micro batches hold at most this many valid tokens, not a fixed
+    # number of samples; None where that forward cuts fixed-size micro batches
+    ppo_max_token_len_per_gpu: int | None = None
+    log_prob_max_token_len_per_gpu: int | None = None
+    ref_log_prob_max_token_len_per_gpu: int | None = None
+    critic_ppo_max_token_len_per_gpu: int | None = None
+    critic_forward_max_token_len_per_gpu: int | None = None
+
+
+def _token_budget(key: str, budget: int, sequence_len: int, micro: int) -> int:
+    """A token budget per micro batch must hold the longest possible sample (prompt + response)."""
+    if budget < sequence_len:
+        raise ConfigError(
+            f"{key}={budget} is smaller than one sample can be: data.max_prompt_length + "
+            f"data.max_response_length = {sequence_len} tokens, so such a sample fits no micro batch. "
+            f"Use at least {sequence_len}, e.g. {micro * sequence_len} (the tokens of {micro} full samples)."
+        )
+    return budget
 
 
 def _mini_micro(
@@ -238,6 +256,21 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
                 f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu."
             )
 
+    # use_dynamic_bsz: token budgets, each a key of its own that defaults to the actor's (verl's defaults)
+    sequence_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    ref, rollout = actor_rollout_ref.ref, actor_rollout_ref.rollout
+    budgets: dict[str, int | None] = {}
+    if actor.use_dynamic_bsz:
+        budgets["ppo_max_token_len_per_gpu"] = _token_budget(
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu, sequence_len, micro)
+    for name, section, prefix in (("log_prob_max_token_len_per_gpu", rollout, "actor_rollout_ref.rollout"),
+                                  ("ref_log_prob_max_token_len_per_gpu", ref, "actor_rollout_ref.ref")):
+        dynamic = actor.use_dynamic_bsz if section.log_prob_use_dynamic_bsz is None else section.log_prob_use_dynamic_bsz
+        budget = section.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu
+        uses_model = section is rollout or actor.use_kl_loss or cfg.algorithm.use_kl_in_reward  # a reference model
+        if dynamic and uses_model:
+            budgets[name] = _token_budget(f"{prefix}.log_prob_max_token_len_per_gpu", budget, sequence_len, lp_micro)
+
     c_mini = c_micro = c_accum = None
     if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS:
         critic = cfg.critic
@@ -249,6 +282,13 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
             n,
             dims,
         )
+        critic_dynamic = actor.use_dynamic_bsz if critic.use_dynamic_bsz is None else critic.use_dynamic_bsz
+        critic_forward = critic.forward_max_token_len_per_gpu or critic.ppo_max_token_len_per_gpu
+        if critic_dynamic:
+            budgets["critic_ppo_max_token_len_per_gpu"] = _token_budget(
+                "critic.ppo_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu, sequence_len, c_micro)
+            budgets["critic_forward_max_token_len_per_gpu"] = _token_budget(
+                "critic.forward_max_token_len_per_gpu", critic_forward, sequence_len, lp_micro)
     return BatchPlan(
         train_batch_size=tbs,
         n=n,
@@ -265,6 +305,7 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
         critic_ppo_mini_batch_size_per_rank=c_mini,
         critic_ppo_micro_batch_size_per_gpu=c_micro,
         critic_grad_accum_steps=c_accum,
+        **budgets,
     )
 
 
@@ -506,6 +547,13 @@ def describe(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> str:
         f"  old log-probs: log_prob_micro_batch_size_per_gpu={p.log_prob_micro_batch_size_per_gpu} -> "
         f"{p.log_prob_micro_steps} forward micro step(s) per rank",
     ]
+    dynamic = {"actor update": p.ppo_max_token_len_per_gpu, "old log-probs": p.log_prob_max_token_len_per_gpu,
+               "ref log-probs": p.ref_log_prob_max_token_len_per_gpu,
+               "critic update": p.critic_ppo_max_token_len_per_gpu, "values": p.critic_forward_max_token_len_per_gpu}
+    for forward, budget in dynamic.items():
+        if budget is not None:
+            lines.append(f"  {forward}: micro batches cut by tokens (use_dynamic_bsz), at most {budget} per gpu; "
+                         f"the micro batch sizes above do not apply")
     if p.critic_ppo_mini_batch_size_per_rank is not None:
         lines.append(f"  critic: {p.critic_ppo_mini_batch_size_per_rank} per rank per mini batch, micro "
                      f"{p.critic_ppo_micro_batch_size_per_gpu} -> {p.critic_grad_accum_steps} accumulation step(s)")

@@ -321,11 +321,74 @@ def _response_len(batch: Mapping[str, torch.Tensor]) -> int:
     return batch["responses"].shape[1]
 
 
-def _micro_batches(batch: Mapping[str, torch.Tensor], micro_batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
-    """The model inputs of each run of micro_batch_size rows."""
-    for start in range(0, batch["input_ids"].shape[0], micro_batch_size):
-        rows = slice(start, start + micro_batch_size)
-        yield {key: batch[key][rows] for key in ("input_ids", "attention_mask", "position_ids")}
+def token_budget_micro_batches(attention_mask: torch.Tensor, max_token_len: int) -> list[torch.Tensor]:
+    """Row indices of each micro batch cut by token count (verl's use_dynamic_bsz): none holds more
+    than max_token_len valid tokens, their counts are balanced (ppo_core.token_budget_partitions).
+
+    Collective when torch.distributed is initialised: every rank gets the same number of micro batches,
+    because each micro batch's forward all-gathers the FSDP shards, and a rank with one more would
+    wait forever for the others.
+    """
+    seq_lens = attention_mask.sum(-1).tolist()  # (B,) valid tokens per sample
+    num_parts = 1
+    while True:
+        parts = core.token_budget_partitions(seq_lens, max_token_len, num_parts)
+        if not dist.is_initialized():
+            break
+        counts = torch.tensor([len(parts), -len(parts)], device=attention_mask.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # (most, -fewest) over the ranks
+        if counts[0] == -counts[1]:
+            break
+        num_parts = int(counts[0])  # grows each round, and never past this rank's samples
+    return [torch.tensor(p, dtype=torch.long, device=attention_mask.device) for p in parts]
+
+
+def _micro_batches(batch: Mapping[str, torch.Tensor], micro_batch_size: int,
+                   max_token_len: int | None) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """(rows, model inputs) of each micro batch: runs of micro_batch_size rows, or token-budget micro
+    batches when max_token_len is set."""
+    num_rows = batch["input_ids"].shape[0]
+    device = batch["input_ids"].device
+    if max_token_len is None:
+        row_groups = [torch.arange(s, min(s + micro_batch_size, num_rows), device=device)
+                      for s in range(0, num_rows, micro_batch_size)]
+    else:
+        row_groups = token_budget_micro_batches(batch["attention_mask"], max_token_len)
+    for rows in row_groups:
+        yield rows, {key: batch[key][rows] for key in ("input_ids", "attention_mask", "position_ids")}
+
+
+def _in_batch_order(pieces: list[torch.Tensor], row_groups: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate per-micro-batch results and put their rows back in the batch's order."""
+    rows = torch.cat(row_groups)
+    out = torch.cat(pieces)
+    if bool((rows == torch.arange(len(rows), device=rows.device)).all()):
+        return out
+    return out[torch.argsort(rows)]  # indexing keeps the graph, for callers with grad enabled
+
+
+def _pack(inputs: Mapping[str, torch.Tensor], response_len: int) -> tuple[dict[str, torch.Tensor], torch.Tensor,
+                                                                           torch.Tensor]:
+    """The micro batch's valid tokens in one row (verl's use_remove_padding), each sequence with its
+    own position ids from 0. With no attention mask, transformers reads the restarts in position_ids
+    as sequence boundaries: sdpa gets a block-diagonal causal mask, flash attention its varlen kernel,
+    so attention never crosses sequences.
+
+    Returns the model inputs (1, N), the packed index of the position that predicts each real response
+    token (K,), and which response positions are real (b, R).
+    """
+    valid = inputs["attention_mask"].bool()  # (b, P+R): left-padded prompts, right-padded responses
+    packed_index = valid.flatten().cumsum(0).view(valid.shape) - 1  # (b, P+R): place in the packed row
+    response_valid = valid[:, -response_len:]  # (b, R)
+    # response token j sits at column P+j and is predicted from column P+j-1 (the last prompt token for j=0)
+    predictors = packed_index[:, -response_len - 1:-1][response_valid]  # (K,)
+    model_inputs = {"input_ids": inputs["input_ids"][valid][None], "position_ids": inputs["position_ids"][valid][None]}
+    return model_inputs, predictors, response_valid
+
+
+def _unpack(values: torch.Tensor, response_valid: torch.Tensor) -> torch.Tensor:
+    """(K,) per real response token -> (b, R), zero on the padding."""
+    return values.new_zeros(response_valid.shape).masked_scatter(response_valid, values)
 
 
 def compute_log_probs(
@@ -334,43 +397,76 @@ def compute_log_probs(
     temperature: float,
     micro_batch_size: int,
     calc_entropy: bool = False,
+    *,
+    max_token_len: int | None = None,
+    use_remove_padding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, R) of the response tokens under logits / temperature, and their entropies if
     asked. Grad flows if the caller has it enabled.
 
     batch holds "input_ids", "attention_mask", "position_ids" (each (B, P+R): prompts, then responses)
-    and "responses" (B, R), which gives R. Only the last R + 1 positions go through the LM head
-    (`logits_to_keep`), and ppo_core's logprobs_from_logits / entropy_from_logits upcast one chunk of
-    rows at a time, so no forward holds the (tokens, vocab) logits in float32 at once.
+    and "responses" (B, R), which gives R. Micro batches are runs of micro_batch_size rows, or cut by
+    token count when max_token_len is set (token_budget_micro_batches; collective). With
+    use_remove_padding each micro batch's valid tokens run packed in one row (_pack), and positions
+    past a response's end come back as 0; padded, they hold the model's output there. Either way only
+    the positions that predict response tokens go through the LM head (`logits_to_keep`), and
+    ppo_core's logprobs_from_logits / entropy_from_logits upcast one chunk of rows at a time, so no
+    forward holds the (tokens, vocab) logits in float32 at once.
     """
     response_len = _response_len(batch)
-    log_probs, entropies = [], []
-    for inputs in _micro_batches(batch, micro_batch_size):
-        out = model(**inputs, use_cache=False, logits_to_keep=response_len + 1)
-        # In place and in the model's dtype (bf16 on GPU), as verl does: a copy, let alone a float32
-        # one, would double the largest tensor of the forward.
-        logits = out.logits.div_(temperature)  # (b, R+1, V)
-        # Position t predicts token t+1: the last prompt token predicts the first response token, and
-        # the final position predicts past the end. That position goes through the maths with label 0
-        # and is dropped after: slicing it off first would copy the logits to make them contiguous.
-        labels = F.pad(inputs["input_ids"][:, -response_len:], (0, 1))  # (b, R+1)
-        log_probs.append(core.logprobs_from_logits(logits, labels)[:, :-1])  # (b, R)
-        if calc_entropy:
-            entropies.append(core.entropy_from_logits(logits)[:, :-1])  # (b, R)
-    entropy = torch.cat(entropies) if calc_entropy else None
-    return torch.cat(log_probs), entropy
+    log_probs, entropies, row_groups = [], [], []
+    for rows, inputs in _micro_batches(batch, micro_batch_size, max_token_len):
+        if use_remove_padding:
+            model_inputs, predictors, response_valid = _pack(inputs, response_len)
+            out = model(**model_inputs, use_cache=False, logits_to_keep=predictors)
+            logits = out.logits[0].div_(temperature)  # (K, V), in place as below
+            labels = inputs["input_ids"][:, -response_len:][response_valid]  # (K,)
+            log_probs.append(_unpack(core.logprobs_from_logits(logits, labels), response_valid))  # (b, R)
+            if calc_entropy:
+                entropies.append(_unpack(core.entropy_from_logits(logits), response_valid))  # (b, R)
+        else:
+            out = model(**inputs, use_cache=False, logits_to_keep=response_len + 1)
+            # In place and in the model's dtype (bf16 on GPU), as verl does: a copy, let alone a float32
+            # one, would double the largest tensor of the forward.
+            logits = out.logits.div_(temperature)  # (b, R+1, V)
+            # Position t predicts token t+1: the last prompt token predicts the first response token, and
+            # the final position predicts past the end. That position goes through the maths with label 0
+            # and is dropped after: slicing it off first would copy the logits to make them contiguous.
+            labels = F.pad(inputs["input_ids"][:, -response_len:], (0, 1))  # (b, R+1)
+            log_probs.append(core.logprobs_from_logits(logits, labels)[:, :-1])  # (b, R)
+            if calc_entropy:
+                entropies.append(core.entropy_from_logits(logits)[:, :-1])  # (b, R)
+        row_groups.append(rows)
+    entropy = _in_batch_order(entropies, row_groups) if calc_entropy else None
+    return _in_batch_order(log_probs, row_groups), entropy
 
 
-def compute_values(critic: nn.Module, batch: Mapping[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
+def compute_values(critic: nn.Module, batch: Mapping[str, torch.Tensor], micro_batch_size: int, *,
+                   max_token_len: int | None = None, use_remove_padding: bool = False) -> torch.Tensor:
     """V(s_t) for each response token (B, R): the critic's output at the position that predicts that
-    token (the last prompt token for the first response token). batch as for compute_log_probs.
-    Grad flows if enabled."""
+    token (the last prompt token for the first response token). batch, micro batches and packing as for
+    compute_log_probs. Grad flows if enabled."""
     response_len = _response_len(batch)
-    values = []
-    for inputs in _micro_batches(batch, micro_batch_size):
-        out = critic(**inputs, use_cache=False)
-        values.append(out.logits[:, -response_len - 1:-1, 0].float())  # (b, R)
-    return torch.cat(values)
+    values, row_groups = [], []
+    for rows, inputs in _micro_batches(batch, micro_batch_size, max_token_len):
+        if use_remove_padding:
+            model_inputs, predictors, response_valid = _pack(inputs, response_len)
+            out = critic(**model_inputs, use_cache=False)  # (1, N, 1): one number per token, no need to trim
+            values.append(_unpack(out.logits[0, predictors, 0].float(), response_valid))  # (b, R)
+        else:
+            out = critic(**inputs, use_cache=False)
+            values.append(out.logits[:, -response_len - 1:-1, 0].float())  # (b, R)
+        row_groups.append(rows)
+    return _in_batch_order(values, row_groups)
+
+
+def padding_fraction(attention_mask: torch.Tensor, use_remove_padding: bool) -> float:
+    """The fraction of the tokens a training forward processes that are padding. Counted over the
+    batch's (B, P+R) layout: padded, every row runs at full length P+R, so it is 1 - valid / (B (P+R))
+    whatever the micro batches; packed (use_remove_padding), only valid tokens run: 0."""
+    if use_remove_padding:
+        return 0.0
+    return 1.0 - attention_mask.sum().item() / attention_mask.numel()
 
 
 # Buckets of at most this many bytes are gathered in one collective. Per-parameter gathers pay a fixed

@@ -494,3 +494,36 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, chunk_size: int = 1024)
     dtype = torch.promote_types(logits.dtype, torch.float32)
     picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).to(dtype)  # (...)
     return picked - _rowwise(logits, lambda x: torch.logsumexp(x, dim=-1), chunk_size)  # (...)
+
+
+# --- token-budget micro batches ------------------------------------------------------------------
+
+
+def token_budget_partitions(seq_lens: Sequence[int], max_token_len: int, min_parts: int = 1) -> list[list[int]]:
+    """Row indices of each micro batch: at least `min_parts` of them, none over `max_token_len` tokens,
+    their token counts balanced (verl's use_dynamic_bsz; seq_lens are each sample's valid tokens).
+
+    Longest first, each sample goes to the micro batch with the fewest tokens so far (the LPT rule:
+    within 4/3 of the best balance). When the lightest cannot take a sample, one more micro batch is
+    opened and the packing restarts. Rows within a micro batch keep their batch order.
+    """
+    if not seq_lens:
+        return []
+    longest = max(seq_lens)
+    if longest > max_token_len:
+        raise ValueError(f"a sample has {longest} tokens, more than the micro batch budget {max_token_len}")
+    # more micro batches than samples would leave some empty (callers keep min_parts <= len(seq_lens))
+    num_parts = min(len(seq_lens), max(min_parts, -(-sum(seq_lens) // max_token_len)))
+    order = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
+    while True:
+        parts: list[list[int]] = [[] for _ in range(num_parts)]
+        loads = [0] * num_parts
+        for i in order:
+            lightest = min(range(num_parts), key=loads.__getitem__)
+            if loads[lightest] + seq_lens[i] > max_token_len:
+                break
+            parts[lightest].append(i)
+            loads[lightest] += seq_lens[i]
+        else:
+            return [sorted(p) for p in parts]
+        num_parts += 1

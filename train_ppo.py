@@ -19,6 +19,9 @@ and grows through the step (B samples on this rank, P = max_prompt_length, R = m
     token_level_scores (B, R)                                                <- step 3, reward
     old_log_probs, ref_log_probs, values (B, R)                              <- step 4
     token_level_rewards, advantages, returns (B, R)                          <- step 5
+The forwards of steps 4 and 6 run on each micro batch's valid tokens only when
+actor_rollout_ref.model.use_remove_padding (models.compute_log_probs packs them into one row), and
+cut micro batches by token count when actor.use_dynamic_bsz; the tensors above stay padded.
 
 Deliberate simplifications: rewards are rule functions (no reward model); Ulysses sequence
 parallelism is planned and meshed but not yet used by the training forward (sp must be 1).
@@ -74,6 +77,8 @@ from models import (
     load_value_model,
     make_optimizer,
     optimizer_step,
+    padding_fraction,
+    token_budget_micro_batches,
 )
 from rewards import RewardFn, check_data_sources, load_reward_fn, score_batch
 from tracking import (
@@ -163,16 +168,22 @@ def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLCont
 
 
 def mini_batches(batch: Batch, *, epochs: int, mini_batch_size: int, micro_batch_size: int, shuffle: bool,
-                 generator: torch.Generator) -> Iterator[list[Batch]]:
+                 generator: torch.Generator, max_token_len: int | None = None) -> Iterator[list[Batch]]:
     """Each optimizer step's mini batch, as its list of micro batches: `epochs` passes over this
-    rank's samples, in a fresh random order per pass when `shuffle`."""
+    rank's samples, in a fresh random order per pass when `shuffle`. Micro batches hold
+    micro_batch_size samples, or, with max_token_len (use_dynamic_bsz), at most that many valid
+    tokens, balanced, as many on every rank (models.token_budget_micro_batches; collective)."""
     num_samples = batch["responses"].shape[0]
     for _ in range(epochs):
         order = torch.randperm(num_samples, generator=generator) if shuffle else torch.arange(num_samples)
         for start in range(0, num_samples, mini_batch_size):
             rows = order[start:start + mini_batch_size]
-            yield [{k: v[rows[i:i + micro_batch_size]] for k, v in batch.items()}
-                   for i in range(0, len(rows), micro_batch_size)]
+            if max_token_len is None:
+                cuts = [rows[i:i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
+            else:
+                cuts = [rows[part.cpu()] for part in token_budget_micro_batches(batch["attention_mask"][rows],
+                                                                                 max_token_len)]
+            yield [{k: v[cut] for k, v in batch.items()} for cut in cuts]
 
 
 LossFn = Callable[[Batch, dict[str, Any]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -180,7 +191,8 @@ LossFn = Callable[[Batch, dict[str, Any]], tuple[torch.Tensor, dict[str, torch.T
 
 def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss_fn: LossFn, *,
                 epochs: int, mini_batch_size: int, micro_batch_size: int, shuffle: bool, generator: torch.Generator,
-                grad_clip: float, prefix: str, dp_size: int, loss_scale_factor: int) -> dict[str, float]:
+                grad_clip: float, prefix: str, dp_size: int, loss_scale_factor: int,
+                max_token_len: int | None = None) -> dict[str, float]:
     """One optimizer step per mini batch (see mini_batches), gradients accumulated over its micro batches.
 
     `loss_fn(micro_batch, scale)` returns (loss, terms) and passes `scale` on to ppo_core's losses:
@@ -194,7 +206,8 @@ def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
     sums: dict[str, float] = {}
     num_steps = 0
     for micro_batches in mini_batches(batch, epochs=epochs, mini_batch_size=mini_batch_size,
-                                      micro_batch_size=micro_batch_size, shuffle=shuffle, generator=generator):
+                                      micro_batch_size=micro_batch_size, shuffle=shuffle, generator=generator,
+                                      max_token_len=max_token_len):
         num_tokens, num_seqs = core.global_num_tokens_and_seqs([mb["response_mask"] for mb in micro_batches])
         scale = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, dp_size=dp_size,
                      loss_scale_factor=loss_scale_factor)
@@ -215,14 +228,17 @@ def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
 
 def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, actor_cfg: Config, *,
                  temperature: float, mini_batch_size: int, micro_batch_size: int, dp_size: int,
-                 loss_scale_factor: int, generator: torch.Generator) -> dict[str, float]:
-    """Clipped policy loss, minus the entropy bonus, plus the KL loss to the reference model."""
+                 loss_scale_factor: int, generator: torch.Generator, max_token_len: int | None = None,
+                 use_remove_padding: bool = False) -> dict[str, float]:
+    """Clipped policy loss, minus the entropy bonus, plus the KL loss to the reference model.
+    max_token_len: token-budget micro batches (use_dynamic_bsz); use_remove_padding: packed forwards."""
     calc_entropy = actor_cfg.entropy_coeff != 0
     clip_low, clip_high = (actor_cfg.clip_ratio if c is None else c for c in (actor_cfg.clip_ratio_low,
                                                                               actor_cfg.clip_ratio_high))
 
     def loss_fn(mb: Batch, scale: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        log_prob, entropy = compute_log_probs(actor, mb, temperature, micro_batch_size, calc_entropy)  # (b, R)
+        log_prob, entropy = compute_log_probs(actor, mb, temperature, len(mb["responses"]), calc_entropy,
+                                              use_remove_padding=use_remove_padding)  # (b, R), one forward
         mask = mb["response_mask"]  # (b, R)
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = core.compute_policy_loss(
             mb["old_log_probs"], log_prob, mb["advantages"], mask, clip_low, clip_high, actor_cfg.clip_ratio_c,
@@ -242,16 +258,17 @@ def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
     return run_updates(actor, optimizer, batch, loss_fn, epochs=actor_cfg.ppo_epochs, mini_batch_size=mini_batch_size,
                        micro_batch_size=micro_batch_size, shuffle=actor_cfg.shuffle, generator=generator,
                        grad_clip=actor_cfg.grad_clip, prefix="actor", dp_size=dp_size,
-                       loss_scale_factor=loss_scale_factor)
+                       loss_scale_factor=loss_scale_factor, max_token_len=max_token_len)
 
 
 def update_critic(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, critic_cfg: Config, *,
                   epochs: int, shuffle: bool, loss_agg_mode: str, mini_batch_size: int, micro_batch_size: int,
-                  dp_size: int, loss_scale_factor: int, generator: torch.Generator) -> dict[str, float]:
-    """Clipped value loss against the returns."""
+                  dp_size: int, loss_scale_factor: int, generator: torch.Generator, max_token_len: int | None = None,
+                  use_remove_padding: bool = False) -> dict[str, float]:
+    """Clipped value loss against the returns; max_token_len and use_remove_padding as for update_actor."""
 
     def loss_fn(mb: Batch, scale: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        vpreds = compute_values(critic, mb, micro_batch_size)  # (b, R)
+        vpreds = compute_values(critic, mb, len(mb["responses"]), use_remove_padding=use_remove_padding)  # (b, R)
         vf_loss, vf_clipfrac = core.compute_value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
                                                        critic_cfg.cliprange_value, loss_agg_mode, **scale)
         return vf_loss, {"critic/vf_loss": vf_loss, "critic/vf_clipfrac": vf_clipfrac}
@@ -259,7 +276,7 @@ def update_critic(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
     return run_updates(critic, optimizer, batch, loss_fn, epochs=epochs, mini_batch_size=mini_batch_size,
                        micro_batch_size=micro_batch_size, shuffle=shuffle, generator=generator,
                        grad_clip=critic_cfg.grad_clip, prefix="critic", dp_size=dp_size,
-                       loss_scale_factor=loss_scale_factor)
+                       loss_scale_factor=loss_scale_factor, max_token_len=max_token_len)
 
 
 def batch_metrics(batch: Batch, max_prompt_length: int) -> dict[str, float]:
@@ -543,7 +560,8 @@ def main(argv: list[str] | None = None) -> None:
         actor.eval()
         with timed(metrics, "old_log_prob"), torch.no_grad():
             batch["old_log_probs"], entropy = compute_log_probs(
-                actor, batch, rollout_cfg.temperature, plan.log_prob_micro_batch_size_per_gpu, calc_entropy=True)
+                actor, batch, rollout_cfg.temperature, plan.log_prob_micro_batch_size_per_gpu, calc_entropy=True,
+                max_token_len=plan.log_prob_max_token_len_per_gpu, use_remove_padding=model_cfg.use_remove_padding)
         diff = ro.logprob_diff(batch["rollout_log_probs"], batch["old_log_probs"], batch["response_mask"])
         metrics["rollout/logprob_diff_mean"], metrics["rollout/logprob_diff_max"] = (
             diff["logprob_diff_mean"], diff["logprob_diff_max"])
@@ -552,12 +570,16 @@ def main(argv: list[str] | None = None) -> None:
             with timed(metrics, "ref"), torch.no_grad():
                 batch["ref_log_probs"], _ = compute_log_probs(
                     ref, batch, rollout_cfg.temperature,
-                    ref_cfg.log_prob_micro_batch_size_per_gpu or plan.log_prob_micro_batch_size_per_gpu)
+                    ref_cfg.log_prob_micro_batch_size_per_gpu or plan.log_prob_micro_batch_size_per_gpu,
+                    max_token_len=plan.ref_log_prob_max_token_len_per_gpu,
+                    use_remove_padding=model_cfg.use_remove_padding)
         if critic is not None:
             critic.eval()
             with timed(metrics, "values"), torch.no_grad():
                 batch["values"] = compute_values(
-                    critic, batch, critic_cfg.forward_micro_batch_size_per_gpu or plan.log_prob_micro_batch_size_per_gpu)
+                    critic, batch, critic_cfg.forward_micro_batch_size_per_gpu or plan.log_prob_micro_batch_size_per_gpu,
+                    max_token_len=plan.critic_forward_max_token_len_per_gpu,
+                    use_remove_padding=critic_cfg.model.use_remove_padding)
 
         # 5. advantages
         with timed(metrics, "adv"):
@@ -574,13 +596,16 @@ def main(argv: list[str] | None = None) -> None:
                     loss_agg_mode=critic_cfg.loss_agg_mode or actor_cfg.loss_agg_mode,
                     mini_batch_size=plan.critic_ppo_mini_batch_size_per_rank,
                     micro_batch_size=plan.critic_ppo_micro_batch_size_per_gpu, dp_size=world,
-                    loss_scale_factor=data_cfg.max_response_length, generator=generator))
+                    loss_scale_factor=data_cfg.max_response_length, generator=generator,
+                    max_token_len=plan.critic_ppo_max_token_len_per_gpu,
+                    use_remove_padding=critic_cfg.model.use_remove_padding))
             critic_sched.step()
         with timed(metrics, "update_actor"):
             actor_metrics = update_actor(
                 actor, actor_optim, batch, actor_cfg, temperature=rollout_cfg.temperature,
                 mini_batch_size=plan.ppo_mini_batch_size_per_rank, micro_batch_size=plan.ppo_micro_batch_size_per_gpu,
-                dp_size=world, loss_scale_factor=data_cfg.max_response_length, generator=generator)
+                dp_size=world, loss_scale_factor=data_cfg.max_response_length, generator=generator,
+                max_token_len=plan.ppo_max_token_len_per_gpu, use_remove_padding=model_cfg.use_remove_padding)
         enter("sync")  # optimizer_offload: Adam's state back to the host; ready for validation and the next sync
         metrics.update(actor_metrics)
         metrics["actor/lr"] = actor_sched.get_last_lr()[0]
@@ -593,6 +618,8 @@ def main(argv: list[str] | None = None) -> None:
         metrics.update(batch_metrics(batch, data_cfg.max_prompt_length))
         metrics["perf/throughput"] = batch["attention_mask"].sum().item() / metrics["timing_s/step"]
         metrics["perf/max_memory_gb"] = peak_memory_gb(device)
+        # of the actor's and reference model's forwards (the critic's follow critic.model.use_remove_padding)
+        metrics["perf/padding_fraction"] = padding_fraction(batch["attention_mask"], model_cfg.use_remove_padding)
         metrics.setdefault("actor/skipped_steps", 0)
         metrics = reduce_metrics(metrics, device)
         metrics.update(mean_over_ranks(by_key(reward_extras), "reward_extra/", device))  # a reward fn's extras

@@ -72,6 +72,13 @@ MUTATIONS = (
          'mine = prompt_indices'),
         ('train_sampling = dict(n=rollout_cfg.n,', 'train_sampling = dict(n=rollout_cfg.n // dims.rollout_dp,')),
         "tests/test_train_ppo.py::test_zero_gradient_steps_are_not_a_sync_failure"),
+    Mutation("packed forward lets attention cross sequences (one position run over the row)", "models.py", ((
+        '"position_ids": inputs["position_ids"][valid][None]}',
+        '"position_ids": torch.arange(int(valid.sum()), device=valid.device)[None]}'),),
+        "tests/test_models_packing.py -k packed-tiny-qwen2"),
+    Mutation("token-budget micro batches' results left in micro-batch order", "models.py", ((
+        'return out[torch.argsort(rows)]', 'return out'),),
+        "tests/test_models_packing.py -k packed_dynamic-tiny-llama-tied"),
     Mutation("prepare_data writes a row whose ground truth its reward rule cannot match", "prepare_data.py", ((
         "if (result[\"score\"] if isinstance(result, dict) else result) != 1.0:",
         "if result is None:"),),

@@ -33,6 +33,21 @@ def smoke_args(tiny_assets: dict, out: Path) -> list[str]:
     return ["--assets", str(tiny_assets["tiny-qwen2"].parent), "--out", str(out)]
 
 
+def test_bench_packing_smoke(tiny_assets, tmp_path):
+    out = tmp_path / "packing.json"
+    run_script("bench_packing.py", ["--models", "tiny", "--samples", "6", "--max-prompt-length", "16",
+                                    "--max-response-length", "32", "--micro-batch", "2", "--repeats", "1",
+                                    *smoke_args(tiny_assets, out)])
+    rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"padded", "packed", "packed_dynamic"}
+    for row in rows.values():
+        assert_positive(row, "log_prob_s", "log_prob_peak_gb", "update_s", "update_peak_gb", "tokens_processed")
+        assert row["max_abs_diff_vs_padded"] < 1e-4  # the variants compute the same log-probs
+    assert rows["padded"]["padding_fraction"] > 0 == rows["packed"]["padding_fraction"]
+    assert rows["packed"]["tokens_processed"] < rows["padded"]["tokens_processed"]
+    assert rows["packed_dynamic"]["micro_batches"] <= rows["packed"]["micro_batches"]
+
+
 @pytest.mark.slow
 def test_bench_rollout_smoke(tiny_assets, tmp_path):
     out = tmp_path / "rollout.json"

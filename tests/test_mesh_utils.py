@@ -111,7 +111,34 @@ PITFALLS = [
     (SEED_1, ["reward_model.enable=true"], ["reward_model.enable"]),
     (SEED_1, ["algorithm.adv_estimator=gae", "critic.ulysses_sequence_parallel_size=2"],
      ["critic.ulysses_sequence_parallel_size=2"]),
+    # token budgets (use_dynamic_bsz) must hold one whole sample: 512 + 1024 tokens in the seed config
+    (SEED_1, ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1000"],
+     ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1000", "= 1536 tokens", "at least 1536"]),
+    (SEED_1, ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=99"],
+     ["actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=99", "at least 1536"]),
+    (SEED_1, ["actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1535"],
+     ["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=1535", "at least 1536"]),
+    (SEED_1, ["algorithm.adv_estimator=gae", "critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=64"],
+     ["critic.ppo_max_token_len_per_gpu=64", "at least 1536"]),
 ]
+
+
+def test_token_budgets_follow_verl_defaults():
+    """Off by default; on, each forward's budget defaults to the actor's (the critic's own: 32768)."""
+    _, p = plan(SEED_1, "algorithm.adv_estimator=gae")
+    assert (p.ppo_max_token_len_per_gpu, p.log_prob_max_token_len_per_gpu, p.critic_forward_max_token_len_per_gpu) == (
+        None, None, None)
+    _, p = plan(SEED_1, "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=4096")
+    assert (p.ppo_max_token_len_per_gpu, p.log_prob_max_token_len_per_gpu, p.ref_log_prob_max_token_len_per_gpu,
+            p.critic_ppo_max_token_len_per_gpu, p.critic_forward_max_token_len_per_gpu) == (
+        16384, 16384, 4096, 32768, 32768)
+    _, p = plan(SEED_1, "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false")
+    assert (p.ppo_max_token_len_per_gpu, p.log_prob_max_token_len_per_gpu) == (16384, None)
+    _, p = plan(SEED_1, "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.use_kl_loss=false")
+    assert p.ref_log_prob_max_token_len_per_gpu is None  # no reference model, no budget to show
 
 
 @pytest.mark.parametrize("path, overrides, fragments", PITFALLS, ids=lambda x: None)

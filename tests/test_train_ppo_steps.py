@@ -4,8 +4,9 @@
                        sit on both TP ranks of the group, equal the estimator run on all samples in one
                        process; GAE whitening spans every rank's share
   update_actor         the gradient of a mini batch does not depend on how it is cut into micro batches
-                       (the loss is scaled by the mini batch's global token count); checked through the
-                       parameters after one SGD step, which Adam's scale invariance would hide
+                       (the loss is scaled by the mini batch's global token count), nor on whether they are
+                       cut by token budget (use_dynamic_bsz) or run packed (use_remove_padding); checked
+                       through the parameters after one SGD step, which Adam's scale invariance would hide
 """
 
 import pytest
@@ -88,11 +89,16 @@ def _update_worker(rank: int, init_file: str, model_path: str, mode: str, out: s
         lengths = torch.tensor([7, 1, 3, 7, 2, 6, 5, 1]) if rank == 0 else torch.tensor([1, 1, 2, 7, 7, 7, 4, 3])
         response_mask = (torch.arange(response_len)[None, :] < lengths[:, None]).long()  # ragged: counts matter
         attention[:, prompt_len:] = response_mask
+        if rank == 1:  # left-padded prompts: fewer tokens, so fewer token-budget micro batches alone
+            attention[:4, :3] = 0
         batch = {"input_ids": ids, "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
                  "responses": ids[:, prompt_len:], "response_mask": response_mask,
                  "advantages": torch.randn(samples, response_len, generator=g) * response_mask}
         params = {}
-        for micro in (8, 2, 3):
+        # (samples per micro batch, token budget per micro batch, packed)
+        cuts = {8: (8, None, False), 2: (2, None, False), 3: (3, None, False), "dynamic": (8, 25, False),
+                "packed_dynamic": (8, 25, True)}
+        for cut, (micro, max_token_len, packed) in cuts.items():
             actor = models.load_causal_lm(model_path, mesh, device=torch.device("cpu"), param_dtype=torch.float32,
                                           reduce_dtype=torch.float32)
             params["initial"] = {n: p.full_tensor() for n, p in actor.named_parameters()}
@@ -102,8 +108,9 @@ def _update_worker(rank: int, init_file: str, model_path: str, mode: str, out: s
                                             f"actor_rollout_ref.actor.loss_agg_mode={mode}"]).actor_rollout_ref.actor
             train_ppo.update_actor(actor, torch.optim.SGD(actor.parameters(), lr=1.0), batch, cfg, temperature=1.0,
                                    mini_batch_size=samples, micro_batch_size=micro, dp_size=WORLD,
-                                   loss_scale_factor=response_len, generator=torch.Generator().manual_seed(0))
-            params[micro] = {n: p.full_tensor() for n, p in actor.named_parameters()}
+                                   loss_scale_factor=response_len, generator=torch.Generator().manual_seed(0),
+                                   max_token_len=max_token_len, use_remove_padding=packed)
+            params[cut] = {n: p.full_tensor() for n, p in actor.named_parameters()}
         torch.save(params, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -116,7 +123,7 @@ def test_micro_batch_cut_does_not_change_the_update(mode, tiny_assets, tmp_path)
     params = torch.load(tmp_path / "upd.0")
     moved = max((params[8][n] - params["initial"][n]).abs().max().item() for n in params[8])
     assert moved > 1e-4, "the update did not move the weights: the test would pass vacuously"
-    for micro in (2, 3):
+    for micro in (2, 3, "dynamic", "packed_dynamic"):
         for name, whole in params[8].items():
             torch.testing.assert_close(params[micro][name], whole, rtol=1e-5, atol=1e-6,
                                        msg=lambda m, n=name, k=micro: f"{mode}, micro {k}, {n}: {m}")

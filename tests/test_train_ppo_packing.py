@@ -1,0 +1,48 @@
+"""train_ppo.py end to end with packed forwards and token-budget micro batches, against the padded
+run: GAE with a reference model and a critic, so every training forward (old and reference
+log-probs, values, the critic's and the actor's updates) runs packed and cut by tokens. Real torchrun
+/ gloo ranks and the real vLLM CPU engine, 3 steps each, compared through their metrics files."""
+
+import pytest
+from test_train_ppo import assert_common, step_rows, tiny, train
+
+# what is expected to differ: wall-clock times, throughput, memory, and the padding itself
+NOT_COMPARED = ("timing_s/", "perf/")
+# logged as the mean of the micro batches' values (train_ppo.run_updates), so they move with the cut
+MICRO_BATCH_MEANS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "critic/vf_clipfrac")
+
+
+def _run(tiny_assets, sft_model, out, *extra: str) -> list[dict]:
+    train(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model), "algorithm.adv_estimator=gae",
+              "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",
+              "trainer.total_training_steps=3", "trainer.val_before_train=false", "trainer.test_freq=0", *extra])
+    return step_rows(out)
+
+
+def test_packed_dynamic_run_equals_padded_run(tiny_assets, sft_model, tmp_path):
+    padded = _run(tiny_assets, sft_model, tmp_path / "padded", "actor_rollout_ref.model.use_remove_padding=false",
+                  "critic.model.use_remove_padding=false")
+    # budgets of a few samples each (one sample is at most 16 + 12 tokens), so every forward runs
+    # several token-budget micro batches of different sizes
+    packed = _run(tiny_assets, sft_model, tmp_path / "packed", "actor_rollout_ref.model.use_remove_padding=true",
+                  "critic.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=200",
+                  "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=300",
+                  "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=120", "critic.ppo_max_token_len_per_gpu=250",
+                  "critic.forward_max_token_len_per_gpu=400")
+    assert_same_run(padded, packed)
+
+
+def assert_same_run(padded: list[dict], packed: list[dict]) -> None:
+    assert [r["step"] for r in packed] == [r["step"] for r in padded] == [1, 2, 3]
+    for rows in (padded, packed):
+        assert_common(rows, prompts=32, samples=256)  # includes rollout/logprob_diff_max < 1e-3
+    for want, got in zip(padded, packed, strict=True):
+        assert want["perf/padding_fraction"] > 0.2 and got["perf/padding_fraction"] == 0.0
+        keys = [k for k in want if not k.startswith(NOT_COMPARED)]
+        assert set(keys) <= set(got), sorted(set(keys) - set(got))
+        for key in keys:
+            # means over micro batches depend on the cut (a mean of means), by design; all else
+            # (losses, gradient norms, values, advantages, the weights' effect on the next step) must not
+            tolerance = dict(abs=1e-3) if key in MICRO_BATCH_MEANS else dict(rel=1e-4, abs=1e-5)
+            assert got[key] == pytest.approx(want[key], **tolerance), (want["step"], key, want[key], got[key])
