@@ -14,10 +14,11 @@ transformers' attention registry, so no model file is edited:
     log_probs, _ = sequence_parallel_log_probs(model, batch, temperature=1.0, sp_group=sp_group)  # (B, T)
     values = sequence_parallel_values(critic, batch, sp_group=sp_group)                             # (B, T)
 
-Both return the full (B, T) result on every rank of the group. Gradients: each rank's parameters get
-the part of the gradient that flows through its own slice, so the sum over the sp group is the
-gradient of the unsplit model (an FSDP mesh that includes the sp ranks averages, so scale the loss by
-sp there, as verl does).
+Both return the full (B, T) result on every rank of the group. Gradients: when every rank of the
+group computes the same loss L from that result (the same samples, the same code), each rank's
+parameters get sp x its slice's part of dL/dparams, so the *mean* over the sp group is the unsplit
+model's gradient. That is what FSDP's average over a mesh holding the sp ranks computes, so the loss
+normalisation needs no sp factor (verl's gather scales the gradient by sp for the same reason).
 
 A model loaded with this attention and run without sp_group behaves exactly as "sdpa".
 """
@@ -70,18 +71,21 @@ class _AllToAll(torch.autograd.Function):
 
 
 class _GatherSequence(torch.autograd.Function):
-    """All-gather along dim 1. Every rank goes on to compute the same loss from the gathered tensor,
-    so each rank's gradient for its own slice is its slice of the incoming gradient, unscaled."""
+    """All-gather along dim 1. Backward sums the gradient over the group before taking this rank's
+    slice: each rank's loss may read every rank's slice (the sp ranks of a step compute the same loss
+    from the gathered tensor), so a slice's gradient is the sum of what every rank's loss sends it."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        sp, ctx.rank, ctx.length = dist.get_world_size(group), dist.get_rank(group), x.shape[1]
+        sp, ctx.rank, ctx.length, ctx.group = dist.get_world_size(group), dist.get_rank(group), x.shape[1], group
         pieces = [torch.empty_like(x) for _ in range(sp)]
         dist.all_gather(pieces, x.contiguous(), group=group)
         return torch.cat(pieces, dim=1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()  # per-token scalars (B, T): small next to the activations
+        dist.all_reduce(grad, group=ctx.group)
         start = ctx.rank * ctx.length
         return grad[:, start:start + ctx.length].contiguous(), None
 

@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism on 4 real gloo ranks, against the plain model (sp=1, "sdpa", same
 checkpoint) on the same rows in the same process: log-probs, entropies and critic values, and the
-gradients of a weighted sum of them (summed over the sp group), for sp=2 (2 dp groups with different
+gradients of a weighted sum of them (averaged over the sp group, as FSDP averages), for sp=2 (2 dp groups with different
 rows) and sp=4 (tiny-qwen2 has 2 KV heads, so they are replicated), on the GQA Qwen2 and the tied
 Llama, for a left/right-padded batch whose length no sp divides, an unpadded one (plain causal mask)
 and a packed row of three sequences."""
@@ -58,12 +58,14 @@ def _max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _grad_diffs(model: torch.nn.Module, reference: torch.nn.Module, group: dist.ProcessGroup) -> dict[str, float]:
-    """Per parameter: max |sum over the sp group of the grads - reference grad| / max |reference grad|."""
+    """Per parameter: max |mean over the sp group of the grads - reference grad| / max |reference grad|
+    (the mean is what FSDP's gradient average over ranks that include the sp group computes)."""
     diffs = {}
     for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert ref.grad is not None and ref.grad.abs().max() > 0, f"{name}: the loss does not reach it"
         grad = param.grad.clone()
-        dist.all_reduce(grad, group=group)  # each rank holds the part that flowed through its slice
+        dist.all_reduce(grad, group=group)
+        grad /= dist.get_world_size(group)
         diffs[name] = ((grad - ref.grad).abs().max() / ref.grad.abs().max()).item()
     return diffs
 
@@ -126,6 +128,18 @@ def _check_one(name: str, paths: dict[str, str], critic_paths: dict[str, str], g
                                  position_ids=batch["position_ids"], use_cache=False).logits[..., 0]
         (want_values[:, -6:-1] * weights).sum().backward()
         result[f"{case}/critic_grad"] = _grad_diffs(critic, critic_ref, group)
+
+    # Ranks of a group whose losses differ (each keeps its own rows, say): the mean gradient over the
+    # group is the gradient of the mean loss, here (1 + sp_rank) times the weighted sum.
+    batch = batches["padded_13"]
+    actor.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    log_probs, _ = ulysses.sequence_parallel_log_probs(actor, batch, TEMPERATURE, group)
+    ((1 + dist.get_rank(group)) * (log_probs[:, -6:-1] * weights).sum()).backward()
+    want_lp, _ = _plain_token_log_probs(reference, batch)
+    mean_factor = (dist.get_world_size(group) + 1) / 2
+    (mean_factor * (want_lp[:, -6:-1] * weights).sum()).backward()
+    result["padded_13/actor_grad_rank_dependent_loss"] = _grad_diffs(actor, reference, group)
     return result
 
 
@@ -183,10 +197,11 @@ def test_log_probs_entropy_values_equal_unsplit_model(ranks, sp, name):
 
 @pytest.mark.parametrize("sp", SP_SIZES)
 @pytest.mark.parametrize("name", MODELS)
-def test_gradients_summed_over_sp_group_equal_unsplit_model(ranks, sp, name):
+def test_gradients_averaged_over_sp_group_equal_unsplit_model(ranks, sp, name):
     for rank, results in enumerate(ranks):
         r = results[(sp, name)]
-        for key in ("padded_13/actor_grad", "padded_13/critic_grad", "packed_15/actor_grad", "packed_15/critic_grad"):
+        for key in ("padded_13/actor_grad", "padded_13/critic_grad", "packed_15/actor_grad", "packed_15/critic_grad",
+                    "padded_13/actor_grad_rank_dependent_loss"):
             worst = max(r[key].items(), key=lambda item: item[1])
             assert worst[1] < GRAD_RTOL, (rank, key, worst)
 
