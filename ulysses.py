@@ -106,6 +106,18 @@ def gather_sequence(x: torch.Tensor, group: ProcessGroup, length: int) -> torch.
     return _GatherSequence.apply(x, group)[:, :length]
 
 
+def gather_rows(batch: dict[str, torch.Tensor], group: ProcessGroup) -> dict[str, torch.Tensor]:
+    """Every rank's rows, concatenated in group-rank order, on every rank of the group: how the ranks of
+    an sp group, each handed its own samples, come to hold the same ones. Every rank must hold the
+    same number of rows."""
+    gathered = {}
+    for key, tensor in batch.items():
+        pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, tensor.contiguous(), group=group)
+        gathered[key] = torch.cat(pieces)
+    return gathered
+
+
 # ---------------------------------------------------------------------------------------------
 # The attention function
 

@@ -156,6 +156,13 @@ def _worker(rank: int, paths: dict[str, str], critic_paths: dict[str, str], init
             for name in MODELS:
                 # rows differ between dp groups (and agree inside one), as the batch split makes them
                 results[(sp, name)] = _check_one(name, paths, critic_paths, mesh.get_group("sp"), seed=10 * dp_rank)
+            # each rank's own rows -> the sp group's rows, in sp-rank order, on every rank of the group
+            own = {"ids": torch.full((2, 3), rank), "mask": torch.full((2,), rank % 2, dtype=torch.bool)}
+            gathered = ulysses.gather_rows(own, mesh.get_group("sp"))
+            first = dp_rank * sp
+            results[(sp, "gather_rows")] = (
+                torch.equal(gathered["ids"], torch.arange(first, first + sp).repeat_interleave(2)[:, None].expand(-1, 3))
+                and torch.equal(gathered["mask"], (torch.arange(first, first + sp) % 2).bool().repeat_interleave(2)))
         torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -213,3 +220,8 @@ def test_head_counts_sp_cannot_split_are_refused():
         ulysses.check_heads(4, 2, 8)
     with pytest.raises(ValueError, match="num_key_value_heads=3"):
         ulysses.check_heads(6, 3, 2)
+
+
+@pytest.mark.parametrize("sp", SP_SIZES)
+def test_gather_rows_gives_the_sp_group_its_rows(ranks, sp):
+    assert all(results[(sp, "gather_rows")] for results in ranks)
