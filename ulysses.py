@@ -128,7 +128,7 @@ def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> None:
     if num_heads % sp != 0 or (num_kv_heads % sp != 0 and sp % num_kv_heads != 0):
         raise ValueError(
             f"ulysses_sequence_parallel_size={sp} must divide the model's num_attention_heads={num_heads}, "
-            f"and num_key_value_heads={num_kv_heads} must divide it or be divisible by it (each sp rank "
+            f"and num_key_value_heads={num_kv_heads} must be a multiple or a divisor of sp (each sp rank "
             f"computes attention for num_attention_heads / sp heads). Set "
             f"actor_rollout_ref.actor.ulysses_sequence_parallel_size (and critic.ulysses_sequence_parallel_size) "
             f"to a divisor of {num_heads}."
