@@ -33,6 +33,7 @@ def smoke_args(tiny_assets: dict, out: Path) -> list[str]:
     return ["--assets", str(tiny_assets["tiny-qwen2"].parent), "--out", str(out)]
 
 
+@pytest.mark.slow
 def test_bench_packing_smoke(tiny_assets, tmp_path):
     out = tmp_path / "packing.json"
     run_script("bench_packing.py", ["--models", "tiny", "--samples", "6", "--max-prompt-length", "16",

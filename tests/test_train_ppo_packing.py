@@ -19,6 +19,7 @@ def _run(tiny_assets, sft_model, out, *extra: str) -> list[dict]:
     return step_rows(out)
 
 
+@pytest.mark.slow
 def test_packed_dynamic_run_equals_padded_run(tiny_assets, sft_model, tmp_path):
     padded = _run(tiny_assets, sft_model, tmp_path / "padded", "actor_rollout_ref.model.use_remove_padding=false",
                   "critic.model.use_remove_padding=false")
