@@ -1,11 +1,14 @@
 import os
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +31,19 @@ def sft_model(tiny_assets, tmp_path_factory) -> Path:
     run([sys.executable, "sft_warmup.py", "--model", str(tiny_assets["tiny-qwen2"]), "--data", str(tiny_assets["train"]),
          "--out", str(out), "--steps", "75"], timeout=600)
     return out
+
+
+@contextmanager
+def one_rank_process_group() -> Iterator[None]:
+    """A real gloo process group of one rank in this process (FSDP2 needs one), torn down after."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # a free port, never a hard-coded one
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def run_gloo(worker: Callable[..., None], world: int, *args: object, timeout_s: float = 120) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, run, run_gloo
+from conftest import ROOT, one_rank_process_group, run, run_gloo
 
 import memory_plan as mp
 
@@ -224,17 +224,11 @@ def test_apply_moves_walks_a_step_on_the_cpu():
     """The trainer's executor on a real FSDP2 model and AdamW: every move of a step with every flag
     on is a no-op on the CPU (the same plan, nothing to move), values stay bit-exact, and an item it
     cannot move is an error."""
-    import socket
-
     from torch.distributed.fsdp import fully_shard
 
     import models
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with one_rank_process_group():
         model = fully_shard(torch.nn.Linear(4, 3))
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
         model(torch.ones(2, 4)).sum().backward()
@@ -253,5 +247,3 @@ def test_apply_moves_walks_a_step_on_the_cpu():
         assert all(v.device.type == "cpu" for s in optimizer.state.values() for v in s.values())
         with pytest.raises(ValueError, match="actor.grads"):
             models.apply_moves([("actor.grads", "host")], {"actor": model}, {}, torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()

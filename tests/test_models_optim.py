@@ -1,11 +1,10 @@
 """Small training helpers of train_ppo.py, without an engine."""
 
 import math
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
+from conftest import one_rank_process_group
 
 
 def test_optimizer_step_skips_non_finite_gradients():
@@ -14,11 +13,7 @@ def test_optimizer_step_skips_non_finite_gradients():
 
     import models
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with one_rank_process_group():
         model = fully_shard(torch.nn.Linear(4, 2))
         opt = torch.optim.AdamW(model.parameters(), lr=0.1)
         before = [p.detach().full_tensor().clone() for p in model.parameters()]
@@ -30,8 +25,6 @@ def test_optimizer_step_skips_non_finite_gradients():
         model(torch.ones(1, 4)).sum().backward()
         assert models.optimizer_step(model, opt, 1.0, "actor", metrics) is True
         assert not all(torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, model.parameters(), strict=True))
-    finally:
-        dist.destroy_process_group()
 
 
 def verl_factor(step: int, warmup: int, total: int, kind: str, floor: float) -> float:
