@@ -173,6 +173,16 @@ SCHEMA: dict[str, Any] = {
         "norm_adv_by_std_in_grpo": (bool, True),
         "use_kl_in_reward": (bool, False),
         "kl_penalty": (str, "kl"),
+        # rollout correction (rollout_correction.py): the engine's log-probs against the actor's
+        "rollout_correction": {
+            "rollout_is": (_STR_OR_NONE, None),  # null | token | sequence: truncated IS weights on the policy loss
+            "rollout_is_threshold": ((float, str), 2.0),  # upper bound (TIS), or "lower_upper" (zero outside)
+            "rollout_is_batch_normalize": (bool, False),  # weights divided by their mean over the step
+            "rollout_rs": (_STR_OR_NONE, None),  # rejection: comma list of ROLLOUT_RS_OPTIONS
+            "rollout_rs_threshold": ((float, str, _NONE), None),  # one per option, or one for all
+            "bypass_mode": (bool, False),  # the engine's log-probs are the old log-probs: no old-log-prob forward
+            "loss_type": (str, "ppo_clip"),  # bypass mode's policy loss: ppo_clip | reinforce
+        },
         "kl_ctrl": {
             "type": (str, "fixed"),  # fixed | adaptive
             "kl_coef": (float, 0.001),
@@ -212,6 +222,13 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 # "+": straight-through, the value of k1 / k3 with the gradient of k2 (for the KL loss)
 KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "kl+", "low_var_kl+")
 
+# algorithm.rollout_correction (verl's rollout_corr_helper): "token_k1" rejects tokens whose ratio
+# pi_actor / pi_engine leaves [lower, upper]; k2 / k3 reject when that divergence estimate exceeds
+# an upper bound; seq_sum / seq_mean / seq_max aggregate it over each sequence and reject the sequence.
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+                      "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+
 # Keys whose value must be one of a few names; checked at load time, before any model loads.
 CHOICES: dict[str, tuple[str, ...]] = {
     "actor_rollout_ref.actor.strategy": ("fsdp2",),
@@ -222,6 +239,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.kl_penalty": KL_ESTIMATORS,
     "algorithm.adv_estimator": ADV_ESTIMATORS,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "algorithm.rollout_correction.rollout_is": ROLLOUT_IS_LEVELS,
+    "algorithm.rollout_correction.loss_type": ("ppo_clip", "reinforce"),
     "data.truncation": ("error", "left", "right"),
     "actor_rollout_ref.actor.optim.lr_scheduler_type": ("constant", "cosine"),
     "actor_rollout_ref.actor.optim.warmup_style": ("constant", "cosine"),
@@ -304,7 +323,8 @@ def _check_value(key: str, value: Any) -> Any:
     types = types if isinstance(types, tuple) else (types,)
     if float in types and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if float in types and isinstance(value, str):
+    # ("0.5_2" stays text: Python's float() reads it as 0.52, but it is a "lower_upper" threshold)
+    if float in types and isinstance(value, str) and "_" not in value:
         # PyYAML follows YAML 1.1, which reads `3e-6` (no dot) as a string; users mean a float.
         try:
             return float(value)
@@ -358,6 +378,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: the value is not valid YAML ({e}).") from None
+    if isinstance(value, int | float) and not isinstance(value, bool) and "_" in raw:
+        value = raw.strip()  # YAML 1.1 reads 0.5_2 as 0.52; it is a "lower_upper" threshold
     return key, value
 
 
@@ -436,9 +458,93 @@ def check_supported(cfg: Config) -> None:
             f"actor_rollout_ref.rollout.temperature={actor_rollout_ref.rollout.temperature}: training samples must come from "
             f"the policy, and the log-probs divide the logits by it; use a value > 0 (1.0 samples the policy "
             f"as it is). Greedy decoding is for validation: rollout.val_kwargs.do_sample=false.")
+    check_rollout_correction(cfg)
     unknown = [name for name in cfg.trainer.logger if name not in LOGGERS]
     if unknown:
         raise ConfigError(f"trainer.logger has unknown entries {unknown}; valid: {', '.join(LOGGERS)}.")
+
+
+# --- algorithm.rollout_correction: threshold specs (verl's formats), checked before any model loads ---
+
+_RC = "algorithm.rollout_correction"
+
+
+def parse_is_threshold(spec: float | str) -> tuple[float, float | None]:
+    """rollout_is_threshold -> (upper, lower): a number is TIS's upper bound (weights clamped to it,
+    lower None); "lower_upper" is IcePop (weights outside [lower, upper] set to 0)."""
+    text = str(spec).strip()
+    try:
+        lower, upper = (float(text.split("_", 1)[0]), float(text.split("_", 1)[1])) if "_" in text else (None,
+                                                                                                           float(text))
+    except ValueError:
+        raise ConfigError(f"{_RC}.rollout_is_threshold={spec!r} is not a number or 'lower_upper' "
+                          f"(e.g. 2.0, or '0.5_5.0').") from None
+    if upper <= 0 or (lower is not None and not 0 < lower <= upper):
+        raise ConfigError(f"{_RC}.rollout_is_threshold={spec!r}: bounds must be positive with lower <= upper "
+                          f"(e.g. 2.0, or '0.5_5.0').")
+    return upper, lower
+
+
+def parse_rs_thresholds(options: str, spec: float | str | None) -> dict[str, tuple[float | None, float]]:
+    """rollout_rs (a comma list, duplicates dropped) and rollout_rs_threshold (one per option, or one
+    shared) -> {option: (lower, upper)}. k1 options bound the ratio: "lower_upper", or one number as the
+    upper bound with lower = 1/upper; k2 / k3 options take an upper bound only (lower None)."""
+    names = list(dict.fromkeys(o.strip() for o in options.split(",") if o.strip()))
+    unknown = [o for o in names if o not in ROLLOUT_RS_OPTIONS]
+    if not names or unknown:
+        raise ConfigError(f"{_RC}.rollout_rs={options!r}: unknown option(s) {unknown}; valid: "
+                          f"{', '.join(ROLLOUT_RS_OPTIONS)} (comma-separated to combine).")
+    if spec is None:
+        raise ConfigError(f"{_RC}.rollout_rs={options!r} needs {_RC}.rollout_rs_threshold (e.g. '0.5_2.0' for "
+                          f"*_k1, 0.01 for *_k2 / *_k3).")
+    specs = [part.strip() for part in str(spec).split(",") if part.strip()]
+    if len(specs) == 1:
+        specs = specs * len(names)
+    if len(specs) != len(names):
+        raise ConfigError(f"{_RC}.rollout_rs_threshold={spec!r} gives {len(specs)} thresholds for {len(names)} "
+                          f"rollout_rs options {names}: give one for all, or one per option.")
+    out: dict[str, tuple[float | None, float]] = {}
+    for name, text in zip(names, specs, strict=True):
+        if not name.endswith("k1") and "_" in text:
+            raise ConfigError(f"{_RC}.rollout_rs_threshold {text!r} for {name}: k2 / k3 options take one "
+                              f"upper bound, not 'lower_upper'.")
+        try:
+            if name.endswith("k1"):
+                lower_text, upper_text = text.split("_", 1) if "_" in text else (None, text)
+                upper = float(upper_text)
+                lower = 1.0 / upper if lower_text is None else float(lower_text)
+            else:
+                lower, upper = None, float(text)
+        except ValueError:
+            raise ConfigError(f"{_RC}.rollout_rs_threshold {text!r} for {name} is not a number"
+                              f"{' or lower_upper' if name.endswith('k1') else ''}.") from None
+        if upper <= 0 or (lower is not None and not 0 < lower <= upper):
+            raise ConfigError(f"{_RC}.rollout_rs_threshold {text!r} for {name}: bounds must be positive with "
+                              f"lower <= upper.")
+        out[name] = (lower, upper)
+    return out
+
+
+def sampling_truncates(rollout: Config) -> bool:
+    """Whether the engine samples from a truncated distribution (top_k > 0 or top_p < 1)."""
+    return rollout.top_k > 0 or rollout.top_p < 1.0
+
+
+def check_rollout_correction(cfg: Config) -> None:
+    """algorithm.rollout_correction's values, before any model loads."""
+    rc = cfg.algorithm.rollout_correction
+    if rc.rollout_is is not None:
+        parse_is_threshold(rc.rollout_is_threshold)
+    if rc.rollout_rs is not None:
+        parse_rs_thresholds(rc.rollout_rs, rc.rollout_rs_threshold)
+    if rc.bypass_mode and sampling_truncates(cfg.actor_rollout_ref.rollout):
+        rollout = cfg.actor_rollout_ref.rollout
+        raise ConfigError(
+            f"{_RC}.bypass_mode=true with actor_rollout_ref.rollout.top_k={rollout.top_k} / top_p={rollout.top_p}: "
+            f"bypass mode uses the engine's log-probs as the old log-probs of the PPO ratio, and those are of the "
+            f"truncated distribution it sampled from, while the actor's are over the whole vocabulary, so the "
+            f"ratio would be off by the kept probability mass on every token. Set {_RC}.bypass_mode=false (the "
+            f"correction then compares like with like), or top_k=-1 and top_p=1.0.")
 
 
 def non_defaults(cfg: dict[str, Any]) -> dict[str, Any]:

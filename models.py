@@ -35,6 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 import ppo_core as core
 from config import ConfigError
 from mesh_utils import all_gather_single
+from rollout_correction import truncated_log_probs
 
 logger = logging.getLogger(__name__)
 
@@ -400,9 +401,12 @@ def compute_log_probs(
     *,
     max_token_len: int | None = None,
     use_remove_padding: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    truncation: tuple[int, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Log-probs (B, R) of the response tokens under logits / temperature, and their entropies if
-    asked. Grad flows if the caller has it enabled.
+    asked. Grad flows if the caller has it enabled. With truncation=(top_k, top_p), a third (B, R)
+    tensor: the log-probs under the engine's sampling distribution, the top-k / top-p cut of the same
+    logits (rollout_correction.truncated_log_probs), from the same forward.
 
     batch holds "input_ids", "attention_mask", "position_ids" (each (B, P+R): prompts, then responses)
     and "responses" (B, R), which gives R. Micro batches are runs of micro_batch_size rows, or cut by
@@ -414,7 +418,7 @@ def compute_log_probs(
     forward holds the (tokens, vocab) logits in float32 at once.
     """
     response_len = _response_len(batch)
-    log_probs, entropies, row_groups = [], [], []
+    log_probs, entropies, truncated, row_groups = [], [], [], []
     for rows, inputs in _micro_batches(batch, micro_batch_size, max_token_len):
         if use_remove_padding:
             model_inputs, predictors, response_valid = _pack(inputs, response_len)
@@ -424,6 +428,8 @@ def compute_log_probs(
             log_probs.append(_unpack(core.logprobs_from_logits(logits, labels), response_valid))  # (b, R)
             if calc_entropy:
                 entropies.append(_unpack(core.entropy_from_logits(logits), response_valid))  # (b, R)
+            if truncation is not None:
+                truncated.append(_unpack(truncated_log_probs(logits, labels, *truncation), response_valid))  # (b, R)
         else:
             out = model(**inputs, use_cache=False, logits_to_keep=response_len + 1)
             # In place and in the model's dtype (bf16 on GPU), as verl does: a copy, let alone a float32
@@ -436,8 +442,12 @@ def compute_log_probs(
             log_probs.append(core.logprobs_from_logits(logits, labels)[:, :-1])  # (b, R)
             if calc_entropy:
                 entropies.append(core.entropy_from_logits(logits)[:, :-1])  # (b, R)
+            if truncation is not None:
+                truncated.append(truncated_log_probs(logits, labels, *truncation)[:, :-1])  # (b, R)
         row_groups.append(rows)
     entropy = _in_batch_order(entropies, row_groups) if calc_entropy else None
+    if truncation is not None:
+        return _in_batch_order(log_probs, row_groups), entropy, _in_batch_order(truncated, row_groups)
     return _in_batch_order(log_probs, row_groups), entropy
 
 

@@ -309,11 +309,13 @@ def compute_policy_loss(
     global_num_seqs: int | Tensor | None = None,
     dp_size: int = 1,
     loss_scale_factor: float | None = None,
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Clipped PPO surrogate with dual-clip (Ye et al. 2020). All inputs (B, T).
 
     Returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower); the last three are local metrics.
-    The keyword-only arguments go to agg_loss (see the module docstring).
+    rollout_is_weights (rollout_correction.py) multiply the per-token losses before aggregation; the
+    other keyword-only arguments go to agg_loss (see the module docstring).
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1.0 for dual-clip, got {clip_ratio_c}")
@@ -329,6 +331,8 @@ def compute_policy_loss(
     negative = advantages < 0  # (B, T)
     pg_losses = torch.where(negative, torch.minimum(loss_ppo, loss_cap), loss_ppo)  # (B, T)
     pg_clipfrac_lower = masked_mean(((loss_ppo > loss_cap) & negative).to(ratio.dtype), response_mask)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights  # (B, T) detached truncated IS weights
     pg_loss = agg_loss(
         pg_losses, response_mask, loss_agg_mode, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor
     )

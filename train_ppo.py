@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import ppo_core as core
+import rollout_correction as rc
 from checkpoint import find_resume_path, load_checkpoint, save_checkpoint, step_seed
 from config import (
     CRITIC_ESTIMATORS,
@@ -51,6 +52,7 @@ from config import (
     ConfigError,
     load_config,
     non_defaults,
+    sampling_truncates,
     to_yaml,
     unread_keys,
 )
@@ -229,9 +231,11 @@ def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
 def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, actor_cfg: Config, *,
                  temperature: float, mini_batch_size: int, micro_batch_size: int, dp_size: int,
                  loss_scale_factor: int, generator: torch.Generator, max_token_len: int | None = None,
-                 use_remove_padding: bool = False) -> dict[str, float]:
+                 use_remove_padding: bool = False, bypass: Config | None = None) -> dict[str, float]:
     """Clipped policy loss, minus the entropy bonus, plus the KL loss to the reference model.
-    max_token_len: token-budget micro batches (use_dynamic_bsz); use_remove_padding: packed forwards."""
+    max_token_len: token-budget micro batches (use_dynamic_bsz); use_remove_padding: packed forwards.
+    The batch's rollout_is_weights (decoupled rollout correction) weigh the policy loss; with bypass
+    (algorithm.rollout_correction in bypass mode) the correction runs here, pi_theta against the engine."""
     calc_entropy = actor_cfg.entropy_coeff != 0
     clip_low, clip_high = (actor_cfg.clip_ratio if c is None else c for c in (actor_cfg.clip_ratio_low,
                                                                               actor_cfg.clip_ratio_high))
@@ -240,12 +244,21 @@ def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
         log_prob, entropy = compute_log_probs(actor, mb, temperature, len(mb["responses"]), calc_entropy,
                                               use_remove_padding=use_remove_padding)  # (b, R), one forward
         mask = mb["response_mask"]  # (b, R)
-        pg_loss, clipfrac, ppo_kl, clipfrac_lower = core.compute_policy_loss(
-            mb["old_log_probs"], log_prob, mb["advantages"], mask, clip_low, clip_high, actor_cfg.clip_ratio_c,
-            actor_cfg.loss_agg_mode, **scale)
+        pg_mask, is_weights, terms = mask, mb.get("rollout_is_weights"), {}  # (b, R) each
+        if bypass is not None:  # old_log_probs are the engine's: weights and rejection of pi_theta against them
+            is_weights, pg_mask, terms = rc.correct_micro_batch(log_prob, mb["old_log_probs"], mask, bypass)
+        if bypass is not None and bypass.loss_type == "reinforce":  # no clipping: the weights do the correcting
+            pg_loss, ppo_kl = rc.reinforce_policy_loss(mb["old_log_probs"], log_prob, mb["advantages"], pg_mask,
+                                                       is_weights, actor_cfg.loss_agg_mode, **scale)
+            terms.update({"actor/pg_loss": pg_loss, "actor/ppo_kl": ppo_kl})
+        else:  # in bypass mode the ratio already is pi_theta / pi_engine: no weights on top (verl's ppo_clip)
+            pg_loss, clipfrac, ppo_kl, clipfrac_lower = core.compute_policy_loss(
+                mb["old_log_probs"], log_prob, mb["advantages"], pg_mask, clip_low, clip_high,
+                actor_cfg.clip_ratio_c, actor_cfg.loss_agg_mode, **scale,
+                rollout_is_weights=None if bypass is not None else is_weights)
+            terms.update({"actor/pg_loss": pg_loss, "actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl,
+                          "actor/pg_clipfrac_lower": clipfrac_lower})
         loss = pg_loss
-        terms = {"actor/pg_loss": pg_loss, "actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl,
-                 "actor/pg_clipfrac_lower": clipfrac_lower}
         if calc_entropy:
             terms["actor/entropy_loss"] = core.agg_loss(entropy, mask, actor_cfg.loss_agg_mode, **scale)
             loss = loss - actor_cfg.entropy_coeff * terms["actor/entropy_loss"]
@@ -282,8 +295,8 @@ def update_critic(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
 def batch_metrics(batch: Batch, max_prompt_length: int) -> dict[str, float]:
     """verl's per-step statistics of this rank's samples (reduce_metrics then combines the ranks).
     Collective when the batch has values (the explained variance spans every rank's share)."""
-    mask = batch["response_mask"].bool()  # (B, R)
-    lengths = batch["response_mask"].sum(-1)  # (B,)
+    mask = batch["response_mask"].bool()  # (B, R) less the tokens rollout correction rejected
+    lengths = batch["attention_mask"][:, max_prompt_length:].sum(-1)  # (B,) as generated
     prompt_lengths = batch["attention_mask"][:, :max_prompt_length].sum(-1)  # (B,)
     metrics = {**stats("critic/score", batch["token_level_scores"].sum(-1)),
                **stats("critic/rewards", (batch["token_level_rewards"] * mask).sum(-1)),
@@ -370,6 +383,8 @@ def main(argv: list[str] | None = None) -> None:
     data_cfg, algo_cfg, trainer_cfg = cfg.data, cfg.algorithm, cfg.trainer
     model_cfg, actor_cfg = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor
     rollout_cfg, ref_cfg, critic_cfg = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref, cfg.critic
+    rc_cfg = algo_cfg.rollout_correction
+    truncated_sampling = sampling_truncates(rollout_cfg)  # the engine samples from a top-k / top-p cut
     if cfg.actor_rollout_ref.nccl_timeout <= 0:
         raise ConfigError(f"actor_rollout_ref.nccl_timeout={cfg.actor_rollout_ref.nccl_timeout} must be a "
                           "positive number of seconds (how long a collective may wait), e.g. 1800.")
@@ -558,14 +573,21 @@ def main(argv: list[str] | None = None) -> None:
 
         # 4. old log-probs (and the sync check), reference log-probs, values: no-grad forwards
         actor.eval()
-        with timed(metrics, "old_log_prob"), torch.no_grad():
-            batch["old_log_probs"], entropy = compute_log_probs(
-                actor, batch, rollout_cfg.temperature, plan.log_prob_micro_batch_size_per_gpu, calc_entropy=True,
-                max_token_len=plan.log_prob_max_token_len_per_gpu, use_remove_padding=model_cfg.use_remove_padding)
-        diff = ro.logprob_diff(batch["rollout_log_probs"], batch["old_log_probs"], batch["response_mask"])
-        metrics["rollout/logprob_diff_mean"], metrics["rollout/logprob_diff_max"] = (
-            diff["logprob_diff_mean"], diff["logprob_diff_max"])
-        metrics["actor/entropy"] = core.agg_loss(entropy, mask, actor_cfg.loss_agg_mode).item()
+        if rc_cfg.bypass_mode:  # the engine's log-probs are the old ones: one forward less
+            batch["old_log_probs"] = batch["rollout_log_probs"]
+        else:
+            # The engine's log-probs are of its top-k / top-p cut of the distribution; the actor's of the
+            # same cut come from the same forward (sampling_log_probs) for the comparisons with them.
+            with timed(metrics, "old_log_prob"), torch.no_grad():
+                batch["old_log_probs"], entropy, *cut = compute_log_probs(
+                    actor, batch, rollout_cfg.temperature, plan.log_prob_micro_batch_size_per_gpu, calc_entropy=True,
+                    max_token_len=plan.log_prob_max_token_len_per_gpu, use_remove_padding=model_cfg.use_remove_padding,
+                    truncation=(rollout_cfg.top_k, rollout_cfg.top_p) if truncated_sampling else None)
+            sampling_log_probs = cut[0] if truncated_sampling else batch["old_log_probs"]  # (B, R)
+            diff = ro.logprob_diff(batch["rollout_log_probs"], sampling_log_probs, batch["response_mask"])
+            metrics["rollout/logprob_diff_mean"], metrics["rollout/logprob_diff_max"] = (
+                diff["logprob_diff_mean"], diff["logprob_diff_max"])
+            metrics["actor/entropy"] = core.agg_loss(entropy, mask, actor_cfg.loss_agg_mode).item()
         if ref is not None:
             with timed(metrics, "ref"), torch.no_grad():
                 batch["ref_log_probs"], _ = compute_log_probs(
@@ -586,6 +608,16 @@ def main(argv: list[str] | None = None) -> None:
             metrics.update(compute_advantages(batch, algo_cfg, kl_ctrl, meshes.rollout, plan.total_samples,
                                               rollout_cfg.n))
 
+        # 5b. rollout correction (decoupled mode): the old actor against the engine over the whole step
+        # batch; IS weights for the policy loss, rejected tokens out of every loss (rollout_correction.py)
+        if not rc_cfg.bypass_mode:
+            with timed(metrics, "rollout_corr"):
+                is_weights, batch["response_mask"], rc_metrics = rc.correct_batch(
+                    sampling_log_probs, batch["rollout_log_probs"], batch["response_mask"], rc_cfg, dist.group.WORLD)
+            metrics.update(rc_metrics)
+            if is_weights is not None:
+                batch["rollout_is_weights"] = is_weights  # (B, R)
+
         # 6. updates: critic first (verl's order), then the actor; Adam's moments may live on the host between
         enter("update")  # optimizer_offload: Adam's state to the device for the steps
         if critic is not None:
@@ -605,7 +637,8 @@ def main(argv: list[str] | None = None) -> None:
                 actor, actor_optim, batch, actor_cfg, temperature=rollout_cfg.temperature,
                 mini_batch_size=plan.ppo_mini_batch_size_per_rank, micro_batch_size=plan.ppo_micro_batch_size_per_gpu,
                 dp_size=world, loss_scale_factor=data_cfg.max_response_length, generator=generator,
-                max_token_len=plan.ppo_max_token_len_per_gpu, use_remove_padding=model_cfg.use_remove_padding)
+                max_token_len=plan.ppo_max_token_len_per_gpu, use_remove_padding=model_cfg.use_remove_padding,
+                bypass=rc_cfg if rc_cfg.bypass_mode else None)
         enter("sync")  # optimizer_offload: Adam's state back to the host; ready for validation and the next sync
         metrics.update(actor_metrics)
         metrics["actor/lr"] = actor_sched.get_last_lr()[0]
