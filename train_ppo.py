@@ -19,6 +19,7 @@ and grows through the step (B samples on this rank, P = max_prompt_length, R = m
     token_level_scores (B, R)                                                <- step 3, reward
     old_log_probs, ref_log_probs, values (B, R)                              <- step 4
     token_level_rewards, advantages, returns (B, R)                          <- step 5
+    rollout_is_weights (B, R); response_mask less rejected tokens            <- step 5b (rollout correction)
 The forwards of steps 4 and 6 run on each micro batch's valid tokens only when
 actor_rollout_ref.model.use_remove_padding (models.compute_log_probs packs them into one row), and
 cut micro batches by token count when actor.use_dynamic_bsz; the tensors above stay padded.
