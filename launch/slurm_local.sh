@@ -51,12 +51,12 @@ node_names() {
   for host in "$(hostname -s)" localhost; do
     getent hosts "$host" >/dev/null && [[ ! " ${names[*]} " =~ \ $host\  ]] && names+=("$host")
   done
-  (( ${#names[@]} >= $1 )) || die "$1 nodes need $1 host names of this machine, found: ${names[*]}"
+  (( ${#names[@]} >= $1 )) || die "cannot run $1 nodes on this host: they need $1 names of it, found ${names[*]}"
   printf '%s\n' "${names[@]:0:$1}"
 }
 
-write_conf() {
-  local nodes=$1 cpus mem_mb k=0 name
+write_conf() {  # write_conf NODE_NAME...
+  local cpus mem_mb k=0 name
   cpus=${SLURM_LOCAL_CPUS:-$(nproc)}
   # Slurm drains a node whose RealMemory exceeds what slurmd finds: stay a little under MemTotal.
   mem_mb=$(awk '/^MemTotal:/ { printf "%d", $2 / 1024 * 0.95 }' /proc/meminfo)
@@ -87,11 +87,11 @@ ReturnToService=2
 MpiDefault=none
 MinJobAge=600
 EOF
-  while read -r name; do
+  for name in "$@"; do
     echo "NodeName=$name NodeHostname=$(hostname -s) NodeAddr=127.0.0.1 Port=$((SLURMD_PORT + k))" \
       "CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN" >>"$CONF"
     k=$((k + 1))
-  done < <(node_names "$nodes")
+  done
   echo "PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP" >>"$CONF"
 }
 
@@ -122,17 +122,19 @@ nodes_idle() {  # every node idle (registered and free)
 }
 
 start() {
-  local nodes=${1:-1} name
+  local nodes=${1:-1} names name
   [[ $(id -u) == 0 ]] || die "run as root: slurmd starts jobs as their users"
   [[ ! -s $DIR/pids ]] || die "$DIR/pids lists running daemons; run '$0 stop' first"
   install_packages
+  names=$(node_names "$nodes")
   if [[ -d $DIR && -n $(ls -A "$DIR") && ! -f $CONF ]]; then
     die "$DIR is not empty and holds no slurm.conf: not ours, set SLURM_LOCAL_DIR elsewhere"
   fi
   rm -rf "$DIR"
   mkdir -p "$DIR/ctld"
   chmod 700 "$DIR"
-  write_conf "$nodes"
+  # shellcheck disable=SC2086  # one name per word
+  write_conf $names
 
   # munge: a key and a socket of our own.
   dd if=/dev/urandom of="$DIR/munge.key" bs=1024 count=1 status=none
@@ -146,37 +148,41 @@ start() {
   # (Not `scontrol ... | grep -q`: under pipefail, grep leaving early can fail scontrol with SIGPIPE.)
   if ((nodes > 1)) && [[ ! $(scontrol show config) =~ MULTIPLE_SLURMD\ *=\ *Yes ]]; then
     stop >&2
-    die "$nodes nodes on one host need a SLURM built with --enable-multiple-slurmd; this one" \
-      "($(slurmd -V)) is not. Start 1 node, or build SLURM with that option."
+    die "cannot run $nodes nodes on this host: that needs a SLURM built with --enable-multiple-slurmd," \
+      "and this one ($(slurmd -V)) is not. Start 1 node, or build SLURM with that option."
   fi
-  while read -r name; do
+  for name in $names; do
     mkdir -p "$DIR/slurmd-$name"
     spawn "$DIR/slurmd-$name.out" slurmd -D -N "$name" -f "$CONF"
-  done < <(sed -n 's/^NodeName=\([^ ]*\).*/\1/p' "$CONF")
+  done
   wait_for 60 "the node(s)" nodes_idle
   sinfo -N -o "%N %T %c %m"
   echo "SLURM is up. Point the clients at it:  export SLURM_CONF=$CONF"
 }
 
+# Is PID still the daemon NAME that we started (and not a later process that got its pid)?
+alive() { [[ $(cat "/proc/$1/comm" 2>/dev/null) == "$2" ]]; }
+
 stop() {
   [[ -f $DIR/pids ]] || { echo "nothing to stop in $DIR"; return; }
-  local ids pid name k
+  local ids pid name
   # Cancel our jobs first, so that slurmstepd ends their processes before the daemons go.
-  ids=$(squeue -h -o %i 2>/dev/null || true)
-  if [[ -n $ids ]]; then
-    # shellcheck disable=SC2086  # one id per word
-    scancel $ids || true
-    for _ in $(seq 30); do [[ -z $(squeue -h -o %i 2>/dev/null) ]] && break; sleep 0.5; done
-  fi
-  # The daemons, in the reverse order of their start.
-  tac "$DIR/pids" | while read -r pid name; do
-    kill "$pid" 2>/dev/null || continue
-    for k in $(seq 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
-    if kill -0 "$pid" 2>/dev/null; then
-      echo "$name ($pid) ignored SIGTERM for ${k}s/4; killing it" >&2
-      kill -9 "$pid" 2>/dev/null || true
+  read -r pid name < <(grep ' slurmctld$' "$DIR/pids") || true
+  if [[ -n ${pid:-} ]] && alive "$pid" slurmctld; then
+    ids=$(squeue -h -o %i 2>/dev/null || true)
+    if [[ -n $ids ]]; then
+      # shellcheck disable=SC2086  # one id per word
+      scancel $ids || true
+      for _ in $(seq 30); do [[ -z $(squeue -h -o %i 2>/dev/null) ]] && break; sleep 0.5; done
     fi
-  done
+  fi
+  # The daemons: SIGTERM to all at once (each takes a second or two to exit), SIGKILL after 10 s.
+  while read -r pid name; do ! alive "$pid" "$name" || kill "$pid"; done <"$DIR/pids"
+  while read -r pid name; do
+    for _ in $(seq 40); do alive "$pid" "$name" || continue 2; sleep 0.25; done
+    echo "$name ($pid) ignored SIGTERM for 10 s; killing it" >&2
+    kill -9 "$pid" 2>/dev/null || true
+  done <"$DIR/pids"
   rm -f "$DIR/pids"
   echo "stopped the daemons started from $DIR"
 }
