@@ -46,7 +46,7 @@ test: setup lint
 
 # The sbatch wrappers under a real SLURM started on this machine (launch/slurm_local.sh): one node x 2
 # ranks and two nodes x 1 rank train 2 steps each, and a config the planner refuses fails its job
-# before srun. Root; installs slurm-wlm and munge with apt-get when missing. About 2-3 min on 2 cores.
+# before srun. Root; installs SLURM and munge with apt-get when missing.
 test-slurm: setup
 	$(VENV)/bin/pytest -q --slurm tests/test_slurm.py
 

@@ -132,7 +132,7 @@ start() {
   fi
   rm -rf "$DIR"
   mkdir -p "$DIR/ctld"
-  chmod 700 "$DIR"
+  chmod 755 "$DIR"  # readable slurm.conf and munge socket: other users can submit too
   # shellcheck disable=SC2086  # one name per word
   write_conf $names
 

@@ -95,7 +95,7 @@ def torchrun(nproc: int, script: str | Path, *args: str, timeout: float = 900,
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--slurm", action="store_true",
                      help="also run the tests marked `slurm`: they start a local SLURM cluster (root; apt-get "
-                     "installs slurm-wlm and munge when missing). `make test-slurm` runs them.")
+                     "installs SLURM and munge when missing). `make test-slurm` runs them.")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

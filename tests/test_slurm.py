@@ -2,8 +2,8 @@
 slurmd (two node names on this host) in a temp dir, the tests submit the wrappers as a user would and
 read the job's state, log, metrics and layout files, and the fixture stops the daemons by pid.
 
-Skipped unless pytest gets --slurm (`make test-slurm`): it needs root, and installs slurm-wlm and
-munge with apt-get when they are missing. Two training runs (one node x 2 ranks, two nodes x 1 rank)
+Skipped unless pytest gets --slurm (`make test-slurm`): it needs root, and installs SLURM and munge
+with apt-get when they are missing. Two training runs (one node x 2 ranks, two nodes x 1 rank)
 of 2 steps each on the raw tiny model: the wrappers are under test here, not learning.
 """
 
@@ -26,7 +26,7 @@ STEPS = 2
 
 
 def free_ports(count: int) -> int:
-    """The first of `count` consecutive ports that are free now (slurmd k listens on base + k)."""
+    """The first of `count` consecutive ports that are free now."""
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -56,8 +56,8 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
     why, and the multi-node test skips with that reason). Its daemons are stopped by pid afterwards,
     whatever happened: a failed start, a failed test, Ctrl-C or SIGTERM (as from `timeout`)."""
     state = tmp_path_factory.mktemp("slurm")
-    env = job_env(SLURM_LOCAL_DIR=str(state / "cluster"), SLURMCTLD_PORT=str(free_ports(1)),
-                  SLURMD_PORT=str(free_ports(2)))
+    port = free_ports(3)  # slurmctld, then one per slurmd
+    env = job_env(SLURM_LOCAL_DIR=str(state / "cluster"), SLURMCTLD_PORT=str(port), SLURMD_PORT=str(port + 1))
     previous_handler = signal.signal(signal.SIGTERM, interrupt)
     try:
         nodes = 2
