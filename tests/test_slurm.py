@@ -62,12 +62,13 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
     try:
         nodes = 2
         proc = start_cluster(env, nodes)
+        refused = ""
         if proc.returncode != 0 and f"cannot run {nodes} nodes on this host" in proc.stderr:
-            nodes = 1
+            nodes, refused = 1, proc.stderr.strip()
             proc = start_cluster(env, nodes)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         yield {"env": {**env, "SLURM_CONF": str(state / "cluster" / "slurm.conf")}, "dir": state / "cluster",
-               "nodes": nodes, "multinode_refused": proc.stderr if nodes == 1 else ""}
+               "nodes": nodes, "multinode_refused": refused}
     finally:
         stop = subprocess.run(["bash", str(ROOT / "launch" / "slurm_local.sh"), "stop"], env=env,
                               capture_output=True, text=True, timeout=120)
@@ -144,7 +145,7 @@ def test_1node_wrapper_trains(cluster, tiny_assets, tmp_path):
 
 def test_multinode_wrapper_trains(cluster, tiny_assets, tmp_path):
     if cluster["nodes"] < 2:
-        pytest.skip("this SLURM cannot run two slurmd on one host: " + cluster["multinode_refused"].strip())
+        pytest.skip(cluster["multinode_refused"])
     out = tmp_path / "out"
     job = submit(cluster, tmp_path, "slurm_multinode.sbatch", ["--gpus-per-node=0", "--cpus-per-task=1"],
                  tiny_args(tiny_assets, out), NGPU="1")
