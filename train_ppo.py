@@ -127,11 +127,12 @@ def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLCont
     """Token-level rewards, advantages (and returns) of this rank's samples, written into `batch`.
 
     Where each sample's group lives: the ranks of dp_group (mesh_utils.train_dp_group: all ranks, or
-    with Ulysses one rank of each sp group) hold the step's samples between them, each once. So estimators that compare the samples of a prompt (config.GROUP_ESTIMATORS: GRPO, RLOO)
-    first all-gather the outcome rewards and prompt indices over dp_group (one number per sample),
-    compute on the whole step, and keep this rank's rows. The others (GAE, REINFORCE++) work per
-    sample, but whiten over the step's whole batch, as verl's driver does; the adaptive KL controller
-    also sees the whole batch's KL.
+    with Ulysses one rank of each sp group) hold the step's samples between them, each once. So
+    estimators that compare the samples of a prompt (config.GROUP_ESTIMATORS: GRPO, RLOO) first
+    all-gather the outcome rewards and prompt indices over dp_group (one number per sample), compute
+    on the whole step, and keep this rank's rows. The others (GAE, REINFORCE++) work per sample, but
+    whiten over the step's whole batch, as verl's driver does; the adaptive KL controller also sees
+    the whole batch's KL.
     """
     mask = batch["response_mask"].float()  # (B, R)
     metrics: dict[str, float] = {}
@@ -205,9 +206,9 @@ def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
     samples; all ranks when None), so the gradient does not depend on how the mini batch is cut
     (ppo_core's module docstring). With Ulysses, the sp ranks of a group compute the same loss on the
     same samples; FSDP's average over all ranks then averages the sp group's gradients, whose mean is
-    the unsplit gradient (ulysses.py), so the scaling is the one of dp_size ranks without sp. Terms named `*_loss` are such shares of
-    the mini batch's loss and are summed over micro batches; the others are averaged over them. Each
-    is then averaged over the optimizer steps.
+    the unsplit gradient (ulysses.py), so the scaling is the one of dp_size ranks without sp. Terms
+    named `*_loss` are such shares of the mini batch's loss and are summed over micro batches; the
+    others are averaged over them. Each is then averaged over the optimizer steps.
     """
     model.train()
     metrics: dict[str, float] = {}

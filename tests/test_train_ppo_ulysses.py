@@ -1,8 +1,9 @@
 """train_ppo.py end to end with Ulysses sequence parallelism: 2 GRPO steps on 2 real torchrun/gloo
 ranks, sp=2 on the rollout's TP=2 group (the meshes compose), packed forwards cut by token budgets,
-the real vLLM CPU engine. vLLM's logprobs of its own samples must equal the actor's packed,
-sequence-parallel forward; both ranks train on all 256 samples (one sp group), so each sample counts
-once; the groups each rank joined are the planner's."""
+a KL loss to the reference model (whose forward is sequence-parallel too), the real vLLM CPU engine.
+vLLM's logprobs of its own samples must equal the actor's packed, sequence-parallel forward; both
+ranks train on all 256 samples (one sp group), so each sample counts once; the groups each rank
+joined are the planner's."""
 
 import json
 
@@ -16,7 +17,7 @@ OVERRIDES = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
              "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=true",
              # a sample is at most 16 + 12 tokens: micro batches of a few samples, 1/2 of their tokens per rank
              "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100",
-             "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=300",
+             "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=300", "actor_rollout_ref.actor.use_kl_loss=true",
              "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=0"]
 
 
@@ -29,6 +30,8 @@ def test_grpo_with_sequence_parallel(tiny_assets, sft_model, tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert_common(rows, prompts=32, samples=256)  # rollout/logprob_diff_max < 1e-3: the sp forward is exact
     assert_learning_signal(rows)
+    # the reference starts as the actor; the actor moves away from it over the 2 x 2 optimizer steps
+    assert all(r["actor/kl_loss"] >= 0 for r in rows) and rows[1]["actor/kl_loss"] > 0
 
     dims, plan = validate(load_config(args[1], args[2:]), 2)
     device_map = plan_device_map(dims)
