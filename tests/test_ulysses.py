@@ -222,6 +222,16 @@ def test_head_counts_sp_cannot_split_are_refused():
         ulysses.check_heads(6, 3, 2)
 
 
+def test_model_whose_heads_sp_cannot_split_is_refused_before_loading(tiny_assets):
+    from config import ConfigError
+    from models import check_sequence_parallel_heads
+
+    path = str(tiny_assets["tiny-qwen2"])  # 4 query heads, 2 KV heads
+    check_sequence_parallel_heads(path, 4, False, "actor_rollout_ref.model.path")
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model.path=.*num_attention_heads=4"):
+        check_sequence_parallel_heads(path, 8, False, "actor_rollout_ref.model.path")
+
+
 @pytest.mark.parametrize("sp", SP_SIZES)
 def test_gather_rows_gives_the_sp_group_its_rows(ranks, sp):
     assert all(results[(sp, "gather_rows")] for results in ranks)
