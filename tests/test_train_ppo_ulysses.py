@@ -18,6 +18,8 @@ OVERRIDES = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
              # a sample is at most 16 + 12 tokens: micro batches of a few samples, 1/2 of their tokens per rank
              "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100",
              "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=300", "actor_rollout_ref.actor.use_kl_loss=true",
+             # the sp ranks must shuffle alike: different micro batches on them would not even line up
+             "actor_rollout_ref.actor.shuffle=true",
              "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=0"]
 
 
