@@ -50,6 +50,20 @@ def test_bench_packing_smoke(tiny_assets, tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_ulysses_smoke(tiny_assets, tmp_path):
+    out = tmp_path / "ulysses.json"
+    run_script("bench_ulysses.py", ["--model", "tiny", "--samples", "4", "--max-prompt-length", "16",
+                                    "--max-response-length", "32", "--repeats", "1", *smoke_args(tiny_assets, out)])
+    sp1, sp2 = json.loads(out.read_text())["rows"]
+    assert (sp1["variant"], sp2["variant"]) == ("sp1", "sp2")
+    for row in (sp1, sp2):
+        assert_positive(row, "log_prob_s", "update_s", "update_peak_gb", "tokens_per_rank")
+    assert_positive(sp2, "update_all_to_all_s", "update_gather_s")
+    assert sp1["update_all_to_all_s"] == 0  # no sp group: plain sdpa
+    assert sp2["max_abs_diff_vs_sp1"] < 1e-5  # sp=2 computes sp=1's log-probs
+
+
+@pytest.mark.slow
 def test_bench_rollout_smoke(tiny_assets, tmp_path):
     out = tmp_path / "rollout.json"
     run_script("bench_rollout.py", ["--models", str(tiny_assets["tiny-qwen2"]), "--prompts", "4", "--rollout-n", "2",
