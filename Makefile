@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: setup setup-gpu demo test lint plan clean
+.PHONY: setup setup-gpu demo test test-slurm lint plan clean
 
 # Idempotent: reinstalls only when requirements-cpu.txt changes (seconds when done).
 $(STAMP): requirements-cpu.txt
@@ -43,6 +43,12 @@ lint: setup
 
 test: setup lint
 	$(VENV)/bin/pytest -q
+
+# The sbatch wrappers under a real SLURM started on this machine (launch/slurm_local.sh): one node x 2
+# ranks and two nodes x 1 rank train 2 steps each, and a config the planner refuses fails its job
+# before srun. Root; installs SLURM and munge with apt-get when missing.
+test-slurm: setup
+	$(VENV)/bin/pytest -q --slurm tests/test_slurm.py
 
 clean:
 	rm -rf outputs assets .pytest_cache .ruff_cache

@@ -110,6 +110,7 @@ SCHEMA: dict[str, Any] = {
             "log_prob_micro_batch_size_per_gpu": (_INT_OR_NONE, None),  # null: rollout's value
             "log_prob_use_dynamic_bsz": (_BOOL_OR_NONE, None),  # null: actor.use_dynamic_bsz
             "log_prob_max_token_len_per_gpu": (_INT_OR_NONE, None),  # null: actor.ppo_max_token_len_per_gpu
+            "ulysses_sequence_parallel_size": (_INT_OR_NONE, None),  # null: the actor's
             "fsdp_config": {"param_offload": (bool, False)},
         },
         "rollout": {

@@ -132,6 +132,24 @@ def parallel_dims(cfg: Config, world_size: int | None = None) -> ParallelDims:
             f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}; both train on the same data "
             f"layout, so set them equal (critic.ulysses_sequence_parallel_size={sp})."
         )
+    uses_ref = actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    ref_sp = actor_rollout_ref.ref.ulysses_sequence_parallel_size if uses_ref else None
+    if ref_sp is not None and ref_sp != sp:
+        raise ConfigError(
+            f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref_sp} differs from the actor's "
+            f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}: the reference model runs on the "
+            f"actor's data layout. Set it to {sp}, or null (the actor's)."
+        )
+    if sp > 1:  # the sp forward splits packed rows (verl's rule too)
+        packing = {"actor_rollout_ref.model.use_remove_padding": actor_rollout_ref.model.use_remove_padding}
+        if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS:
+            packing["critic.model.use_remove_padding"] = cfg.critic.model.use_remove_padding
+        for key, value in packing.items():
+            if not value:
+                raise ConfigError(
+                    f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp} shards packed sequences, "
+                    f"but {key}=false. Set {key}=true, or ulysses_sequence_parallel_size=1."
+                )
     return ParallelDims(world, nnodes, per_node, fsdp, tp, sp)
 
 
@@ -158,8 +176,9 @@ class BatchPlan:
     critic_ppo_mini_batch_size_per_rank: int | None
     critic_ppo_micro_batch_size_per_gpu: int | None
     critic_grad_accum_steps: int | None
-    # use_dynamic_bsz: each forward's micro batches hold at most this many valid tokens, not a fixed
-    # number of samples; None where that forward cuts fixed-size micro batches
+    # use_dynamic_bsz: each forward's micro batches hold at most this many valid tokens (the per-gpu
+    # budget x sp: an sp group shares them), not a fixed number of samples; None where that forward
+    # cuts fixed-size micro batches
     ppo_max_token_len_per_gpu: int | None = None
     log_prob_max_token_len_per_gpu: int | None = None
     ref_log_prob_max_token_len_per_gpu: int | None = None
@@ -167,15 +186,18 @@ class BatchPlan:
     critic_forward_max_token_len_per_gpu: int | None = None
 
 
-def _token_budget(key: str, budget: int, sequence_len: int, micro: int) -> int:
-    """A token budget per micro batch must hold the longest possible sample (prompt + response)."""
-    if budget < sequence_len:
+def _token_budget(key: str, budget: int, sequence_len: int, micro: int, sp: int) -> int:
+    """The valid tokens of one micro batch: the per-gpu budget times sp (verl's meaning: the ranks of an
+    sp group share each micro batch's tokens). It must hold the longest possible sample."""
+    if budget * sp < sequence_len:
+        per_sp = f" x ulysses sp {sp}" if sp > 1 else ""
+        least = -(-sequence_len // sp)
         raise ConfigError(
-            f"{key}={budget} is smaller than one sample can be: data.max_prompt_length + "
+            f"{key}={budget}{per_sp} is smaller than one sample can be: data.max_prompt_length + "
             f"data.max_response_length = {sequence_len} tokens, so such a sample fits no micro batch. "
-            f"Use at least {sequence_len}, e.g. {micro * sequence_len} (the tokens of {micro} full samples)."
+            f"Use at least {least}, e.g. {-(-micro * sequence_len // sp)} (the tokens of {micro} full samples)."
         )
-    return budget
+    return budget * sp
 
 
 def _mini_micro(
@@ -262,14 +284,16 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
     budgets: dict[str, int | None] = {}
     if actor.use_dynamic_bsz:
         budgets["ppo_max_token_len_per_gpu"] = _token_budget(
-            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu, sequence_len, micro)
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu, sequence_len, micro,
+            dims.sp)
     for name, section, prefix in (("log_prob_max_token_len_per_gpu", rollout, "actor_rollout_ref.rollout"),
                                   ("ref_log_prob_max_token_len_per_gpu", ref, "actor_rollout_ref.ref")):
         dynamic = actor.use_dynamic_bsz if section.log_prob_use_dynamic_bsz is None else section.log_prob_use_dynamic_bsz
         budget = section.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu
         uses_model = section is rollout or actor.use_kl_loss or cfg.algorithm.use_kl_in_reward  # a reference model
         if dynamic and uses_model:
-            budgets[name] = _token_budget(f"{prefix}.log_prob_max_token_len_per_gpu", budget, sequence_len, lp_micro)
+            budgets[name] = _token_budget(f"{prefix}.log_prob_max_token_len_per_gpu", budget, sequence_len, lp_micro,
+                                           dims.sp)
 
     c_mini = c_micro = c_accum = None
     if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS:
@@ -286,9 +310,9 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
         critic_forward = critic.forward_max_token_len_per_gpu or critic.ppo_max_token_len_per_gpu
         if critic_dynamic:
             budgets["critic_ppo_max_token_len_per_gpu"] = _token_budget(
-                "critic.ppo_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu, sequence_len, c_micro)
+                "critic.ppo_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu, sequence_len, c_micro, dims.sp)
             budgets["critic_forward_max_token_len_per_gpu"] = _token_budget(
-                "critic.forward_max_token_len_per_gpu", critic_forward, sequence_len, lp_micro)
+                "critic.forward_max_token_len_per_gpu", critic_forward, sequence_len, lp_micro, dims.sp)
     return BatchPlan(
         train_batch_size=tbs,
         n=n,
@@ -325,8 +349,11 @@ class DeviceMap:
     fsdp_groups: list[list[int]]  # ranks sharding one copy of the model
     ddp_groups: list[list[int]]  # ranks holding the same shard (HSDP replicas); [[r]] each for FSDP
     rollout_tp_groups: list[list[int]]  # one vLLM engine each, row g = rollout dp group g
-    sp_groups: list[list[int]]
+    sp_groups: list[list[int]]  # ranks training on the same samples, each on 1/sp of every sequence
     node_of_rank: list[int]
+    # ranks at the same place in every sp group: between them they hold each training sample once
+    # (all ranks when sp=1); the training reductions (loss counts, whitening, GRPO's groups) run over one
+    train_dp_groups: list[list[int]]
 
 
 def _blocks(world: int, size: int) -> list[list[int]]:
@@ -342,6 +369,7 @@ def plan_device_map(dims: ParallelDims) -> DeviceMap:
         rollout_tp_groups=_blocks(w, dims.infer_tp),
         sp_groups=_blocks(w, dims.sp),
         node_of_rank=[r // dims.n_gpus_per_node for r in range(w)],
+        train_dp_groups=[list(range(i, w, dims.sp)) for i in range(dims.sp)],
     )
 
 
@@ -469,8 +497,19 @@ def write_rank_layout(out_dir: Path, rank: int, meshes: Meshes) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     layout = {"rank": rank, "node_rank": node_rank(), "hostname": os.uname().nodename, "pid": os.getpid(),
               "fsdp_group": ranks(meshes.fsdp, "fsdp"), "rollout_tp_group": ranks(meshes.rollout, "infer_tp"),
-              "rollout_dp_rank": meshes.rollout.get_local_rank("dp")}
+              "rollout_dp_rank": meshes.rollout.get_local_rank("dp"),
+              "sp_group": ranks(meshes.sp, "sp") if meshes.sp is not None else [rank],
+              "train_dp_group": dist.get_process_group_ranks(train_dp_group(meshes))}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(layout))
+
+
+def train_dp_group(meshes: Meshes) -> Any:
+    """The ranks holding distinct training samples that this rank reduces with (the ('dp','sp') mesh's
+    dp dimension; the whole world when sp=1). Sums and statistics over the step's batch run over it, so
+    the sp ranks sharing samples do not count them twice."""
+    import torch.distributed as dist
+
+    return meshes.sp.get_group("dp") if meshes.sp is not None else dist.group.WORLD
 
 
 def all_gather_single(output: Any, tensor: Any, group: Any = None) -> None:
@@ -522,7 +561,8 @@ def describe(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> str:
                  f"({dims.rollout_dp},{dims.infer_tp}), TP groups {_fmt(dm.rollout_tp_groups)}")
     if dims.sp > 1:
         lines.append(f"  ulysses   sp={dims.sp}: mesh ('dp','sp') = ({dims.train_dp},{dims.sp}), "
-                     f"sp groups {_fmt(dm.sp_groups)}")
+                     f"sp groups {_fmt(dm.sp_groups)} (each trains on one set of samples, 1/{dims.sp} of every "
+                     f"sequence per rank), train dp groups {_fmt(dm.train_dp_groups)}")
     else:
         lines.append("  ulysses   off (ulysses_sequence_parallel_size=1)")
     lines.append("  rank  node  local  fsdp_group  rollout_dp  infer_tp_rank  train_dp_rank")
@@ -552,7 +592,8 @@ def describe(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> str:
                "critic update": p.critic_ppo_max_token_len_per_gpu, "values": p.critic_forward_max_token_len_per_gpu}
     for forward, budget in dynamic.items():
         if budget is not None:
-            lines.append(f"  {forward}: micro batches cut by tokens (use_dynamic_bsz), at most {budget} per gpu; "
+            per_gpu = f"{budget} per gpu" if dims.sp == 1 else f"{budget} per sp group, {budget // dims.sp} per gpu"
+            lines.append(f"  {forward}: micro batches cut by tokens (use_dynamic_bsz), at most {per_gpu}; "
                          f"the micro batch sizes above do not apply")
     if p.critic_ppo_mini_batch_size_per_rank is not None:
         lines.append(f"  critic: {p.critic_ppo_mini_batch_size_per_rank} per rank per mini batch, micro "

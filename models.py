@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 import ppo_core as core
+import ulysses
 from config import ConfigError
 from mesh_utils import all_gather_single
 from rollout_correction import truncated_log_probs
@@ -401,6 +402,7 @@ def compute_log_probs(
     *,
     max_token_len: int | None = None,
     use_remove_padding: bool = False,
+    sp_group: dist.ProcessGroup | None = None,
     truncation: tuple[int, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Log-probs (B, R) of the response tokens under logits / temperature, and their entropies if
@@ -416,11 +418,25 @@ def compute_log_probs(
     the positions that predict response tokens go through the LM head (`logits_to_keep`), and
     ppo_core's logprobs_from_logits / entropy_from_logits upcast one chunk of rows at a time, so no
     forward holds the (tokens, vocab) logits in float32 at once.
+
+    With sp_group (Ulysses; packed only, and every rank of the group must hold the same batch), each rank
+    runs 1/sp of every packed row (ulysses.py) and gets every sample's result back: then all positions
+    of its slice go through the LM head, not only the response's.
     """
     response_len = _response_len(batch)
+    _check_sp_packed(sp_group, use_remove_padding)
     log_probs, entropies, truncated, row_groups = [], [], [], []
     for rows, inputs in _micro_batches(batch, micro_batch_size, max_token_len):
-        if use_remove_padding:
+        if sp_group is not None:
+            model_inputs, predictors, response_valid = _pack(inputs, response_len)
+            token_log_probs, token_entropy, *cut = ulysses.sequence_parallel_log_probs(
+                model, model_inputs, temperature, sp_group, calc_entropy, truncation)  # (1, N) each, on every rank
+            log_probs.append(_unpack(token_log_probs[0, predictors], response_valid))  # (b, R)
+            if calc_entropy:
+                entropies.append(_unpack(token_entropy[0, predictors], response_valid))  # (b, R)
+            if truncation is not None:
+                truncated.append(_unpack(cut[0][0, predictors], response_valid))  # (b, R)
+        elif use_remove_padding:
             model_inputs, predictors, response_valid = _pack(inputs, response_len)
             out = model(**model_inputs, use_cache=False, logits_to_keep=predictors)
             logits = out.logits[0].div_(temperature)  # (K, V), in place as below
@@ -452,14 +468,20 @@ def compute_log_probs(
 
 
 def compute_values(critic: nn.Module, batch: Mapping[str, torch.Tensor], micro_batch_size: int, *,
-                   max_token_len: int | None = None, use_remove_padding: bool = False) -> torch.Tensor:
+                   max_token_len: int | None = None, use_remove_padding: bool = False,
+                   sp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """V(s_t) for each response token (B, R): the critic's output at the position that predicts that
-    token (the last prompt token for the first response token). batch, micro batches and packing as for
-    compute_log_probs. Grad flows if enabled."""
+    token (the last prompt token for the first response token). batch, micro batches, packing and
+    sp_group as for compute_log_probs. Grad flows if enabled."""
     response_len = _response_len(batch)
+    _check_sp_packed(sp_group, use_remove_padding)
     values, row_groups = [], []
     for rows, inputs in _micro_batches(batch, micro_batch_size, max_token_len):
-        if use_remove_padding:
+        if sp_group is not None:
+            model_inputs, predictors, response_valid = _pack(inputs, response_len)
+            token_values = ulysses.sequence_parallel_values(critic, model_inputs, sp_group)  # (1, N) on every rank
+            values.append(_unpack(token_values[0, predictors], response_valid))  # (b, R)
+        elif use_remove_padding:
             model_inputs, predictors, response_valid = _pack(inputs, response_len)
             out = critic(**model_inputs, use_cache=False)  # (1, N, 1): one number per token, no need to trim
             values.append(_unpack(out.logits[0, predictors, 0].float(), response_valid))  # (b, R)
@@ -468,6 +490,12 @@ def compute_values(critic: nn.Module, batch: Mapping[str, torch.Tensor], micro_b
             values.append(out.logits[:, -response_len - 1:-1, 0].float())  # (b, R)
         row_groups.append(rows)
     return _in_batch_order(values, row_groups)
+
+
+def _check_sp_packed(sp_group: dist.ProcessGroup | None, use_remove_padding: bool) -> None:
+    if sp_group is not None and not use_remove_padding:
+        raise ValueError("sequence parallelism (sp_group) runs on packed micro batches: pass use_remove_padding=True "
+                         "(config: actor_rollout_ref.model.use_remove_padding / critic.model.use_remove_padding).")
 
 
 def padding_fraction(attention_mask: torch.Tensor, use_remove_padding: bool) -> float:
@@ -660,3 +688,16 @@ def check_model(path: str, needed_length: int, trust_remote_code: bool, device_t
             f"runs head sizes {', '.join(map(str, CPU_ENGINE_HEAD_SIZES))} only. Use such a model on the CPU "
             f"(e.g. hidden_size / num_attention_heads = 32), or a GPU."
         )
+
+
+def check_sequence_parallel_heads(path: str, sp: int, trust_remote_code: bool, key: str) -> None:
+    """Ulysses splits attention heads over the sp ranks: refuse, before anything loads, a model whose head
+    counts sp cannot split (ulysses.check_heads), naming the model's key."""
+    if sp == 1:
+        return
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    heads = config.num_attention_heads
+    try:
+        ulysses.check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, sp)
+    except ValueError as e:
+        raise ConfigError(f"{key}={path!r}: {e}") from None

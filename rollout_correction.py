@@ -304,7 +304,7 @@ def rollout_correction(actor_log_probs: Tensor, rollout_log_probs: Tensor, mask:
 def correct_batch(actor_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor, rc_cfg: Any,
                   group: dist.ProcessGroup) -> tuple[Tensor | None, Tensor, dict[str, float]]:
     """Decoupled mode, once per step: rollout_correction over the step's whole batch, which the ranks
-    of `group` hold between them in equal (B, T) shares (verl's driver holds it all), so the metrics
+    of `group` hold between them in equal, distinct (B, T) shares (verl's driver holds it all), so the metrics
     and the batch normalisation are those of the whole batch on every rank. Returns this rank's rows.
     Collective."""
     def gather(x: Tensor) -> Tensor:  # (B, T) -> (world * B, T), in group-rank order
@@ -317,12 +317,13 @@ def correct_batch(actor_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tens
     return None if weights is None else weights[mine], kept[mine], metrics
 
 
-def correct_micro_batch(log_prob: Tensor, rollout_log_probs: Tensor, mask: Tensor, rc_cfg: Any
-                        ) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
+def correct_micro_batch(log_prob: Tensor, rollout_log_probs: Tensor, mask: Tensor, rc_cfg: Any,
+                        group: dist.ProcessGroup | None = None) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
     """Bypass mode, in the loss: pi_theta (detached) against the engine on one micro batch, as verl's
-    bypass_mode loss does. Metrics come back as tensors, for run_updates to average over micro batches."""
-    weights, kept, metrics = rollout_correction(log_prob.detach(), rollout_log_probs, mask, rc_cfg,
-                                                group=dist.group.WORLD if dist.is_initialized() else None)
+    bypass_mode loss does; the batch normalisation spans that micro batch on every rank of `group`
+    (the ranks holding distinct samples; all of them run as many micro batches). Metrics come back
+    as tensors, for run_updates to average over micro batches."""
+    weights, kept, metrics = rollout_correction(log_prob.detach(), rollout_log_probs, mask, rc_cfg, group)
     return weights, kept, {k: torch.tensor(v) for k, v in metrics.items()}
 
 

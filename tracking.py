@@ -173,11 +173,14 @@ def route_library_logs(log_file: Path, rank: int) -> None:
     root.setLevel(logging.INFO)
     logging.captureWarnings(True)
     transformers_logging.disable_progress_bar()  # the per-load "Loading weights" bar
-    for logger in (root, logging.getLogger("vllm")):  # in case vLLM was imported first and has its own
+    vllm_logger = logging.getLogger("vllm")  # in case vLLM was imported first and has its own handlers
+    for logger in (root, vllm_logger):
         for handler in logger.handlers:
             if not isinstance(handler, logging.FileHandler):
                 handler.setLevel(console_level)
-        logger.addHandler(to_file)
+    root.addHandler(to_file)
+    if not vllm_logger.propagate:  # else its lines reach the file through the root logger (once)
+        vllm_logger.addHandler(to_file)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:

@@ -37,6 +37,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, create_causal_mask, sdpa_mask
 
 import ppo_core as core
+from rollout_correction import truncated_log_probs
 
 ATTENTION_NAME = "ulysses_sdpa"
 
@@ -249,18 +250,23 @@ def _sliced_forward(model: nn.Module, sharded: ShardedBatch, sp_group: ProcessGr
 
 def sequence_parallel_log_probs(
     model: nn.Module, batch: dict[str, torch.Tensor], temperature: float, sp_group: ProcessGroup,
-    calc_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    calc_entropy: bool = False, truncation: tuple[int, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per position t, log p(token t+1) under logits / temperature, (B, T) on every rank of sp_group
     (the last position's is meaningless), and the entropies if asked. For a padded batch of prompts
-    then R responses, the response log-probs are [:, -R-1:-1]. Grad flows if enabled."""
+    then R responses, the response log-probs are [:, -R-1:-1]. Grad flows if enabled. With
+    truncation=(top_k, top_p), a third (B, T): the log-probs under that cut of the same logits
+    (rollout_correction.truncated_log_probs)."""
     sharded = shard_batch(model.config, batch, sp_group)
     logits = _sliced_forward(model, sharded, sp_group).div_(temperature)  # (B, T_pad/sp, V)
     log_probs = gather_sequence(core.logprobs_from_logits(logits, sharded.labels), sp_group, sharded.length)
     entropy = None
     if calc_entropy:
         entropy = gather_sequence(core.entropy_from_logits(logits), sp_group, sharded.length)  # (B, T)
-    return log_probs, entropy
+    if truncation is None:
+        return log_probs, entropy
+    cut = truncated_log_probs(logits, sharded.labels, *truncation)  # (B, T_pad/sp)
+    return log_probs, entropy, gather_sequence(cut, sp_group, sharded.length)  # (B, T) each
 
 
 def sequence_parallel_values(critic: nn.Module, batch: dict[str, torch.Tensor], sp_group: ProcessGroup) -> torch.Tensor:

@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # not --n: torchrun's own parser would take it for an abbreviation of its options
     ap.add_argument("--rollout-n", dest="n", type=int, default=4, help="samples per prompt (rollout.n)")
     ap.add_argument("--max-tokens", type=int, default=128, help="response budget; EOS stops earlier")
-    ap.add_argument("--reps", type=int, default=2, help="cycles of standalone/resident/collocated (median)")
+    ap.add_argument("--reps", type=int, default=3, help="cycles of standalone/resident/collocated (median)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true", help="skip HF generate (slow on big models)")
@@ -208,8 +208,9 @@ def bench_model(label: str, path: Path, meshes: Meshes, env: DistEnv,
             torch.cuda.empty_cache()
     result.update(standalone=summarize(standalone), resident=summarize(resident), collocated=summarize(collocated))
     for name, base in (("standalone", standalone), ("resident", resident)):
-        result[f"collocated_vs_{name}"] = bc.median([c["tokens_per_s"] / b["tokens_per_s"]
-                                                     for c, b in zip(collocated, base, strict=True)])
+        ratios = [c["tokens_per_s"] / b["tokens_per_s"] for c, b in zip(collocated, base, strict=True)]
+        result[f"collocated_vs_{name}"] = bc.median(ratios)
+        result[f"collocated_vs_{name}_cycles"] = ratios  # the spread: a verdict needs all cycles on one side
     if "hf_generate" in result:
         result["vllm_vs_hf"] = result["standalone"]["tokens_per_s"] / result["hf_generate"]["tokens_per_s"]
     if device_type == "cpu":
@@ -233,6 +234,7 @@ COLUMNS = [("model", "model", ""), ("params_m", "params M", ".1f"), ("mean_len",
            ("stopped_frac", "EOS-stopped", ".0%"), ("standalone", "standalone", ".0f"),
            ("resident", "resident", ".0f"), ("collocated", "collocated", ".0f"),
            ("collocated_vs_standalone", "colloc/standalone", ".2f"),
+           ("colloc_standalone_range", "min-max over cycles", ""),
            ("collocated_vs_resident", "colloc/resident", ".2f"), ("hf_generate", "HF generate", ".0f"),
            ("vllm_vs_hf", "vLLM/HF", ".1f")]
 
@@ -243,6 +245,8 @@ def table_rows(results: list[dict]) -> list[dict]:
         row = {k: r.get(k) for k in ("model", "params_m", "collocated_vs_standalone", "collocated_vs_resident",
                                      "vllm_vs_hf")}
         row.update(mean_len=r["standalone"]["mean_len"], stopped_frac=r["standalone"]["stopped_frac"])
+        cycles = r.get("collocated_vs_standalone_cycles") or [r["collocated_vs_standalone"]]
+        row["colloc_standalone_range"] = f"{min(cycles):.2f}-{max(cycles):.2f}"
         for phase in ("standalone", "resident", "collocated", "hf_generate"):
             row[phase] = r[phase]["tokens_per_s"] if phase in r else None
         rows.append(row)

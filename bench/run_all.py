@@ -53,9 +53,14 @@ def targets(reports: dict[str, dict]) -> list[dict]:
     for r in (reports.get("rollout") or {}).get("results", []):
         busy = r.get("contended", False)  # measured while other jobs held the cores: no verdict
         value = r["collocated_vs_standalone"]
-        rows.append({"target": "collocated / standalone rollout >= 0.9",
-                     "where": r["model"] + (" CONTENDED, rerun" if busy else ""),
-                     "value": value, "limit": COLLOCATED_MIN, "met": None if busy else value >= COLLOCATED_MIN})
+        # A verdict only when every cycle's ratio falls on the same side of the limit; a spread that
+        # straddles it is noise larger than the margin tested, not a result.
+        cycles = r.get("collocated_vs_standalone_cycles") or [value]
+        met = True if min(cycles) >= COLLOCATED_MIN else False if max(cycles) < COLLOCATED_MIN else None
+        where = r["model"] + (" CONTENDED, rerun" if busy else "" if met is not None else
+                              f" (cycles {min(cycles):.2f}-{max(cycles):.2f}: within noise)")
+        rows.append({"target": "collocated / standalone rollout >= 0.9", "where": where,
+                     "value": value, "limit": COLLOCATED_MIN, "met": None if busy else met})
     for r in (reports.get("sync") or {}).get("results", []):
         rows.append({"target": "sync <= 2 x copy floor", "where": f"{r['model']} {r['layout']}",
                      "value": r["sync_vs_floor"], "limit": SYNC_MAX, "met": r["sync_vs_floor"] <= SYNC_MAX})

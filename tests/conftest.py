@@ -90,3 +90,18 @@ def torchrun(nproc: int, script: str | Path, *args: str, timeout: float = 900,
              env: dict[str, str] | None = None, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """A real multi-process launch of `script` (real gloo process groups); fails the test on a non-zero exit."""
     return run(torchrun_cmd(nproc, script, *args, launcher=launcher), timeout=timeout, env=env)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--slurm", action="store_true",
+                     help="also run the tests marked `slurm`: they start a local SLURM cluster (root; apt-get "
+                     "installs SLURM and munge when missing). `make test-slurm` runs them.")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--slurm"):
+        return
+    skip = pytest.mark.skip(reason="starts a local SLURM cluster: run with --slurm (make test-slurm)")
+    for item in items:
+        if "slurm" in item.keywords:
+            item.add_marker(skip)

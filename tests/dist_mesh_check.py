@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from config import load_config  # noqa: E402
-from mesh_utils import build_meshes, init_distributed, validate  # noqa: E402
+from mesh_utils import build_meshes, init_distributed, train_dp_group, validate  # noqa: E402
 
 TIMEOUT_S = 1234  # actor_rollout_ref.nccl_timeout: every mesh group must carry it
 
@@ -53,6 +53,8 @@ def main() -> None:
             "rollout_dp_rank": meshes.rollout.get_local_rank("dp"),
             "sp_group": group_ranks(meshes.sp, "sp") if meshes.sp is not None else None,
             "sp_shape": list(meshes.sp.mesh.shape) if meshes.sp is not None else None,
+            "train_dp_group": (group_ranks(meshes.sp, "dp") if meshes.sp is not None
+                               else dist.get_process_group_ranks(train_dp_group(meshes))),
             "ppo_mini_batch_size_per_rank": plan.ppo_mini_batch_size_per_rank,
             # every group's timeout as its gloo backend holds it
             "group_timeouts_s": sorted({

@@ -50,6 +50,20 @@ def test_bench_packing_smoke(tiny_assets, tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_ulysses_smoke(tiny_assets, tmp_path):
+    out = tmp_path / "ulysses.json"
+    run_script("bench_ulysses.py", ["--model", "tiny", "--samples", "4", "--max-prompt-length", "16",
+                                    "--max-response-length", "32", "--repeats", "1", *smoke_args(tiny_assets, out)])
+    sp1, sp2 = json.loads(out.read_text())["rows"]
+    assert (sp1["variant"], sp2["variant"]) == ("sp1", "sp2")
+    for row in (sp1, sp2):
+        assert_positive(row, "log_prob_s", "update_s", "update_peak_gb", "tokens_per_rank")
+    assert_positive(sp2, "update_all_to_all_s", "update_gather_s")
+    assert sp1["update_all_to_all_s"] == 0  # no sp group: plain sdpa
+    assert sp2["max_abs_diff_vs_sp1"] < 1e-5  # sp=2 computes sp=1's log-probs
+
+
+@pytest.mark.slow
 def test_bench_rollout_smoke(tiny_assets, tmp_path):
     out = tmp_path / "rollout.json"
     run_script("bench_rollout.py", ["--models", str(tiny_assets["tiny-qwen2"]), "--prompts", "4", "--rollout-n", "2",
@@ -150,7 +164,9 @@ def test_targets_table():
     reports = {
         "rollout": {"results": [{"model": "30m", "collocated_vs_standalone": 0.85, "contended": False},
                                 {"model": "5m", "collocated_vs_standalone": 0.5, "contended": True},
-                                {"model": "100m", "collocated_vs_standalone": 0.97}]},
+                                {"model": "100m", "collocated_vs_standalone": 0.97},
+                                {"model": "15m", "collocated_vs_standalone": 0.95,
+                                 "collocated_vs_standalone_cycles": [0.95, 0.88, 1.02]}]},
         "sync": {"results": [{"model": "30m", "layout": "2x2", "sync_vs_floor": 7.5}]},
         "step": {"growth": {"n": {"x": "samples_per_step", "exponent": 0.8},
                             "size": {"x": "params_m", "exponent": 1.3}, "response_length": None}},
@@ -160,6 +176,8 @@ def test_targets_table():
     assert rows[("collocated / standalone rollout >= 0.9", "100m")]["met"] is True
     # measured while other jobs held the cores: reported, but no verdict
     assert rows[("collocated / standalone rollout >= 0.9", "5m CONTENDED, rerun")]["met"] is None
+    # cycles on both sides of the limit: the median passes, but the spread is larger than the margin
+    assert rows[("collocated / standalone rollout >= 0.9", "15m (cycles 0.88-1.02: within noise)")]["met"] is None
     assert rows[("sync <= 2 x copy floor", "30m 2x2")]["met"] is False
     assert rows[("step time growth exponent <= 1", "n sweep, vs samples_per_step")]["met"] is True
     assert rows[("step time growth (reported)", "size sweep, vs params_m")]["met"] is None

@@ -43,7 +43,17 @@ def test_ulysses_divides_the_per_rank_batch():
     dims, p = plan(SEED_1, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2")
     assert (dims.train_dp, dims.sp) == (3, 2)
     assert plan_device_map(dims).sp_groups == [[0, 1], [2, 3], [4, 5]]
+    assert plan_device_map(dims).train_dp_groups == [[0, 2, 4], [1, 3, 5]]
     assert p.ppo_mini_batch_size_per_rank == 720 // 3
+    assert plan_device_map(plan()[0]).train_dp_groups == [[0, 1, 2, 3, 4, 5]]
+
+
+def test_ulysses_token_budgets_are_per_gpu_times_sp():
+    """verl's meaning: an sp group's micro batch holds budget x sp tokens, 1/sp of them per gpu; so the
+    budget need only hold 1/sp of the longest sample."""
+    _, p = plan(SEED_1, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=768")
+    assert p.ppo_max_token_len_per_gpu == p.log_prob_max_token_len_per_gpu == 1536
 
 
 def test_two_nodes_keep_tp_pairs_on_one_node():
@@ -111,6 +121,16 @@ PITFALLS = [
     (SEED_1, ["reward_model.enable=true"], ["reward_model.enable"]),
     (SEED_1, ["algorithm.adv_estimator=gae", "critic.ulysses_sequence_parallel_size=2"],
      ["critic.ulysses_sequence_parallel_size=2"]),
+    (SEED_1, ["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2"],
+     ["actor_rollout_ref.ref.ulysses_sequence_parallel_size=2", "actor's"]),
+    (SEED_1, ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=false"],
+     ["actor_rollout_ref.model.use_remove_padding=false", "ulysses_sequence_parallel_size=2"]),
+    (SEED_1, ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "algorithm.adv_estimator=gae",
+              "critic.ulysses_sequence_parallel_size=2", "critic.model.use_remove_padding=false"],
+     ["critic.model.use_remove_padding=false"]),
+    (SEED_1, ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=700"],
+     ["ppo_max_token_len_per_gpu=700 x ulysses sp 2", "at least 768"]),
     # token budgets (use_dynamic_bsz) must hold one whole sample: 512 + 1024 tokens in the seed config
     (SEED_1, ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1000"],
      ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1000", "= 1536 tokens", "at least 1536"]),

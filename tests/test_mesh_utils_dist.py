@@ -21,11 +21,13 @@ LAYOUTS = {
     2: ["actor_rollout_ref.rollout.tensor_model_parallel_size=2",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
     4: ["actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.actor.fsdp_config.fsdp_size=2",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=4 actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=4 actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
     6: ["actor_rollout_ref.rollout.tensor_model_parallel_size=2",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.actor.fsdp_config.fsdp_size=2",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.actor.fsdp_config.fsdp_size=3",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=3 actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=3 actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
 }
 
 
@@ -58,6 +60,7 @@ def expected_groups(layout: str, world: int, rank: int) -> dict:
         "rollout_dp_group": [g[rank % dims.infer_tp] for g in dm.rollout_tp_groups],
         "rollout_dp_rank": next(i for i, g in enumerate(dm.rollout_tp_groups) if rank in g),
         "sp_group": member(dm.sp_groups) if dims.sp > 1 else None,
+        "train_dp_group": member(dm.train_dp_groups),
         "ppo_mini_batch_size_per_rank": plan.ppo_mini_batch_size_per_rank,
     }
 

@@ -2,6 +2,7 @@
 
 import json
 
+import tracking
 from tracking import Tracker, read_metrics, summary, truncate_metrics
 
 
@@ -62,3 +63,28 @@ def test_mean_over_ranks_weighs_samples_and_takes_every_key(tmp_path):
     run_gloo(_mean_worker, 2, str(tmp_path / "pg"), str(tmp_path / "mean"))
     for rank in range(2):
         assert torch.load(tmp_path / f"mean.{rank}") == {"reward_extra/acc": 0.5, "reward_extra/only_here": 5.0}
+
+
+def test_library_lines_reach_the_log_file_once(tmp_path):
+    import logging
+
+    root, vllm_logger = logging.getLogger(), logging.getLogger("vllm")
+    saved = (list(root.handlers), root.level, list(vllm_logger.handlers))
+    try:
+        tracking.route_library_logs(tmp_path / "rank0.log", rank=0)
+        vllm_logger.info("engine started")
+        logging.getLogger("datasets.builder").warning("loaded")
+        for handler in root.handlers:
+            handler.flush()
+        lines = (tmp_path / "rank0.log").read_text().splitlines()
+        assert sum("engine started" in line for line in lines) == 1, lines
+        assert sum("loaded" in line for line in lines) == 1, lines
+    finally:
+        for logger in (root, vllm_logger):
+            for handler in list(logger.handlers):
+                if isinstance(handler, logging.FileHandler):
+                    logger.removeHandler(handler)
+                    handler.close()
+        root.handlers[:], vllm_logger.handlers[:] = saved[0], saved[2]
+        root.setLevel(saved[1])
+        logging.captureWarnings(False)

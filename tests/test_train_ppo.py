@@ -180,6 +180,23 @@ def test_a_reward_function_that_raises_stops_the_run_with_the_sample(tiny_assets
     assert "ZeroDivisionError" in output and "response=" in output and "ground_truth=" in output, output[-3000:]
 
 
+@pytest.mark.slow
+def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_assets, tmp_path):
+    """An entropy bonus beyond float32's range makes every actor loss and gradient non-finite: each such
+    step is skipped (the weights stay as they were, so the sync check still passes), and the run stops
+    with the key to change once trainer.max_consecutive_skipped_steps are skipped in a row."""
+    out = tmp_path / "nan"
+    proc = run(torchrun_cmd(2, "train_ppo.py", "--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out),
+                            "actor_rollout_ref.actor.entropy_coeff=1e39", "trainer.max_consecutive_skipped_steps=2",
+                            "trainer.total_training_steps=4", "trainer.val_before_train=false", "trainer.test_freq=-1"),
+               timeout=600, check=False)
+    assert proc.returncode != 0
+    assert "2 steps in a row had non-finite actor losses" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    rows = step_rows(out)
+    assert [r["step"] for r in rows] == [1]  # step 2's line is not written: the run stopped there
+    assert rows[0]["actor/skipped_steps"] > 0 and not math.isfinite(rows[0]["actor/grad_norm"])
+
+
 def test_zero_gradient_steps_are_not_a_sync_failure(tiny_assets, tmp_path):
     """An untrained model never earns a reward: every GRPO group is uniform, every gradient is 0, and with
     weight decay 0 the weights do not change at all. The stale-weights check must let that pass."""

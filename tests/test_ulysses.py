@@ -1,9 +1,9 @@
 """Ulysses sequence parallelism on 4 real gloo ranks, against the plain model (sp=1, "sdpa", same
 checkpoint) on the same rows in the same process: log-probs, entropies and critic values, and the
 gradients of a weighted sum of them (averaged over the sp group, as FSDP averages), for sp=2 (2 dp groups with different
-rows) and sp=4 (tiny-qwen2 has 2 KV heads, so they are replicated), on the GQA Qwen2 and the tied
-Llama, for a left/right-padded batch whose length no sp divides, an unpadded one (plain causal mask)
-and a packed row of three sequences."""
+rows) on the GQA Qwen2 and sp=4 on the tied Llama (both have 2 KV heads: at sp=4 they are replicated),
+for a left/right-padded batch whose length no sp divides, an unpadded one (plain causal mask) and a
+packed row of three sequences. (test_ulysses_training.py runs a whole training update at sp=2.)"""
 
 import pytest
 import torch
@@ -16,6 +16,8 @@ import ulysses
 WORLD = 4
 SP_SIZES = (2, 4)
 MODELS = ("tiny-qwen2", "tiny-llama-tied")
+# each model at one sp: sp=4 > 2 KV heads is the replication case; the suite's time is short
+CASES = ((2, "tiny-qwen2"), (4, "tiny-llama-tied"))
 TEMPERATURE = 0.7
 TOLERANCE = 1e-5  # float32: the split only reorders sums inside attention
 GRAD_RTOL = 1e-4  # relative to the largest entry of each gradient
@@ -50,6 +52,16 @@ def _plain_token_log_probs(model: torch.nn.Module, batch: dict[str, torch.Tensor
                    position_ids=batch["position_ids"], use_cache=False).logits / TEMPERATURE
     labels = torch.nn.functional.pad(batch["input_ids"][:, 1:], (0, 1))
     return core.logprobs_from_logits(logits, labels), core.entropy_from_logits(logits)
+
+
+def _plain_truncated_log_probs(model: torch.nn.Module, batch: dict[str, torch.Tensor], top_k: int,
+                               top_p: float) -> torch.Tensor:
+    """The unsplit model's next-token log-probs under the top-k / top-p cut, (B, T)."""
+    from rollout_correction import truncated_log_probs
+
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"], use_cache=False).logits / TEMPERATURE
+    return truncated_log_probs(logits, torch.nn.functional.pad(batch["input_ids"][:, 1:], (0, 1)), top_k, top_p)
 
 
 def _max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -99,6 +111,11 @@ def _check_one(name: str, paths: dict[str, str], critic_paths: dict[str, str], g
             result[f"{case}/log_probs"] = _max_diff(log_probs[:, :-1], want_lp[:, :-1])
             result[f"{case}/entropy"] = _max_diff(entropy, want_entropy)
             result[f"{case}/values"] = _max_diff(values, want_values)
+            # the engine's top-k / top-p cut of the same logits (rollout correction); -inf outside the cut
+            _, _, cut = ulysses.sequence_parallel_log_probs(actor, batch, TEMPERATURE, group, truncation=(20, 0.8))
+            want_cut = _plain_truncated_log_probs(reference, batch, 20, 0.8)
+            result[f"{case}/truncated_log_probs"] = _max_diff(cut[:, :-1].clamp_min(-1e4),
+                                                              want_cut[:, :-1].clamp_min(-1e4))
         # the training helpers' own response slices, on the padded rows
         batch = batches["padded_13"]
         log_probs, _ = ulysses.sequence_parallel_log_probs(actor, batch, TEMPERATURE, group)
@@ -153,7 +170,7 @@ def _worker(rank: int, paths: dict[str, str], critic_paths: dict[str, str], init
             # mesh_utils.build_meshes' layout: ('dp','sp'), sp consecutive ranks a group
             mesh = init_device_mesh("cpu", (WORLD // sp, sp), mesh_dim_names=("dp", "sp"))
             dp_rank = mesh.get_local_rank("dp")
-            for name in MODELS:
+            for name in [name for case_sp, name in CASES if case_sp == sp]:
                 # rows differ between dp groups (and agree inside one), as the batch split makes them
                 results[(sp, name)] = _check_one(name, paths, critic_paths, mesh.get_group("sp"), seed=10 * dp_rank)
             # each rank's own rows -> the sp group's rows, in sp-rank order, on every rank of the group
@@ -191,8 +208,7 @@ def ranks(tiny_assets, critic_paths, tmp_path_factory) -> list[dict]:
     return [torch.load(tmp / f"result.{r}") for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("sp", SP_SIZES)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("sp, name", CASES)
 def test_log_probs_entropy_values_equal_unsplit_model(ranks, sp, name):
     for rank, results in enumerate(ranks):
         r = results[(sp, name)]
@@ -202,8 +218,7 @@ def test_log_probs_entropy_values_equal_unsplit_model(ranks, sp, name):
                 assert diff < TOLERANCE, (rank, key, diff)
 
 
-@pytest.mark.parametrize("sp", SP_SIZES)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("sp, name", CASES)
 def test_gradients_averaged_over_sp_group_equal_unsplit_model(ranks, sp, name):
     for rank, results in enumerate(ranks):
         r = results[(sp, name)]
@@ -220,6 +235,16 @@ def test_head_counts_sp_cannot_split_are_refused():
         ulysses.check_heads(4, 2, 8)
     with pytest.raises(ValueError, match="num_key_value_heads=3"):
         ulysses.check_heads(6, 3, 2)
+
+
+def test_model_whose_heads_sp_cannot_split_is_refused_before_loading(tiny_assets):
+    from config import ConfigError
+    from models import check_sequence_parallel_heads
+
+    path = str(tiny_assets["tiny-qwen2"])  # 4 query heads, 2 KV heads
+    check_sequence_parallel_heads(path, 4, False, "actor_rollout_ref.model.path")
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model.path=.*num_attention_heads=4"):
+        check_sequence_parallel_heads(path, 8, False, "actor_rollout_ref.model.path")
 
 
 @pytest.mark.parametrize("sp", SP_SIZES)
