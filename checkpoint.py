@@ -64,7 +64,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     dist.barrier()
     for name, (model, optimizer, _) in models.items():
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
+        model_sd, optim_sd = _state_dicts(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / name))
     dist.barrier()  # every shard is on disk before the checkpoint becomes visible
     if dist.get_rank() == 0:
@@ -130,7 +130,7 @@ def load_checkpoint(
     for name, (model, optimizer, sched) in models.items():
         if not (path / name).is_dir():
             raise ConfigError(f"checkpoint {path} has no {name!r} state (was it written by a run without a {name}?).")
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
+        model_sd, optim_sd = _state_dicts(model, optimizer)
         loaded = {"model": model_sd, "optim": optim_sd}
         dcp.load(loaded, checkpoint_id=str(path / name))
         set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],
@@ -144,6 +144,16 @@ def _options(model: torch.nn.Module) -> StateDictOptions | None:
     if all(p.requires_grad for p in model.parameters()):
         return None
     return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts to save or load: with frozen parameters, the trainable ones only
+    (ignore_frozen_params keeps a tied frozen alias, e.g. lm_head.weight, so the names are filtered too)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
+    if _options(model) is not None:
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        model_sd = {name: value for name, value in model_sd.items() if name in trainable}
+    return model_sd, optim_sd
 
 
 def step_seed(seed: int, step: int, rank: int = 0) -> int:
