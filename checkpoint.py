@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ def save_checkpoint(
     step: int,
     models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]],
     trainer_state: dict[str, Any],
-    hf_source: tuple[Any, Any] | None = None,
+    hf_source: Sequence[Any] | None = None,
     keep: int | None = None,
 ) -> Path:
     """Collective: every rank calls it. `models` maps 'actor'/'critic' to (model, optimizer, scheduler).

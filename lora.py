@@ -57,7 +57,7 @@ class LoraSpec:
             raise ConfigError(f"actor_rollout_ref.model.lora_rank={rank}: use 0 (LoRA off) or a rank >= 1, e.g. 32.")
         if rank == 0 and adapter_path is None:
             return None
-        if isinstance(targets, str) and targets != "all-linear":
+        if not targets or (isinstance(targets, str) and targets != "all-linear"):
             raise ConfigError(f"actor_rollout_ref.model.target_modules={targets!r}: give 'all-linear' or a list of "
                               "module names, e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj].")
         if adapter_path is not None:
@@ -81,9 +81,14 @@ class LoraSpec:
         return cls(rank, float(alpha), targets if isinstance(targets, str) else tuple(targets), adapter_path, base)
 
     def lora_config(self) -> Any:
-        """peft's LoraConfig for this spec (no dropout: the actor's log-probs must be deterministic)."""
+        """peft's LoraConfig for this spec, or the saved adapter's, with no dropout: the PPO ratio compares
+        log-probs of the update's forward with those of the no-grad forward, which must agree."""
         from peft import LoraConfig
 
+        if self.adapter_path is not None:
+            saved = LoraConfig.from_pretrained(self.adapter_path)
+            saved.lora_dropout, saved.inference_mode = 0.0, False
+            return saved
         targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=targets, lora_dropout=0.0,
                           bias="none", task_type="CAUSAL_LM")
@@ -96,15 +101,19 @@ class LoraSpec:
         from peft.tuners.lora import Linear as LoraLinear
 
         on_meta = any(p.is_meta for p in model.parameters())
+        head = model.get_output_embeddings()
         if self.adapter_path is not None and not on_meta:
-            peft_model = PeftModel.from_pretrained(model, self.adapter_path, is_trainable=True)
+            peft_model = PeftModel.from_pretrained(model, self.adapter_path, config=self.lora_config(),
+                                                   is_trainable=True)
         else:
             peft_model = get_peft_model(model, self.lora_config())
         peft_model.peft_config[ADAPTER].base_model_name_or_path = self.base_model  # export_hf.py reads it
-        layers = [(n, type(m).__name__) for n, m in lora_layers(peft_model).items() if not isinstance(m, LoraLinear)]
+        layers = [(n, type(m).__name__) for n, m in lora_layers(peft_model).items()
+                  if not isinstance(m, LoraLinear) or m.base_layer is head]
         if layers:
-            raise ConfigError(f"actor_rollout_ref.model.target_modules: LoRA is supported on linear layers only; "
-                              f"{layers[:3]} are not. List linear modules (q_proj, ...) or use all-linear.")
+            raise ConfigError(f"actor_rollout_ref.model.target_modules: LoRA is supported on the blocks' linear "
+                              f"layers only (not embeddings or the LM head); {layers[:3]} are not. List linear "
+                              "modules (q_proj, ...) or use all-linear.")
         if not lora_layers(peft_model):
             raise ConfigError(f"actor_rollout_ref.model.target_modules={self.target_modules}: no module of "
                               f"{type(model).__name__} matched; name its linear layers, e.g. [q_proj, v_proj].")

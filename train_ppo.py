@@ -685,7 +685,8 @@ def main(argv: list[str] | None = None) -> None:
             start = time.perf_counter()
             path = save_checkpoint(out_dir, step, ckpt_models,
                                    {"sampler": sampler.state_dict(), "kl_ctrl": kl_ctrl.state_dict()},
-                                   hf_source=(actor.config, tokenizer, *lora_config(actor)), keep=trainer_cfg.max_actor_ckpt_to_keep)
+                                   hf_source=(actor.config, tokenizer, *lora_config(actor)),
+                                   keep=trainer_cfg.max_actor_ckpt_to_keep)
             print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
 
     tracker.close()

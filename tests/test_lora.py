@@ -50,6 +50,16 @@ def _optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
             for key, value in state.items()}
 
 
+def _train_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+    import models
+
+    model.train()
+    log_probs, _ = models.compute_log_probs(model, batch, 1.0, 3)
+    (-log_probs.mean()).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def _worker(rank: int, paths: dict[str, str], init_file: str, ckpt_root: str, out: str) -> None:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.device_mesh import init_device_mesh
@@ -82,16 +92,8 @@ def _worker(rank: int, paths: dict[str, str], init_file: str, ckpt_root: str, ou
             batch = _batch(base.config.vocab_size)
             optimizer, sched = models.make_optimizer(actor, OPTIM, 10)
             names = {id(p): n for n, p in actor.named_parameters()}
-
-            def train_step() -> None:
-                actor.train()
-                log_probs, _ = models.compute_log_probs(actor, batch, 1.0, 3)
-                (-log_probs.mean()).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
             for _ in range(2):
-                train_step()
+                _train_step(actor, batch, optimizer)
             r["optimizer_params"] = sorted(names[id(p)] for p in optimizer.state)
             actor.eval()
             with torch.no_grad():
@@ -115,11 +117,27 @@ def _worker(rank: int, paths: dict[str, str], init_file: str, ckpt_root: str, ou
             r["partial_names"] = sorted(partial)
             r["partial_equal"] = all(torch.equal(partial[n], synced[n]) for n in partial)
 
+            # lora_adapter_path: a new actor starts from the trained adapter, saved by peft (rank 0 writes it)
+            adapter_dir = Path(ckpt_root) / f"{name}-adapter"
+            if rank == 0:
+                copy_with_adapter = spec.add_adapter(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+                copy_with_adapter.load_state_dict(adapter, strict=False)
+                copy_with_adapter.save_pretrained(adapter_dir)
+            dist.barrier()
+            resumed_spec = lora.LoraSpec.from_config({"lora_rank": 0, "lora_alpha": 1.0, "target_modules": "all-linear",
+                                                      "lora_adapter_path": str(adapter_dir), "path": path})
+            resumed = models.load_causal_lm(path, mesh, wrap=resumed_spec.add_adapter, **kwargs)
+            resumed_params = {n: _full(p) for n, p in resumed.named_parameters() if p.requires_grad}
+            r["from_adapter_path"] = (resumed_spec.rank, resumed_spec.alpha, resumed_spec.target_modules,
+                                      resumed_params.keys() == adapter.keys()
+                                      and all(torch.equal(resumed_params[n], adapter[n]) for n in adapter))
+            del resumed
+
             # checkpoint: adapter + its optimizer state; a later step is undone by loading it
             ckpt_models = {"actor": (actor, optimizer, sched)}
             ckpt = save_checkpoint(Path(ckpt_root) / name, 2, ckpt_models, {}, hf_source=lora.lora_config(actor))
             saved_adapter, saved_optim = dict(adapter), _optim_state(actor, optimizer)
-            train_step()
+            _train_step(actor, batch, optimizer)
             r["step_moved_adapter"] = any(not torch.equal(_full(params[n]), saved_adapter[n]) for n in saved_adapter)
             load_checkpoint(ckpt, ckpt_models)
             r["adapter_restored"] = all(torch.equal(_full(params[n]), saved_adapter[n]) for n in saved_adapter)
@@ -177,6 +195,16 @@ def test_sync_sends_merged_weights(lora_results, name):
     assert not any(n.startswith(("model.embed_tokens", "model.norm", "lm_head")) or "layernorm" in n
                    for n in r["partial_names"])
     assert r["partial_equal"]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_start_from_a_saved_adapter(lora_results, name):
+    """lora_adapter_path: the actor starts from a peft adapter on disk, its rank, alpha and targets."""
+    rank, alpha, targets, same = lora_results[0][name]["from_adapter_path"]
+    assert (rank, alpha) == (4, 8.0) and same
+    linear = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    # peft saves all-linear as the modules' full names
+    assert {t.split(".")[-1] for t in targets} == set(CASES[name] if isinstance(CASES[name], list) else linear)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -258,3 +286,34 @@ def test_lora_grpo_learns_and_exports(tiny_assets, sft_model, tmp_path):
     got = json.loads(proc.stdout.split("RESULT", 1)[1])
     want = [r["response"] for r in expected]
     assert got["merged"] == want and got["peft"] == want and got["vllm"] == want, (got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory plan and the 7B one-GPU config
+
+
+QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                 num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768, tie_word_embeddings=False)
+
+
+def test_lora_config_plan_fits_one_80gb_gpu(tmp_path):
+    """configs/gsm8k_grpo_lora_1gpu.yaml on Qwen2.5-7B's shapes (its config.json, written here): the plan
+    fits 80 GB, with AdamW state and gradients for the adapter only (its size counted by hand: r x (in + out)
+    per linear layer) and no reference copy; the same job with full fine-tuning does not fit."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(**QWEN25_7B).save_pretrained(tmp_path / "qwen7b")
+    common = [sys.executable, "mesh_utils.py", "--json", "--config", "configs/gsm8k_grpo_lora_1gpu.yaml",
+              "--gpu-memory-gb", "80", f"actor_rollout_ref.model.path={tmp_path / 'qwen7b'}"]
+    lora_plan = json.loads(run(common).stdout)["memory"]
+    full_plan = json.loads(run([*common[:-1], "actor_rollout_ref.model.lora_rank=0", common[-1]]).stdout)["memory"]
+    assert lora_plan["fits"] is True, lora_plan["verdict"]
+    assert full_plan["fits"] is False, full_plan["verdict"]
+    h, i, kv, layers, rank = 3584, 18944, 4 * 128, 28, 64
+    linear = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]  # q k v o gate up down: (in, out)
+    adapter_numel = layers * rank * sum(a + b for a, b in linear)
+    update = lora_plan["per_fsdp_rank"][0]["update"]
+    assert update["actor.grads"] == adapter_numel * 4
+    assert update["actor.optimizer"] == 2 * adapter_numel * 4 + 4 * 2 * 7 * layers  # + a float32 step per tensor
+    assert update["ref.params"] == 0 < full_plan["per_fsdp_rank"][0]["update"]["ref.params"]
+    assert full_plan["per_fsdp_rank"][0]["update"]["actor.optimizer"] > 40 * update["actor.optimizer"]
