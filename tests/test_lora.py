@@ -317,3 +317,22 @@ def test_lora_config_plan_fits_one_80gb_gpu(tmp_path):
     assert update["actor.optimizer"] == 2 * adapter_numel * 4 + 4 * 2 * 7 * layers  # + a float32 step per tensor
     assert update["ref.params"] == 0 < full_plan["per_fsdp_rank"][0]["update"]["ref.params"]
     assert full_plan["per_fsdp_rank"][0]["update"]["actor.optimizer"] > 40 * update["actor.optimizer"]
+
+
+@pytest.mark.parametrize("keys, fragment", [
+    ({"lora_rank": -1}, "lora_rank=-1"),
+    ({"target_modules": "attention"}, "target_modules='attention'"),
+    ({"target_modules": []}, "target_modules=[]"),
+    ({"lora_alpha": 0.0}, "lora_alpha=0.0"),
+    ({"lora_rank": 0, "lora_adapter_path": "/nowhere"}, "lora_adapter_path='/nowhere'"),
+])
+def test_bad_lora_keys_name_the_key(keys, fragment):
+    import lora
+    from config import ConfigError
+
+    model_cfg = {"lora_rank": 8, "lora_alpha": 16.0, "target_modules": "all-linear", "lora_adapter_path": None,
+                 "path": "assets/tiny-qwen2", **keys}
+    with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        lora.LoraSpec.from_config(model_cfg)
+    off = {**model_cfg, "lora_rank": 0, "lora_alpha": 16.0, "target_modules": "all-linear", "lora_adapter_path": None}
+    assert lora.LoraSpec.from_config(off) is None  # lora_rank=0: full fine-tuning
