@@ -7,6 +7,10 @@ Layout under trainer.default_local_dir:
         critic/                     the same, for GAE runs
         trainer_state.json          step, data sampler position, lr schedules, KL controller, world size
         hf/                         the actor's HF config + tokenizer, so export_hf.py needs nothing else
+                                    (+ adapter_config.json with LoRA, naming the base model)
+
+With LoRA the model state is the adapter alone (the frozen base weights are the base model's, read
+again from its path on resume and export), and the optimizer state exists for the adapter only.
     global_step_9.tmp/              being written (or died while being written): never resumed from
 
 Every rank writes its shards into `global_step_N.tmp`; after a barrier rank 0 writes the trainer
@@ -29,13 +33,14 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from config import ConfigError
 
@@ -48,10 +53,11 @@ def save_checkpoint(
     step: int,
     models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]],
     trainer_state: dict[str, Any],
-    hf_source: tuple[Any, Any] | None = None,
+    hf_source: Sequence[Any] | None = None,
     keep: int | None = None,
 ) -> Path:
-    """Collective: every rank calls it. `models` maps 'actor'/'critic' to (model, optimizer, scheduler)."""
+    """Collective: every rank calls it. `models` maps 'actor'/'critic' to (model, optimizer, scheduler).
+    hf_source: objects with save_pretrained(dir) (the HF config, the tokenizer, a LoRA adapter's config)."""
     root = Path(root)
     final, tmp = root / f"global_step_{step}", root / f"global_step_{step}.tmp"
     if dist.get_rank() == 0:
@@ -59,17 +65,15 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     dist.barrier()
     for name, (model, optimizer, _) in models.items():
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = _state_dicts(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / name))
     dist.barrier()  # every shard is on disk before the checkpoint becomes visible
     if dist.get_rank() == 0:
         state = dict(trainer_state, step=step, world_size=dist.get_world_size(),
                      schedulers={name: s.state_dict() for name, (_, _, s) in models.items()})
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
-        if hf_source is not None:
-            config, tokenizer = hf_source
-            config.save_pretrained(tmp / "hf")
-            tokenizer.save_pretrained(tmp / "hf")
+        for item in hf_source or ():
+            item.save_pretrained(tmp / "hf")
         if final.exists():  # re-saving a step (after a resume): replace it only now
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -127,12 +131,30 @@ def load_checkpoint(
     for name, (model, optimizer, sched) in models.items():
         if not (path / name).is_dir():
             raise ConfigError(f"checkpoint {path} has no {name!r} state (was it written by a run without a {name}?).")
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = _state_dicts(model, optimizer)
         loaded = {"model": model_sd, "optim": optim_sd}
         dcp.load(loaded, checkpoint_id=str(path / name))
-        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],
+                       options=_options(model))
         sched.load_state_dict(dict(state["schedulers"][name]))  # LambdaLR: numbers only, JSON-safe
     return state
+
+
+def _options(model: torch.nn.Module) -> StateDictOptions | None:
+    """A model with frozen parameters (LoRA's base weights) saves and loads its trainable ones only."""
+    if all(p.requires_grad for p in model.parameters()):
+        return None
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts to save or load: with frozen parameters, the trainable ones only
+    (ignore_frozen_params keeps a tied frozen alias, e.g. lm_head.weight, so the names are filtered too)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
+    if _options(model) is not None:
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        model_sd = {name: value for name, value in model_sd.items() if name in trainable}
+    return model_sd, optim_sd
 
 
 def step_seed(seed: int, step: int, rank: int = 0) -> int:

@@ -81,6 +81,12 @@ SCHEMA: dict[str, Any] = {
             "trust_remote_code": (bool, False),
             # training forwards (actor, reference) on the valid tokens only, packed into one row
             "use_remove_padding": (bool, True),
+            # LoRA (lora.py, with peft): 0 = off (full fine-tuning); > 0 = the actor is the frozen model plus
+            # an adapter of this rank, and the reference model is the actor with the adapter disabled
+            "lora_rank": (int, 0),
+            "lora_alpha": (float, 16.0),
+            "target_modules": ((str, list), "all-linear"),  # all-linear or a list of module names
+            "lora_adapter_path": (_STR_OR_NONE, None),  # start from this peft adapter (its rank/alpha/targets)
         },
         "actor": {
             "strategy": (str, "fsdp2"),

@@ -2,11 +2,17 @@
 
     python export_hf.py outputs/run/global_step_200 --out exported/step200
     python export_hf.py outputs/run --out exported/latest          # the latest complete checkpoint
+    python export_hf.py outputs/lora_run --out exported/adapter --adapter-only   # LoRA: peft's format
 
 The result (config.json, tokenizer, model.safetensors) loads with
 `AutoModelForCausalLM.from_pretrained(out)` and with `vllm.LLM(model=out)`. One process, no GPU, no
 process group: DCP reads the shards written by any number of ranks into one full state dict, with
 tensors loaded weights_only.
+
+A LoRA run's checkpoint holds the adapter only; its hf/adapter_config.json names the base model,
+which is read again. The default export is the merged model (W + scale * B @ A, a plain HF model);
+--adapter-only writes the adapter in peft's format (adapter_config.json, adapter_model.safetensors),
+for `PeftModel.from_pretrained(base, out)` or vLLM's `LLM(base, enable_lora=True)` with a LoRARequest.
 """
 
 from __future__ import annotations
@@ -33,11 +39,17 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return found[-1]
 
 
-def export(checkpoint: str | Path, out: str | Path, which: str = "actor", dtype: str = "float32") -> Path:
+def export(checkpoint: str | Path, out: str | Path, which: str = "actor", dtype: str = "float32",
+           adapter_only: bool = False) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
     ckpt = resolve_checkpoint(checkpoint)
     hf_dir = ckpt / "hf"
+    if which == "actor" and (hf_dir / "adapter_config.json").is_file():
+        return _export_lora(ckpt, Path(out), dtype, adapter_only)
+    if adapter_only:
+        raise SystemExit(f"export_hf: --adapter-only needs a LoRA run's checkpoint; {ckpt} holds a full "
+                         f"{which} (no hf/adapter_config.json).")
     config = AutoConfig.from_pretrained(hf_dir)
     if which == "critic":
         config.num_labels = 1
@@ -56,14 +68,40 @@ def export(checkpoint: str | Path, out: str | Path, which: str = "actor", dtype:
     return out
 
 
+def _export_lora(ckpt: Path, out: Path, dtype: str, adapter_only: bool) -> Path:
+    """The base model (from adapter_config.json's base_model_name_or_path) with the checkpoint's adapter."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    lora_config = LoraConfig.from_pretrained(ckpt / "hf")
+    base_path = lora_config.base_model_name_or_path
+    try:
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    except OSError as e:
+        raise SystemExit(f"export_hf: cannot load the base model {base_path!r} named in {ckpt / 'hf'}/"
+                         f"adapter_config.json ({e}); the adapter needs it.") from None
+    model = get_peft_model(base, lora_config)
+    state = {"model": {k: v for k, v in model.state_dict().items() if ".lora_" in k}}  # what the run saved
+    dcp.load(state, checkpoint_id=str(ckpt / "actor"), no_dist=True)  # fails if a tensor is missing
+    model.load_state_dict(state["model"], strict=False)  # the adapter's tensors; the base ones are loaded
+    if adapter_only:
+        model.save_pretrained(out)  # adapter_config.json + adapter_model.safetensors, peft's names
+    else:
+        model.merge_and_unload().to(getattr(torch, dtype)).save_pretrained(out)
+    AutoTokenizer.from_pretrained(ckpt / "hf").save_pretrained(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="global_step_N directory, or a run directory (latest checkpoint)")
     ap.add_argument("--out", required=True, help="output HF model directory")
     ap.add_argument("--which", choices=["actor", "critic"], default="actor")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ap.add_argument("--adapter-only", action="store_true",
+                    help="LoRA runs: write the adapter in peft's format instead of the merged model")
     args = ap.parse_args(argv)
-    out = export(args.checkpoint, args.out, args.which, args.dtype)
+    out = export(args.checkpoint, args.out, args.which, args.dtype, args.adapter_only)
     print(f"exported {resolve_checkpoint(args.checkpoint)} ({args.which}) -> {out}")
     return 0
 

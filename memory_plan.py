@@ -19,6 +19,9 @@ One offload mechanism per model, as verl does it:
                  Gradients exist only inside the update (zero_grad(set_to_none=True) frees them).
   reference      never stepped: ref.fsdp_config.param_offload builds it with FSDP2's
                  CPUOffloadPolicy, which streams one block at a time to the device in its forward.
+  LoRA           (actor_rollout_ref.model.lora_rank > 0) the actor's base weights are frozen: gradients
+                 and AdamW state exist for the adapter only, and the reference model is the actor
+                 with its adapter disabled, so it holds no memory of its own.
   engine         rollout.free_cache_engine puts vLLM to sleep after generating (weights to the
                  host, KV cache freed); rollout.sync_weights wakes it again. Without vLLM sleep
                  mode (the CPU) nothing moves, and everything is in host memory anyway.
@@ -265,12 +268,17 @@ class MemoryInputs:
     critic_checkpointing: bool
     gpu_memory_utilization: float
     gpu_memory_bytes: int
+    adapter: list[tuple[int, ...]] | None = None  # LoRA: the adapter's parameter shapes (None: full fine-tuning)
 
 
 def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
     """Estimated device bytes per phase and item on one rank (rank `fsdp_rank` of its FSDP group)."""
     seq = m.prompt_len + m.response_len
     actor_shard = param_shard_bytes(m.actor, m.fsdp, fsdp_rank)
+    trained_shard, actor_adam = actor_shard, adam_state_bytes(m.actor, m.fsdp, fsdp_rank)
+    if m.adapter is not None:  # LoRA: the frozen base plus the adapter, which alone has gradients and Adam state
+        trained_shard = sum(shard_numel(s, m.fsdp, fsdp_rank) for s in m.adapter) * 4
+        actor_shard, actor_adam = actor_shard + trained_shard, 2 * trained_shard + 4 * len(m.adapter)
     critic_shard = param_shard_bytes(m.critic, m.fsdp, fsdp_rank) if m.critic else 0
     engine_weights = sum(math.prod(s) for s in m.actor.param_shapes) * m.engine_bytes // m.infer_tp
     engine_total = int(m.gpu_memory_utilization * m.gpu_memory_bytes)
@@ -282,8 +290,8 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
         on = {item: where[item] == DEVICE for item in ITEMS}
         b = {
             "actor.params": actor_shard if on["actor.params"] else 0,
-            "actor.grads": actor_shard if on["actor.grads"] else 0,
-            "actor.optimizer": adam_state_bytes(m.actor, m.fsdp, fsdp_rank) if on["actor.optimizer"] else 0,
+            "actor.grads": trained_shard if on["actor.grads"] else 0,
+            "actor.optimizer": actor_adam if on["actor.optimizer"] else 0,
             "critic.params": critic_shard if m.critic and on["critic.params"] else 0,
             "critic.grads": critic_shard if m.critic and on["critic.grads"] else 0,
             "critic.optimizer": adam_state_bytes(m.critic, m.fsdp, fsdp_rank) if m.critic and on["critic.optimizer"]
@@ -396,15 +404,32 @@ def memory_inputs(cfg: Any, dims: Any, plan: Any, gpu_memory_gb: float) -> Memor
     use_critic = cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
     critic = model_shape(cfg.critic.model.path or arr.model.path, value_head=True,
                          trust_remote_code=trust) if use_critic else None
+    from lora import LoraSpec
+
+    spec = LoraSpec.from_config(arr.model)
     return MemoryInputs(
-        actor=actor, critic=critic, use_ref=arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
+        # with LoRA the reference is the actor with its adapter disabled: no copy of its own
+        actor=actor, critic=critic, use_ref=(arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and spec is None,
         flags=OffloadFlags.from_config(cfg), fsdp=dims.fsdp, infer_tp=dims.infer_tp, compute_bytes=2,
         engine_bytes=2, prompt_len=cfg.data.max_prompt_length, response_len=cfg.data.max_response_length,
         ppo_micro=plan.ppo_micro_batch_size_per_gpu, log_prob_micro=plan.log_prob_micro_batch_size_per_gpu,
         critic_micro=plan.critic_ppo_micro_batch_size_per_gpu,
         actor_checkpointing=arr.model.enable_gradient_checkpointing,
         critic_checkpointing=cfg.critic.model.enable_gradient_checkpointing,
-        gpu_memory_utilization=arr.rollout.gpu_memory_utilization, gpu_memory_bytes=int(gpu_memory_gb * GIB))
+        gpu_memory_utilization=arr.rollout.gpu_memory_utilization, gpu_memory_bytes=int(gpu_memory_gb * GIB),
+        adapter=adapter_shapes(arr.model.path, spec, trust) if spec else None)
+
+
+def adapter_shapes(path: str, spec: Any, trust_remote_code: bool = False) -> list[tuple[int, ...]]:
+    """The shapes of the LoRA adapter (lora.LoraSpec) that peft puts on the model at `path`, found by
+    putting it on the model built on the meta device (exact, no weights read, no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    return [tuple(p.shape) for p in spec.add_adapter(model).parameters() if p.requires_grad]
 
 
 def has_config_json(path: str) -> bool:

@@ -18,7 +18,7 @@ weights stay float32; MixedPrecisionPolicy casts for compute.
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Required, TypedDict, Unpack
 
 import torch
@@ -125,6 +125,9 @@ class ShardingOptions(TypedDict, total=False):
     activation_checkpointing: bool  # [False] recompute each decoder block in backward
     attn_implementation: str  # ["sdpa"] transformers' attention kernel
     trust_remote_code: bool  # [False] allow the checkpoint's own modelling code
+    # [None] applied to the model before sharding, and to rank 0's loaded copy before its weights are
+    # broadcast (lora.LoraSpec.add_adapter: a peft adapter, its weights loaded or initialised on rank 0)
+    wrap: Callable[[nn.Module], nn.Module] | None
 
 
 def load_causal_lm(name_or_path: str, fsdp_mesh: DeviceMesh, **options: Unpack[ShardingOptions]) -> nn.Module:
@@ -161,6 +164,7 @@ def _load_sharded(
     trust_remote_code: bool = False,
     config_overrides: dict | None = None,
     zero_init_head: bool = False,
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
 ) -> nn.Module:
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     # Set after loading: from_pretrained drops keyword arguments its config class does not declare
@@ -177,6 +181,8 @@ def _load_sharded(
     model.tie_weights()  # init_empty_weights re-creates every parameter it moves, which unties them
     if activation_checkpointing:
         apply_activation_checkpointing(model)
+    if wrap is not None:
+        model = wrap(model)
     apply_fsdp(model, fsdp_mesh, param_dtype, reduce_dtype, reshard_after_forward, cpu_offload)
     # to_empty allocates the parameter shards, and re-allocates the buffers uninitialised: put back
     # the constructor's values (persistent buffers are then loaded again from the checkpoint).
@@ -184,14 +190,14 @@ def _load_sharded(
     model.to_empty(device=torch.device("cpu") if cpu_offload else device)
     for name, buffer in model.named_buffers(remove_duplicate=False):
         buffer.copy_(buffers[name])
-    _load_weights_from_rank0(model, auto_cls, name_or_path, config, trust_remote_code, zero_init_head)
+    _load_weights_from_rank0(model, auto_cls, name_or_path, config, trust_remote_code, zero_init_head, wrap)
     _check_tied_embeddings(model)
     return model
 
 
 def _load_weights_from_rank0(
     model: nn.Module, auto_cls: type, name_or_path: str, config: object, trust_remote_code: bool,
-    zero_init_head: bool,
+    zero_init_head: bool, wrap: Callable[[nn.Module], nn.Module] | None = None,
 ) -> None:
     """Fill the sharded (empty) model's parameters from the checkpoint that only rank 0 reads."""
     full_state: dict[str, torch.Tensor] = {}
@@ -205,6 +211,8 @@ def _load_weights_from_rank0(
                 raise RuntimeError(f"{type(source).__name__} has no output head to zero-initialise.")
             for p in head.parameters():
                 p.data.zero_()
+        if wrap is not None:
+            source = wrap(source)
         full_state = source.state_dict()
         del source
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -528,9 +536,16 @@ def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None,
     Each shard is cast to `dtype` before the gather, not after: with fp32 master weights and a
     bf16 engine that moves half the bytes (bench/bench_sync.py measures both orders).
     """
+    named = ((name, param.detach()) for name, param in model.named_parameters(remove_duplicate=False))
+    yield from gather_full_tensors(named, dtype, bucket_bytes)
+
+
+def gather_full_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
+                        bucket_bytes: int = GATHER_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+    """iter_full_params' bucketed gather, for any stream of (name, DTensor shard or plain tensor) pairs
+    in the same order on every rank (lora.iter_sync_params feeds it merged shards). A collective."""
     bucket: list[tuple[str, DTensor]] = []
-    for name, param in model.named_parameters(remove_duplicate=False):
-        tensor = param.detach()
+    for name, tensor in named_tensors:
         if not isinstance(tensor, DTensor):
             yield from _gather_bucket(bucket)
             bucket = []
@@ -634,8 +649,10 @@ def lr_lambda(optim_cfg: Mapping[str, Any], total_steps: int) -> Callable[[int],
 
 def make_optimizer(model: nn.Module, optim_cfg: Mapping[str, Any],
                    total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over the model's (sharded) parameters and its lr schedule, from an `optim` config section."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=optim_cfg["lr"], betas=tuple(optim_cfg["betas"]),
+    """AdamW over the model's trainable (sharded) parameters and its lr schedule, from an `optim` config
+    section. Frozen ones (the base weights under a LoRA adapter) get no optimizer state."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=optim_cfg["lr"], betas=tuple(optim_cfg["betas"]),
                                   weight_decay=optim_cfg["weight_decay"])
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim_cfg, total_steps))
 

@@ -49,6 +49,7 @@ def _log_once(message: str) -> None:
 class _Internals:
     worker: object  # vllm.v1.worker.{gpu,cpu}_worker.Worker: has reload_weights()
     engine_core: object  # vllm.v1.engine.core_client.InprocClient: has shutdown()
+    packed_modules: dict[str, list[str]]  # the model's fused layers: {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
 
 
 class _DropKnownNoise(logging.Filter):
@@ -76,7 +77,20 @@ def _quiet_sync_logs() -> None:
 
 def _vllm_internals(llm: LLM) -> _Internals:
     engine = llm.llm_engine
-    return _Internals(worker=engine.model_executor.driver_worker.worker, engine_core=engine.engine_core)
+    worker = engine.model_executor.driver_worker.worker
+    packed = getattr(worker.model_runner.get_model(), "packed_modules_mapping", {})
+    return _Internals(worker=worker, engine_core=engine.engine_core,
+                      packed_modules={k: list(v) for k, v in packed.items()})
+
+
+class _DropPartialReloadNoise(logging.Filter):
+    """A sync that sends only some layers (LoRA's) leaves the others as they are, on purpose; vLLM warns
+    about each untouched layer, every sync."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.endswith(": Failed to load weights")
+                    or message.startswith("Following weights were not loaded from checkpoint"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,7 +163,14 @@ def build_rollout_engine(
 # Weight sync and checks that it landed
 
 
-def sync_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+def packed_modules(llm: LLM) -> dict[str, list[str]]:
+    """The engine's fused layers and the checkpoint modules each is loaded from, e.g. {"qkv_proj":
+    ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}: a sync that updates one
+    part of such a layer must send all of its parts (lora.sync_modules)."""
+    return _vllm_internals(llm).packed_modules
+
+
+def sync_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> float:
     """Actor -> engine, the whole sequence: wake the engine's weights, stream the (HF name, full
     tensor) pairs in, drop the prefix cache, then wake the KV cache, so the accelerator holds the
     weights twice at most (the wake-ups do nothing where vLLM cannot sleep). Returns seconds taken.
@@ -157,10 +178,21 @@ def sync_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
     `reload_weights` consumes the iterator lazily (vLLM buffers at most one layer's tensors),
     so passing models.iter_full_params(actor) never builds a second full model copy.
     Plain `model.load_weights` fails on the CPU backend, which repacks weights at start-up.
+
+    partial: the tensors cover only some layers (a LoRA sync); the engine keeps the others as they are.
+    Each layer it reloads must get all of its tensors (vLLM rebuilds a layer once its parts arrive).
     """
     start = time.perf_counter()
     wake_up(llm, ["weights"])
-    _vllm_internals(llm).worker.reload_weights(weights_iterator=iter(named_tensors))
+    loggers = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}") for m in ("layerwise", "inplace")]
+    quiet = _DropPartialReloadNoise()
+    for log in loggers if partial else []:
+        log.addFilter(quiet)
+    try:
+        _vllm_internals(llm).worker.reload_weights(weights_iterator=iter(named_tensors))
+    finally:
+        for log in loggers:
+            log.removeFilter(quiet)
     # Cached prompt KV blocks were computed with the old weights.
     llm.reset_prefix_cache()
     wake_up(llm, ["kv_cache"])

@@ -34,6 +34,7 @@ Deliberate simplification: rewards are rule functions (no reward model).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -62,6 +63,7 @@ from config import (
     unread_keys,
 )
 from data import Prompt, PromptSampler, load_prompts
+from lora import LoraSpec, iter_sync_params, lora_config, sync_modules
 from memory_plan import LOADED, OffloadFlags, plan_moves
 from mesh_utils import (
     build_meshes,
@@ -464,12 +466,17 @@ def main(argv: list[str] | None = None) -> None:
         fsdp_kwargs["attn_implementation"] = ulysses.register_ulysses_attention()
     # The actor and critic are plain FSDP2 modules that apply_moves offloads between phases (below);
     # only the reference model, never stepped, streams its shards from the host (CPUOffloadPolicy).
+    # With LoRA the actor is the frozen model plus a peft adapter, the only thing trained (lora.py).
+    lora_spec = LoraSpec.from_config(model_cfg)
     actor = load_causal_lm(model_cfg.path, meshes.fsdp,
                            reshard_after_forward=actor_cfg.fsdp_config.reshard_after_forward,
-                           activation_checkpointing=model_cfg.enable_gradient_checkpointing, **fsdp_kwargs)
+                           activation_checkpointing=model_cfg.enable_gradient_checkpointing,
+                           wrap=lora_spec.add_adapter if lora_spec else None, **fsdp_kwargs)
     actor_optim, actor_sched = make_optimizer(actor, actor_cfg.optim, total_steps)
-    ref = None
-    if actor_cfg.use_kl_loss or algo_cfg.use_kl_in_reward:
+    ref, reference_mode = None, contextlib.nullcontext
+    if (actor_cfg.use_kl_loss or algo_cfg.use_kl_in_reward) and lora_spec:
+        ref, reference_mode = actor, actor.disable_adapter  # the base model, for free: no second copy
+    elif actor_cfg.use_kl_loss or algo_cfg.use_kl_in_reward:
         ref = load_causal_lm(model_cfg.path, meshes.fsdp, cpu_offload=ref_cfg.fsdp_config.param_offload,
                              **fsdp_kwargs).eval()
     critic = critic_optim = critic_sched = None
@@ -528,9 +535,19 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
 
+    # With LoRA, the first sync sends every weight (merged) and later ones only the modules LoRA changes.
+    lora_modules = sync_modules(actor, ro.packed_modules(llm)) if lora_spec else None
+    synced_once = False
+
     def sync_and_check() -> float:
         """Actor -> engine, then check that it landed (rollout.StaleWeightsCheck); returns the sync's seconds."""
-        seconds = ro.sync_weights(llm, iter_full_params(actor, dtype=param_dtype))
+        nonlocal synced_once
+        if lora_spec:
+            weights = iter_sync_params(actor, param_dtype, lora_modules if synced_once else None)
+        else:
+            weights = iter_full_params(actor, dtype=param_dtype)
+        seconds = ro.sync_weights(llm, weights, partial=bool(lora_spec) and synced_once)
+        synced_once = True
         actor.eval()
         with torch.no_grad():
             actor_log_probs, _ = compute_log_probs(actor, actor_probe, 1.0, 1)  # (1, 4)
@@ -614,7 +631,7 @@ def main(argv: list[str] | None = None) -> None:
                 diff["logprob_diff_mean"], diff["logprob_diff_max"])
             metrics["actor/entropy"] = core.agg_loss(entropy, mask, actor_cfg.loss_agg_mode).item()
         if ref is not None:
-            with timed(metrics, "ref"), torch.no_grad():
+            with timed(metrics, "ref"), torch.no_grad(), reference_mode():
                 batch["ref_log_probs"], _ = compute_log_probs(
                     ref, batch, rollout_cfg.temperature,
                     ref_cfg.log_prob_micro_batch_size_per_gpu or plan.log_prob_micro_batch_size_per_gpu,
@@ -702,7 +719,8 @@ def main(argv: list[str] | None = None) -> None:
             start = time.perf_counter()
             path = save_checkpoint(out_dir, step, ckpt_models,
                                    {"sampler": sampler.state_dict(), "kl_ctrl": kl_ctrl.state_dict()},
-                                   hf_source=(actor.config, tokenizer), keep=trainer_cfg.max_actor_ckpt_to_keep)
+                                   hf_source=(actor.config, tokenizer, *lora_config(actor)),
+                                   keep=trainer_cfg.max_actor_ckpt_to_keep)
             print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
 
     tracker.close()

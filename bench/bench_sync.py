@@ -18,6 +18,11 @@ rank each (configs/tiny_cpu.yaml), 2x2 one engine over two ranks. For each model
                CPU: peak resident set, reset per sync through /proc/self/clear_refs)
 Also, in bf16, casting each shard first and gathering half the bytes (what iter_full_params does)
 against gathering the fp32 master shards and casting after.
+
+LoRA (--lora-rank R, 0 to skip): the same model with an adapter of rank R, once on every linear layer
+(all-linear) and once on q_proj,v_proj, synced as train_ppo.py does after its first sync: the merged
+weights of the target modules (and those vLLM fuses with them) only. lora_sync_s against the full
+sync_s of the same model and layout is the saving.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import rollout as ro
+from lora import LoraSpec, iter_sync_params, sync_modules
 from mesh_utils import DistEnv, Meshes
 from models import default_dtypes, iter_full_params, load_causal_lm
 
@@ -47,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layouts", default="1x1,2x1,2x2", help="comma list of WORLDxTP")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions of each measurement (median)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--lora-rank", type=int, default=16, help="LoRA cases' adapter rank (0: no LoRA cases)")
     ap.add_argument("--assets", type=Path, default=bc.DEFAULT_ASSETS)
     ap.add_argument("--out", type=Path, default=bc.DEFAULT_OUT / "sync.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -108,6 +115,24 @@ def engine_load(llm: LLM, actor: torch.nn.Module, dtype: torch.dtype, reps: int)
     return bc.median(repeat(lambda: ro.sync_weights(llm, iter(gathered)), reps))
 
 
+LORA_TARGETS = ("all-linear", ("q_proj", "v_proj"))
+
+
+def lora_sync(path: Path, meshes: Meshes, llm: LLM, targets: str | tuple[str, ...], rank: int,
+              device: torch.device, reps: int) -> dict:
+    """Seconds of a LoRA sync after the first (merged target modules only), and the bytes it moves."""
+    param_dtype, reduce_dtype = default_dtypes(device.type)
+    spec = LoraSpec(rank, float(rank), targets, None, str(path))
+    actor = load_causal_lm(str(path), meshes.fsdp, device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                           wrap=spec.add_adapter)
+    modules = sync_modules(actor, ro.packed_modules(llm))
+    ro.sync_weights(llm, iter_sync_params(actor, param_dtype))  # the first sync: every weight, merged
+    nbytes = sum(t.numel() * t.element_size() for _, t in iter_sync_params(actor, param_dtype, modules))
+    times = repeat(lambda: ro.sync_weights(llm, iter_sync_params(actor, param_dtype, modules), partial=True), reps)
+    return {"targets": targets if isinstance(targets, str) else ",".join(targets), "rank": rank,
+            "lora_bytes_gb": nbytes / 1e9, "lora_sync_s": bc.median(times), "lora_sync_s_reps": times}
+
+
 def bench_model(label: str, path: Path, meshes: Meshes, env: DistEnv,
                 args: argparse.Namespace) -> tuple[dict, LLM]:
     device_type, engine_dtype = bc.device_and_dtype()
@@ -143,6 +168,9 @@ def bench_model(label: str, path: Path, meshes: Meshes, env: DistEnv,
                                          args.reps))
     gather_bf16_first = bc.median(repeat(lambda: sum(1 for _ in iter_full_params(actor, dtype=bf16)), args.reps))
 
+    lora_cases = [lora_sync(path, meshes, llm, targets, args.lora_rank, device, args.reps)
+                  for targets in (LORA_TARGETS if args.lora_rank > 0 else ())]
+
     world = dist.get_world_size()
     result = {
         "model": label, "params_m": sum(p.numel() for p in actor.parameters()) / 1e6,
@@ -156,6 +184,7 @@ def bench_model(label: str, path: Path, meshes: Meshes, env: DistEnv,
         "sync_s": bc.median(sync_times), "sync_s_reps": sync_times,
         "extra_peak_gb": max(extra_peaks),
         "bf16_gather_then_cast_s": gather_bf16_after, "bf16_cast_then_gather_s": gather_bf16_first,
+        "lora": lora_cases,
     }
     result["sync_vs_floor"] = result["sync_s"] / copy_s
     result["sync_vs_transport_floor"] = result["sync_s"] / (copy_s + gather_floor_s)
@@ -176,6 +205,9 @@ COLUMNS = [("layout", "WxTP", ""), ("model", "model", ""), ("bytes_gb", "GB move
            ("gather_s", "gather s", ".3f"), ("engine_load_s", "engine load s", ".3f"), ("sync_s", "sync s", ".3f"),
            ("sync_vs_floor", "sync/copy floor", ".1f"), ("sync_vs_transport_floor", "sync/(copy+gather floor)", ".1f"),
            ("extra_peak_gb", "extra peak GB", ".3f")]
+LORA_COLUMNS = [("layout", "WxTP", ""), ("model", "model", ""), ("targets", "LoRA targets", ""), ("rank", "rank", ""),
+                ("bytes_gb", "full GB", ".3f"), ("lora_bytes_gb", "LoRA GB", ".3f"), ("sync_s", "full sync s", ".3f"),
+                ("lora_sync_s", "LoRA sync s", ".3f"), ("lora_vs_full", "LoRA/full time", ".2f")]
 
 # Over ranks: a sync ends when the slowest rank ends, so times take the max; so do memory peaks.
 MAX_KEYS = ("copy_floor_s", "per_tensor_copy_s", "gather_floor_s", "gather_s", "engine_load_s", "sync_s", "extra_peak_gb",
@@ -191,12 +223,20 @@ def merge_ranks(per_rank: list[dict]) -> dict:
     merged["extra_peak_vs_bytes"] = merged["extra_peak_gb"] / merged["bytes_gb"]
     merged["layout"] = f"{merged['world']}x{merged['tp']}"
     merged["per_rank"] = [{k: r[k] for k in MAX_KEYS} for r in per_rank]
+    merged["lora"] = [dict(case, lora_sync_s=max(r["lora"][i]["lora_sync_s"] for r in per_rank))
+                      for i, case in enumerate(per_rank[0]["lora"])]
+    for case in merged["lora"]:
+        case["lora_vs_full"] = case["lora_sync_s"] / merged["sync_s"]
     return merged
 
 
 def tables(report: dict) -> list[tuple[str, list[dict], list]]:
     """(title, rows, columns) of what this benchmark shows, for the console and results.md."""
-    return [(f"weight sync, FSDP actor -> vLLM (max over ranks; {report['wall_s']:.0f}s)", report["results"], COLUMNS)]
+    lora_rows = [{**{k: r[k] for k in ("layout", "model", "bytes_gb", "sync_s")}, **case}
+                 for r in report["results"] for case in r.get("lora", [])]
+    return [(f"weight sync, FSDP actor -> vLLM (max over ranks; {report['wall_s']:.0f}s)", report["results"], COLUMNS),
+            ("LoRA weight sync after the first: merged target modules only, against the full sync", lora_rows,
+             LORA_COLUMNS)]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -212,7 +252,8 @@ def run(args: argparse.Namespace) -> dict:
             skipped.append(f"{layout}: needs {world} GPUs")
             continue
         seconds, ranks = bc.launch_workers(Path(__file__), world, specs, paths, [
-            "--tp", tp, "--reps", args.reps, "--gpu-memory-utilization", args.gpu_memory_utilization],
+            "--tp", tp, "--reps", args.reps, "--gpu-memory-utilization", args.gpu_memory_utilization,
+            "--lora-rank", args.lora_rank],
             args.out.parent / "logs" / f"sync_{layout}.log")
         wall += seconds
         machine = ranks[0]["machine"]

@@ -103,8 +103,13 @@ def test_bench_sync_smoke(tiny_assets, tmp_path):
     # results.md renders the same numbers as Markdown
     md = run_all.markdown({"sync": report}, [], report["machine"], 60.0, ["--only", "sync"]).splitlines()
     assert "Reproduce: `python bench/run_all.py --only sync`" in md
-    [row] = [line for line in md if line.startswith("| 2x2 |")]
+    row, *lora_rows = [line for line in md if line.startswith("| 2x2 |")]
     assert f"| {result['sync_s']:.3f} |" in row and md[md.index(row) - 2].startswith("| WxTP | model |")
+    # LoRA cases: after the first sync, the merged target modules only (q_proj,v_proj brings k_proj: fewer bytes)
+    all_linear, qv = result["lora"]
+    assert (all_linear["targets"], qv["targets"]) == ("all-linear", "q_proj,v_proj") and len(lora_rows) == 2
+    assert 0 < qv["lora_bytes_gb"] < all_linear["lora_bytes_gb"] <= result["bytes_gb"]
+    assert qv["lora_sync_s"] > 0 and qv["lora_vs_full"] == pytest.approx(qv["lora_sync_s"] / result["sync_s"])
 
 
 @pytest.mark.slow
