@@ -3,8 +3,8 @@
 Every function is pure and works on padded tensors of shape (B, T): B responses, T = response length.
 `response_mask` is 1 on real response tokens and 0 on the padding after EOS (or on tool/observation
 tokens in multi-turn rollouts). Names and meanings follow verl's `verl/trainer/ppo/core_algos.py`, so
-config keys carry over: algorithm.adv_estimator, algorithm.kl_penalty, actor.loss_agg_mode,
-actor.clip_ratio_low / clip_ratio_high / clip_ratio_c, critic.cliprange_value.
+config keys carry over: algorithm.adv_estimator, algorithm.kl_penalty, actor.policy_loss.loss_mode,
+actor.loss_agg_mode, actor.clip_ratio_low / clip_ratio_high / clip_ratio_c, critic.cliprange_value.
 
 Loss scaling under micro-batching and data parallelism
 ------------------------------------------------------

@@ -667,7 +667,7 @@ def main(argv: list[str] | None = None) -> None:
         # 2-3. generate and score: each rollout dp group samples n responses for its share of the prompts,
         # each rank keeps its slice and scores it (generate_and_score). With algorithm.filter_groups
         # (DAPO's dynamic sampling) generation batches repeat until train_batch_size prompts have groups
-        # whose scores differ, and the step trains on exactly those.
+        # whose metric differs, and the step trains on exactly those.
         if algo_cfg.filter_groups.enable:
             share, reward_extras, sampling_metrics = dynamic_sampling(
                 functools.partial(generate_and_score, step, metrics=metrics), algo_cfg.filter_groups,
