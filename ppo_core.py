@@ -271,7 +271,7 @@ def compute_remax_outcome_advantage(
 # algorithm.adv_estimator -> implementation. Every estimator takes keyword arguments and ignores the
 # ones it does not use, so the trainer calls them all alike. To add one: write it above, register it
 # here, and add its name to config.ADV_ESTIMATORS (and GROUP_ESTIMATORS if it compares the samples
-# of one prompt, so the trainer gathers the whole group first).
+# of one prompt, so the trainer gathers the step's whole batch first).
 ADV_ESTIMATORS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
     "gae": compute_gae_advantage_return,
     "grpo": compute_grpo_outcome_advantage,
