@@ -152,10 +152,11 @@ def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLCont
         all_rewards = gather_in_group(rewards.flatten(), None).view(-1, length)  # (B * world, R), rank order
         all_mask = gather_in_group(mask.flatten(), None).view(-1, length)  # (B * world, R)
         all_index = gather_in_group(batch["prompt_index"], None)  # (B * world,)
-        counts = torch.unique(all_index, return_counts=True)[1]
-        if not bool((counts == samples_per_prompt).all()):  # a baseline from part of a group is silently wrong
-            raise RuntimeError(f"{estimator} needs all rollout.n={samples_per_prompt} samples of each prompt; "
-                               f"the step's batch holds {sorted(set(counts.tolist()))} samples per prompt.")
+        # the layout generation promises, checked: a baseline from part of a group is silently wrong
+        runs = all_index.view(-1, samples_per_prompt) if len(all_index) % samples_per_prompt == 0 else None
+        if runs is None or not bool((runs == runs[:, :1]).all()) or len(set(all_index.tolist())) != len(runs):
+            raise RuntimeError(f"{estimator} needs the step's samples in prompt-major order, rollout.n="
+                               f"{samples_per_prompt} per prompt; got prompt indices {all_index.tolist()[:24]}...")
         all_adv, _ = core.compute_advantage(
             estimator, token_level_rewards=all_rewards, response_mask=all_mask, index=all_index.tolist(),
             norm_adv_by_std_in_grpo=algo_cfg.norm_adv_by_std_in_grpo)  # (B * world, R)

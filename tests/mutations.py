@@ -49,7 +49,8 @@ MUTATIONS = (
         ('gather_in_group(rewards.flatten(), None).view(-1, length)', 'rewards'),
         ('gather_in_group(mask.flatten(), None).view(-1, length)', 'mask'),
         ('gather_in_group(batch["prompt_index"], None)', 'batch["prompt_index"]'),
-        ('if not bool((counts == samples_per_prompt).all()):', 'if False:'),
+        ('if runs is None or not bool((runs == runs[:, :1]).all()) or len(set(all_index.tolist())) != len(runs):',
+         'if False:'),
         ('mine = slice(dist.get_rank() * num_rows, (dist.get_rank() + 1) * num_rows)', 'mine = slice(0, num_rows)')),
         "tests/test_train_ppo_steps.py::test_advantages_use_the_whole_rollout_group"),
     Mutation("dynamic sampling decides from each rank's own samples", "train_ppo.py", ((
