@@ -64,6 +64,8 @@ SCHEMA: dict[str, Any] = {
         "max_prompt_length": (int, 512),
         "max_response_length": (int, 512),
         "train_batch_size": (int, 1024),
+        # prompts per generation batch under algorithm.filter_groups (DAPO); null: train_batch_size
+        "gen_batch_size": (_INT_OR_NONE, None),
         "val_batch_size": (_INT_OR_NONE, None),  # null: the whole validation set at once
         "filter_overlong_prompts": (bool, False),  # drop prompts over max_prompt_length ...
         "truncation": (str, "error"),  # ... or, when not filtering: error | left | right
@@ -108,6 +110,14 @@ SCHEMA: dict[str, Any] = {
             "use_kl_loss": (bool, False),
             "kl_loss_coef": (float, 0.001),
             "kl_loss_type": (str, "low_var_kl"),
+            "policy_loss": {  # ppo_core.POLICY_LOSSES; the other keys belong to one mode each
+                "loss_mode": (str, "vanilla"),  # vanilla | gspo | cispo | clip_cov | kl_cov
+                "clip_cov_ratio": (float, 0.0002),  # clip_cov: fraction of tokens whose gradient is cut
+                "clip_cov_lb": (float, 1.0),  # clip_cov: covariance window those tokens are drawn from
+                "clip_cov_ub": (float, 5.0),
+                "kl_cov_ratio": (float, 0.0002),  # kl_cov: fraction of tokens that get the KL penalty
+                "ppo_kl_coef": (float, 0.1),  # kl_cov: that penalty's coefficient
+            },
             "ulysses_sequence_parallel_size": (int, 1),
             "optim": _optim(1e-6),
             "fsdp_config": _fsdp_config(),
@@ -167,17 +177,28 @@ SCHEMA: dict[str, Any] = {
     },
     "reward_model": {
         "enable": (bool, False),
-        "reward_manager": (str, "naive"),
+        "reward_manager": (str, "naive"),  # naive | dapo (the score, an `acc` extra, the overlong buffer)
+        "overlong_buffer": {  # DAPO's soft length penalty (reward_manager=dapo)
+            "enable": (bool, False),
+            "len": (int, 0),  # the last `len` tokens before max_response_length: penalty 0 -> penalty_factor
+            "penalty_factor": (float, 1.0),
+            "log": (bool, False),  # log reward_extra/overlong_reward and reward_extra/overlong
+        },
     },
     "custom_reward_function": {
         "path": (_STR_OR_NONE, None),
         "name": (str, "compute_score"),
     },
     "algorithm": {
-        "adv_estimator": (str, "gae"),  # gae | grpo | rloo | reinforce_plus_plus
+        "adv_estimator": (str, "gae"),  # ADV_ESTIMATORS below
         "gamma": (float, 1.0),
         "lam": (float, 1.0),
         "norm_adv_by_std_in_grpo": (bool, True),
+        "filter_groups": {  # DAPO's dynamic sampling: train only on groups whose metric differs
+            "enable": (bool, False),
+            "metric": (str, "reward"),  # reward / score / seq_reward: the score; else a reward extra (acc)
+            "max_num_gen_batches": (int, 0),  # <= 0: no limit
+        },
         "use_kl_in_reward": (bool, False),
         "kl_penalty": (str, "kl"),
         # rollout correction (rollout_correction.py): the engine's log-probs against the actor's
@@ -222,9 +243,12 @@ SCHEMA: dict[str, Any] = {
 # The names of the algorithm's choices, said once. ppo_core.py implements each (its registries are
 # keyed by these names; tests/test_config.py checks the two agree) and imports the lists from here,
 # so this file stays free of torch and a config error never waits for it.
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus")
-GROUP_ESTIMATORS = ("grpo", "rloo")  # compare the samples of one prompt: need rollout.n >= 2
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "gpg",
+                  "remax")
+# compare the samples of one prompt (need rollout.n >= 2), computed on the step's whole batch
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg")
 CRITIC_ESTIMATORS = ("gae",)  # need a value model
+POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "clip_cov", "kl_cov")  # actor.policy_loss.loss_mode
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # "+": straight-through, the value of k1 / k3 with the gradient of k2 (for the KL loss)
 KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "kl+", "low_var_kl+")
@@ -241,6 +265,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "actor_rollout_ref.actor.strategy": ("fsdp2",),
     "actor_rollout_ref.rollout.name": ("vllm",),
     "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG_MODES,
+    "actor_rollout_ref.actor.policy_loss.loss_mode": POLICY_LOSS_MODES,
     "critic.loss_agg_mode": LOSS_AGG_MODES,
     "actor_rollout_ref.actor.kl_loss_type": KL_ESTIMATORS,
     "algorithm.kl_penalty": KL_ESTIMATORS,
@@ -253,7 +278,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "actor_rollout_ref.actor.optim.warmup_style": ("constant", "cosine"),
     "critic.optim.lr_scheduler_type": ("constant", "cosine"),
     "critic.optim.warmup_style": ("constant", "cosine"),
-    "reward_model.reward_manager": ("naive",),  # one score per sample from a rule or custom function
+    # one score per sample from a rule or custom function; dapo adds `acc` and the overlong buffer
+    "reward_model.reward_manager": ("naive", "dapo"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
 }
 
@@ -466,6 +492,7 @@ def check_supported(cfg: Config) -> None:
             f"the policy, and the log-probs divide the logits by it; use a value > 0 (1.0 samples the policy "
             f"as it is). Greedy decoding is for validation: rollout.val_kwargs.do_sample=false.")
     check_rollout_correction(cfg)
+    check_algorithm(cfg)
     unknown = [name for name in cfg.trainer.logger if name not in LOGGERS]
     if unknown:
         raise ConfigError(f"trainer.logger has unknown entries {unknown}; valid: {', '.join(LOGGERS)}.")
@@ -552,6 +579,45 @@ def check_rollout_correction(cfg: Config) -> None:
             f"truncated distribution it sampled from, while the actor's are over the whole vocabulary, so the "
             f"ratio would be off by the kept probability mass on every token. Set {_RC}.bypass_mode=false (the "
             f"correction then compares like with like), or top_k=-1 and top_p=1.0.")
+
+
+def check_algorithm(cfg: Config) -> None:
+    """The algorithm keys that only work together (DAPO's, the policy losses'), checked before any model loads."""
+    data, algorithm, reward_model = cfg.data, cfg.algorithm, cfg.reward_model
+    overlong, filter_groups = reward_model.overlong_buffer, algorithm.filter_groups
+    if overlong.enable:
+        if reward_model.reward_manager != "dapo":
+            raise ConfigError(
+                "reward_model.overlong_buffer.enable=true is read by verl's DAPO reward manager only (the naive one "
+                "ignores it); set reward_model.reward_manager=dapo, or overlong_buffer.enable=false.")
+        if not 0 < overlong.len <= data.max_response_length:
+            raise ConfigError(
+                f"reward_model.overlong_buffer.len={overlong.len} must be in 1..data.max_response_length="
+                f"{data.max_response_length}: the penalty grows over the last `len` tokens a response may have "
+                f"(DAPO: 4096 of 20480).")
+    if filter_groups.enable:
+        if data.gen_batch_size is not None and data.gen_batch_size < 1:
+            raise ConfigError(f"data.gen_batch_size={data.gen_batch_size} must be >= 1 prompts per generation "
+                              "batch, or null for data.train_batch_size (DAPO generates 3x: 1536 for 512).")
+        if filter_groups.metric == "seq_final_reward" and algorithm.use_kl_in_reward:
+            raise ConfigError(
+                "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: groups are "
+                "kept or dropped before the KL penalty is known; use metric=seq_reward (or acc).")
+    elif data.gen_batch_size not in (None, data.train_batch_size):
+        raise ConfigError(
+            f"data.gen_batch_size={data.gen_batch_size} is only used by dynamic sampling; set "
+            "algorithm.filter_groups.enable=true, or data.gen_batch_size=null (each step generates for "
+            f"data.train_batch_size={data.train_batch_size} prompts).")
+    policy_loss = cfg.actor_rollout_ref.actor.policy_loss
+    ratio_key = {"clip_cov": "clip_cov_ratio", "kl_cov": "kl_cov_ratio"}.get(policy_loss.loss_mode)
+    if ratio_key is not None and not 0 < policy_loss[ratio_key] <= 1:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.policy_loss.{ratio_key}={policy_loss[ratio_key]} must be in (0, 1]: the "
+            f"fraction of tokens {policy_loss.loss_mode} treats specially (verl's default: 0.0002).")
+    if policy_loss.loss_mode == "clip_cov" and not policy_loss.clip_cov_lb < policy_loss.clip_cov_ub:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.policy_loss.clip_cov_lb={policy_loss.clip_cov_lb} must be below clip_cov_ub="
+            f"{policy_loss.clip_cov_ub}: tokens are drawn from the covariances between them (defaults 1.0, 5.0).")
 
 
 def non_defaults(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -257,6 +257,13 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
             f"{dims.sp}). Nearest valid data.train_batch_size: {_nearest_multiples(tbs, step)}."
         )
     per_rank = total // dims.train_dp
+    gen = cfg.data.gen_batch_size  # dynamic sampling's generation batch: the same rules as train_batch_size
+    if cfg.algorithm.filter_groups.enable and gen is not None and (gen % dims.rollout_dp or gen * n % dims.train_dp):
+        step = dims.rollout_dp * dims.train_dp // math.gcd(dims.rollout_dp, dims.train_dp)
+        raise ConfigError(
+            f"data.gen_batch_size={gen} prompts must split evenly over the {dims.rollout_dp} rollout dp groups and "
+            f"x actor_rollout_ref.rollout.n={n} over the {dims.train_dp} training ranks. Nearest valid: "
+            f"{_nearest_multiples(gen, step)}.")
 
     actor = actor_rollout_ref.actor
     mini, micro, accum = _mini_micro(
@@ -531,6 +538,19 @@ def gather_in_group(x: Any, group: Any) -> Any:
     return out
 
 
+def _dynamic_sampling_lines(cfg: Config, dims: ParallelDims) -> list[str]:
+    """The planner's account of algorithm.filter_groups (DAPO's dynamic sampling), if enabled."""
+    filter_groups = cfg.algorithm.filter_groups
+    if not filter_groups.enable:
+        return []
+    gen = cfg.data.gen_batch_size or cfg.data.train_batch_size
+    limit = filter_groups.max_num_gen_batches
+    return [f"  dynamic sampling: generation batches of data.gen_batch_size={gen} prompts ({gen // dims.rollout_dp} "
+            f"per rollout dp group), {f'at most {limit}' if limit > 0 else 'any number'} a step, until "
+            f"{cfg.data.train_batch_size} prompts have groups whose {filter_groups.metric} differs; those are "
+            f"the samples above"]
+
+
 def print0(*args: Any, **kwargs: Any) -> None:
     """Print on global rank 0 only (or always, outside torchrun)."""
     if int(os.environ.get("RANK", 0)) == 0:
@@ -579,6 +599,7 @@ def describe(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> str:
         f"  x rollout.n={p.n} -> {p.samples_per_rollout_group} samples per group, {p.total_samples} in all",
         f"  training: {p.total_samples} samples / {dims.train_dp} dp ranks (world {w} / sp {dims.sp}) = "
         f"{p.samples_per_rank} per rank",
+        *_dynamic_sampling_lines(cfg, dims),
         f"  actor mini batch: ppo_mini_batch_size={actor_rollout_ref.actor.ppo_mini_batch_size} x n={p.n} = "
         f"{actor_rollout_ref.actor.ppo_mini_batch_size * p.n} -> / {dims.train_dp} = {p.ppo_mini_batch_size_per_rank} per rank; "
         f"{p.num_mini_batches} optimizer step(s) per ppo epoch x {actor_rollout_ref.actor.ppo_epochs} epoch(s)",

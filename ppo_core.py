@@ -3,8 +3,8 @@
 Every function is pure and works on padded tensors of shape (B, T): B responses, T = response length.
 `response_mask` is 1 on real response tokens and 0 on the padding after EOS (or on tool/observation
 tokens in multi-turn rollouts). Names and meanings follow verl's `verl/trainer/ppo/core_algos.py`, so
-config keys carry over: algorithm.adv_estimator, algorithm.kl_penalty, actor.loss_agg_mode,
-actor.clip_ratio_low / clip_ratio_high / clip_ratio_c, critic.cliprange_value.
+config keys carry over: algorithm.adv_estimator, algorithm.kl_penalty, actor.policy_loss.loss_mode,
+actor.loss_agg_mode, actor.clip_ratio_low / clip_ratio_high / clip_ratio_c, critic.cliprange_value.
 
 Loss scaling under micro-batching and data parallelism
 ------------------------------------------------------
@@ -204,26 +204,116 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return advantages, returns
 
 
+@torch.no_grad()
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor,
+    whiten_group: dist.ProcessGroup | None = None, **_: Any,
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++-baseline (Hu 2025): outcome minus its group's mean, broadcast over the response and
+    whitened over every token of the batch (so longer responses weigh more in the statistics).
+    A size-1 group keeps its raw outcome before whitening, as in verl. Returns (advantages, returns), equal."""
+    scores = masked_sum(token_level_rewards, response_mask, axis=-1)  # (B,)
+    size, mean, _ = _group_stats(scores, _group_ids(index, scores.device))  # (B,) each
+    centred = torch.where(size > 1, scores - mean, scores)  # (B,)
+    mask = response_mask.bool()  # (B, T)
+    tiled = torch.where(mask, centred.unsqueeze(-1), 0.0)  # (B, T)
+    adv = torch.where(mask, masked_whiten(tiled, mask, group=whiten_group), 0.0)  # (B, T)
+    return adv, adv
+
+
+@torch.no_grad()
+def compute_opo_outcome_advantage(
+    token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor, **_: Any
+) -> tuple[Tensor, Tensor]:
+    """OPO (Hao et al. 2025): outcome minus the length-weighted mean outcome of its group,
+    sum(len_j * s_j) / sum(len_j), the baseline that minimises the gradient's variance for equal-length
+    token sums. A size-1 group has baseline 0, as in verl. Returns (advantages, returns), equal."""
+    scores = masked_sum(token_level_rewards, response_mask, axis=-1)  # (B,)
+    lengths = response_mask.to(scores.dtype).sum(-1)  # (B,)
+    group = _group_ids(index, scores.device)  # (B,)
+    zeros = scores.new_zeros(int(group.max()) + 1)  # (G,)
+    weighted = zeros.index_add(0, group, lengths * scores)  # (G,) sum of len * score
+    total_len = zeros.index_add(0, group, lengths)  # (G,)
+    size = zeros.index_add(0, group, torch.ones_like(scores))  # (G,)
+    baseline = torch.where(size > 1, weighted / total_len.clamp_min(1e-8), 0.0)[group]  # (B,)
+    adv = torch.where(response_mask.bool(), (scores - baseline).unsqueeze(-1), 0.0)  # (B, T)
+    return adv, adv
+
+
+@torch.no_grad()
+def compute_gpg_outcome_advantage(
+    token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor, f_norm: float = 1.0,
+    **_: Any,
+) -> tuple[Tensor, Tensor]:
+    """GPG (Chu et al. 2025): alpha * (outcome - group mean) / f_norm, where alpha = B / (samples with a
+    non-zero outcome) rescales for the batch's samples that carry no signal. A size-1 group has mean 0,
+    as in verl. Returns (advantages, returns), equal."""
+    scores = masked_sum(token_level_rewards, response_mask, axis=-1)  # (B,)
+    size, mean, _ = _group_stats(scores, _group_ids(index, scores.device))  # (B,) each
+    alpha = len(scores) / max(int(torch.count_nonzero(scores)), 1)  # a Python float: exact in any dtype
+    adv = alpha * (scores - torch.where(size > 1, mean, 0.0)) / f_norm  # (B,)
+    adv = torch.where(response_mask.bool(), adv.unsqueeze(-1), 0.0)  # (B, T)
+    return adv, adv
+
+
+@torch.no_grad()
+def compute_remax_outcome_advantage(
+    token_level_rewards: Tensor, response_mask: Tensor, reward_baselines: Tensor, **_: Any
+) -> tuple[Tensor, Tensor]:
+    """ReMax (Li et al. 2023): the return-to-go minus the reward of the greedy response to the same
+    prompt (reward_baselines, (B,)). Returns (advantages, returns); not whitened, as in verl."""
+    mask = response_mask.bool()  # (B, T)
+    returns = torch.where(mask, token_level_rewards, 0.0).flip(-1).cumsum(-1).flip(-1)  # (B, T) reward-to-go
+    advantages = torch.where(mask, returns - reward_baselines.unsqueeze(-1), 0.0)  # (B, T)
+    return advantages, returns
+
+
 # algorithm.adv_estimator -> implementation. Every estimator takes keyword arguments and ignores the
 # ones it does not use, so the trainer calls them all alike. To add one: write it above, register it
 # here, and add its name to config.ADV_ESTIMATORS (and GROUP_ESTIMATORS if it compares the samples
-# of one prompt, so the trainer gathers the whole group first).
+# of one prompt, so the trainer gathers the step's whole batch first).
 ADV_ESTIMATORS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
     "gae": compute_gae_advantage_return,
     "grpo": compute_grpo_outcome_advantage,
     "rloo": compute_rloo_outcome_advantage,
     "reinforce_plus_plus": compute_reinforce_plus_plus_outcome_advantage,
+    "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_outcome_advantage,
+    "opo": compute_opo_outcome_advantage,
+    "gpg": compute_gpg_outcome_advantage,
+    "remax": compute_remax_outcome_advantage,
 }
 
 
 def compute_advantage(adv_estimator: str, **kwargs: Any) -> tuple[Tensor, Tensor]:
     """Dispatch on algorithm.adv_estimator. kwargs: token_level_rewards, response_mask and whatever
-    any estimator needs (values, index, gamma, lam, norm_adv_by_std_in_grpo, whiten_group)."""
+    any estimator needs (values, index, gamma, lam, norm_adv_by_std_in_grpo, whiten_group, reward_baselines)."""
     if adv_estimator not in ADV_ESTIMATORS:
         raise ValueError(
             f"unknown algorithm.adv_estimator={adv_estimator!r}; valid: {', '.join(ADV_ESTIMATORS)}"
         )
     return ADV_ESTIMATORS[adv_estimator](**kwargs)
+
+
+# --- DAPO: overlong reward shaping, dynamic sampling ---------------------------------------------
+
+
+def overlong_penalty(response_lengths: Tensor, max_response_length: int, buffer_len: int,
+                     penalty_factor: float) -> Tensor:
+    """DAPO's soft overlong punishment, (B,) -> (B,) <= 0: nothing up to max_response_length - buffer_len
+    tokens, then falling linearly to -penalty_factor at max_response_length."""
+    excess = response_lengths.float() - (max_response_length - buffer_len)  # (B,) tokens into the buffer
+    return (-excess / buffer_len * penalty_factor).clamp(max=0.0)
+
+
+def group_has_spread(values: Tensor, index: Sequence[Any] | Tensor) -> Tensor:
+    """(B,) bool: whether sample i's group (same index) holds differing values, or is a single sample.
+    DAPO's dynamic sampling keeps those groups: a group with one value has zero group-relative advantages."""
+    group = _group_ids(index, values.device)  # (B,)
+    empty = values.new_zeros(int(group.max()) + 1)  # (G,)
+    highest = empty.scatter_reduce(0, group, values, "amax", include_self=False)  # (G,) exact, unlike a std
+    lowest = empty.scatter_reduce(0, group, values, "amin", include_self=False)  # (G,)
+    size = empty.index_add(0, group, torch.ones_like(values))  # (G,)
+    return ((highest > lowest) | (size == 1))[group]
 
 
 # --- loss aggregation ----------------------------------------------------------------------------
@@ -337,6 +427,149 @@ def compute_policy_loss(
         pg_losses, response_mask, loss_agg_mode, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor
     )
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+# --- policy losses by actor.policy_loss.loss_mode -----------------------------------------------
+# Each takes (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode) and keyword arguments,
+# ignoring the ones it does not use (the clip ratios, its own policy_loss.* keys, agg_loss's counts;
+# rollout_is_weights, which every loss applies to its per-token losses through _agg),
+# and returns (pg_loss, {metric name: local value}), so the trainer calls them all alike.
+
+_AGG_KEYS = ("global_num_tokens", "global_num_seqs", "dp_size", "loss_scale_factor")
+
+
+def _agg(loss_mat: Tensor, mask: Tensor, loss_agg_mode: str, kwargs: dict[str, Any]) -> Tensor:
+    """agg_loss with the counts found in a loss's keyword arguments (the module docstring's scaling),
+    after multiplying the per-token losses by rollout_is_weights (rollout correction's detached
+    weights, (B, T)) when the keyword arguments hold them."""
+    weights = kwargs.get("rollout_is_weights")
+    if weights is not None:
+        loss_mat = loss_mat * weights  # (B, T)
+    return agg_loss(loss_mat, mask, loss_agg_mode, **{k: kwargs[k] for k in _AGG_KEYS if k in kwargs})
+
+
+def policy_loss_vanilla(
+    old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
+    *, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float = 3.0, **kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped surrogate with dual-clip: compute_policy_loss."""
+    pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+        old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high, clip_ratio_c,
+        loss_agg_mode, **{k: kwargs[k] for k in _AGG_KEYS if k in kwargs},
+        rollout_is_weights=kwargs.get("rollout_is_weights"))
+    return pg_loss, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": clipfrac_lower}
+
+
+def policy_loss_gspo(
+    old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean", *, clip_ratio_low: float, clip_ratio_high: float, **kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025): PPO's clip on the sequence's ratio s = (pi / pi_old)^(1/|y|), the
+    geometric mean of its token ratios, shared by all its tokens. Token t's factor is
+    sg[s] * pi_t / sg[pi_t]: its value is s, its gradient flows through log pi_t alone. The paper uses
+    seq-mean-token-mean and clip ranges of 3e-4 / 4e-4 (the ratio of a whole sequence moves little)."""
+    mask = response_mask.bool()  # (B, T)
+    log_ratio = log_prob - old_log_prob  # (B, T)
+    seq_log_ratio = masked_mean(log_ratio, mask, axis=-1)  # (B,) log s
+    log_s = (log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)  # (B, T)
+    ratio = log_s.exp()  # (B, T) value s, per-token gradient
+    loss_unclipped = -advantages * ratio  # (B, T)
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)  # (B, T)
+    pg_losses = torch.maximum(loss_unclipped, loss_clipped)  # (B, T)
+    pg_clipfrac = masked_mean((loss_clipped > loss_unclipped).to(ratio.dtype), mask)  # ()
+    return _agg(pg_losses, mask, loss_agg_mode, kwargs), {
+        "actor/pg_clipfrac": pg_clipfrac, "actor/ppo_kl": masked_mean(-log_ratio, mask)}
+
+
+def policy_loss_cispo(
+    old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
+    *, clip_ratio_low: float, clip_ratio_high: float, **kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped, stop-gradient ratio,
+    -sg[clip(r, 1 - low, 1 + high)] * A * log pi. Unlike PPO no token's gradient is dropped: a clipped
+    ratio only caps its weight."""
+    mask = response_mask.bool()  # (B, T)
+    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T)
+    ratio = log_ratio.exp()  # (B, T)
+    weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high).detach()  # (B, T)
+    pg_losses = -weight * advantages * log_prob  # (B, T)
+    pg_clipfrac = masked_mean((ratio != weight).to(ratio.dtype), mask)  # ()
+    return _agg(pg_losses, mask, loss_agg_mode, kwargs), {
+        "actor/pg_clipfrac": pg_clipfrac, "actor/ppo_kl": masked_mean(-log_ratio, mask)}
+
+
+def _centred_product(advantages: Tensor, log_prob: Tensor, mask: Tensor) -> Tensor:
+    """(A - mean A) * (log pi - mean log pi) per token, the means over this micro batch's valid tokens:
+    each token's share of the covariance that drives the entropy down (Cui et al. 2025)."""
+    log_prob = log_prob.detach()
+    return (advantages - masked_mean(advantages, mask)) * (log_prob - masked_mean(log_prob, mask))  # (B, T)
+
+
+def policy_loss_clip_cov(
+    old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
+    *, clip_ratio_low: float, clip_ratio_high: float, clip_cov_ratio: float = 0.0002, clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0, generator: torch.Generator | None = None, **kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clip-Cov (Cui et al. 2025): PPO's clipped surrogate, and the gradient of a few tokens cut: up to
+    max(1, clip_cov_ratio x valid tokens) drawn at random (with `generator`) among those PPO did not clip
+    whose covariance term lies in (clip_cov_lb, clip_cov_ub). Per micro batch, as in verl.
+    pg_clipfrac is the fraction cut."""
+    mask = response_mask.bool()  # (B, T)
+    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T)
+    ratio = log_ratio.exp()  # (B, T)
+    loss_unclipped = -advantages * ratio  # (B, T)
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)  # (B, T)
+    cov = _centred_product(advantages, log_prob, mask)  # (B, T)
+    candidates = mask & ~(loss_clipped > loss_unclipped) & (cov > clip_cov_lb) & (cov < clip_cov_ub)  # (B, T)
+    candidate_idx = candidates.flatten().nonzero().squeeze(-1)  # (C,) flat positions
+    num_cut = min(max(int(clip_cov_ratio * int(mask.sum())), 1), len(candidate_idx))
+    order = torch.randperm(len(candidate_idx), generator=generator).to(candidate_idx.device)  # (C,)
+    keep = torch.ones(mask.numel(), dtype=ratio.dtype, device=ratio.device)  # (B*T,)
+    keep[candidate_idx[order[:num_cut]]] = 0.0
+    keep = keep.view_as(ratio)  # (B, T) 0 where the gradient is cut
+    pg_losses = torch.maximum(loss_unclipped, loss_clipped) * keep  # (B, T)
+    return _agg(pg_losses, mask, loss_agg_mode, kwargs), {
+        "actor/pg_clipfrac": masked_mean(1.0 - keep, mask), "actor/ppo_kl": masked_mean(-log_ratio, mask)}
+
+
+def policy_loss_kl_cov(
+    old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
+    *, kl_cov_ratio: float = 0.0002, ppo_kl_coef: float = 0.1, **kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """KL-Cov (Cui et al. 2025): the unclipped surrogate -A * r, plus ppo_kl_coef * |log r| on the
+    max(1, kl_cov_ratio x valid tokens) tokens with the largest covariance term. Per micro batch, as in
+    verl; actor/ppo_kl is the mean |log r|."""
+    mask = response_mask.bool()  # (B, T)
+    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T)
+    pg_losses = -advantages * log_ratio.exp()  # (B, T)
+    cov = torch.where(mask, _centred_product(advantages, log_prob, mask), -torch.inf).flatten()  # (B*T,)
+    num_valid = int(mask.sum())
+    penalised = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)  # (B*T,)
+    if num_valid > 0:
+        penalised[torch.topk(cov, max(1, int(num_valid * kl_cov_ratio))).indices] = True
+    penalty = ppo_kl_coef * log_ratio.abs()  # (B, T)
+    pg_losses = torch.where(penalised.view_as(mask), pg_losses + penalty, pg_losses)  # (B, T)
+    return _agg(pg_losses, mask, loss_agg_mode, kwargs), {"actor/ppo_kl": masked_mean(log_ratio.abs(), mask)}
+
+
+# actor.policy_loss.loss_mode -> implementation. To add one: write it above with the same arguments
+# and results, register it here, and add its name to config.POLICY_LOSS_MODES (its own keys, if
+# any, under actor.policy_loss in config.SCHEMA, passed on by train_ppo.update_actor).
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
+    "vanilla": policy_loss_vanilla,
+    "gspo": policy_loss_gspo,
+    "cispo": policy_loss_cispo,
+    "clip_cov": policy_loss_clip_cov,
+    "kl_cov": policy_loss_kl_cov,
+}
+
+
+def policy_loss(loss_mode: str, old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                loss_agg_mode: str = "token-mean", **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    """Dispatch on actor.policy_loss.loss_mode. Returns (pg_loss, {'actor/...': local metric})."""
+    if loss_mode not in POLICY_LOSSES:
+        raise ValueError(f"unknown actor.policy_loss.loss_mode={loss_mode!r}; valid: {', '.join(POLICY_LOSSES)}")
+    return POLICY_LOSSES[loss_mode](old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, **kwargs)
 
 
 def compute_value_loss(

@@ -16,7 +16,7 @@ The step's batch is a dict of tensors, one row per sample this rank trains on; i
 and grows through the step (B samples on this rank, P = max_prompt_length, R = max_response_length):
     prompts (B, P) left-padded; responses, response_mask, rollout_log_probs (B, R);
     input_ids, attention_mask, position_ids (B, P+R); prompt_index (B,)      <- step 2, generate
-    token_level_scores (B, R)                                                <- step 3, reward
+    token_level_scores (B, R); reward_baselines (B,) for ReMax               <- step 3, reward
     old_log_probs, ref_log_probs, values (B, R)                              <- step 4
     token_level_rewards, advantages, returns (B, R)                          <- step 5
     rollout_is_weights (B, R); response_mask less rejected tokens            <- step 5b (rollout correction)
@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import itertools
 import json
 import os
 import random
@@ -132,12 +134,15 @@ def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLCont
     """Token-level rewards, advantages (and returns) of this rank's samples, written into `batch`.
 
     Where each sample's group lives: the ranks of dp_group (mesh_utils.train_dp_group: all ranks, or
-    with Ulysses one rank of each sp group) hold the step's samples between them, each once. So
-    estimators that compare the samples of a prompt (config.GROUP_ESTIMATORS: GRPO, RLOO) first
-    all-gather the outcome rewards and prompt indices over dp_group (one number per sample), compute
-    on the whole step, and keep this rank's rows. The others (GAE, REINFORCE++) work per sample, but
-    whiten over the step's whole batch, as verl's driver does; the adaptive KL controller also sees
-    the whole batch's KL.
+    with Ulysses one rank of each sp group) hold the step's samples between them, each once: dp rank r
+    holds slice r of them in prompt-major order (a rollout dp group generated a prompt's n samples;
+    split_for_training, or dynamic sampling, gave each rank a contiguous slice), so a prompt's samples
+    may span neighbouring ranks. Estimators that compare the samples of a prompt
+    (config.GROUP_ESTIMATORS: GRPO, RLOO, REINFORCE++-baseline, OPO, GPG) all-gather the token rewards,
+    masks and prompt indices over dp_group, compute on the step's whole batch as verl's driver does
+    (some also use batch-wide statistics: whitening, GPG's scale), and keep this rank's rows. The
+    others (GAE, REINFORCE++, ReMax) work per sample; GAE and REINFORCE++ whiten over the whole batch
+    through dp_group. The adaptive KL controller also sees the whole batch's KL.
     """
     mask = batch["response_mask"].float()  # (B, R)
     metrics: dict[str, float] = {}
@@ -155,22 +160,26 @@ def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLCont
 
     estimator = algo_cfg.adv_estimator
     if estimator in GROUP_ESTIMATORS:
-        step_rewards = gather_in_group((rewards * mask).sum(-1), dp_group)[:, None]  # (B * dp, 1) outcomes
-        step_index = gather_in_group(batch["prompt_index"], dp_group)  # (B * dp,)
-        counts = torch.unique(step_index, return_counts=True)[1]
-        if not bool((counts == samples_per_prompt).all()):  # a baseline from part of a group is silently wrong
-            raise RuntimeError(f"{estimator} needs all rollout.n={samples_per_prompt} samples of each prompt; "
-                               f"the step holds {sorted(set(counts.tolist()))} samples per prompt.")
-        step_adv, _ = core.compute_advantage(
-            estimator, token_level_rewards=step_rewards, response_mask=torch.ones_like(step_rewards),
-            index=step_index.tolist(), norm_adv_by_std_in_grpo=algo_cfg.norm_adv_by_std_in_grpo)  # (B * dp, 1)
+        num_rows, length = mask.shape
+        all_rewards = gather_in_group(rewards.flatten(), dp_group).view(-1, length)  # (B * dp, R), dp rank order
+        all_mask = gather_in_group(mask.flatten(), dp_group).view(-1, length)  # (B * dp, R)
+        all_index = gather_in_group(batch["prompt_index"], dp_group)  # (B * dp,)
+        # the layout generation promises, checked: a baseline from part of a group is silently wrong
+        runs = all_index.view(-1, samples_per_prompt) if len(all_index) % samples_per_prompt == 0 else None
+        if runs is None or not bool((runs == runs[:, :1]).all()) or len(set(all_index.tolist())) != len(runs):
+            raise RuntimeError(f"{estimator} needs the step's samples in prompt-major order, rollout.n="
+                               f"{samples_per_prompt} per prompt; got prompt indices {all_index.tolist()[:24]}...")
+        all_adv, _ = core.compute_advantage(
+            estimator, token_level_rewards=all_rewards, response_mask=all_mask, index=all_index.tolist(),
+            norm_adv_by_std_in_grpo=algo_cfg.norm_adv_by_std_in_grpo)  # (B * dp, R)
         dp_rank = dist.get_rank(dp_group)
-        mine = slice(dp_rank * len(mask), (dp_rank + 1) * len(mask))
-        batch["advantages"] = batch["returns"] = step_adv[mine] * mask  # (B, R): broadcast over the tokens
+        mine = slice(dp_rank * num_rows, (dp_rank + 1) * num_rows)
+        batch["advantages"] = batch["returns"] = all_adv[mine]  # (B, R)
     else:
         batch["advantages"], batch["returns"] = core.compute_advantage(
             estimator, token_level_rewards=rewards, response_mask=mask, values=batch.get("values"),
-            gamma=algo_cfg.gamma, lam=algo_cfg.lam, whiten_group=dp_group)  # (B, R) each
+            gamma=algo_cfg.gamma, lam=algo_cfg.lam, whiten_group=dp_group,
+            reward_baselines=batch.get("reward_baselines"))  # (B, R) each
     return metrics
 
 
@@ -246,7 +255,8 @@ def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
                  loss_scale_factor: int, generator: torch.Generator, max_token_len: int | None = None,
                  use_remove_padding: bool = False, dp_group: dist.ProcessGroup | None = None,
                  sp_group: dist.ProcessGroup | None = None, bypass: Config | None = None) -> dict[str, float]:
-    """Clipped policy loss, minus the entropy bonus, plus the KL loss to the reference model.
+    """The policy loss of actor.policy_loss.loss_mode (ppo_core.POLICY_LOSSES), minus the entropy bonus,
+    plus the KL loss to the reference model.
     max_token_len: token-budget micro batches (use_dynamic_bsz); use_remove_padding: packed forwards;
     sp_group: Ulysses forwards; dp_group: see run_updates. The batch's rollout_is_weights (decoupled
     rollout correction) weigh the policy loss; with bypass (algorithm.rollout_correction in bypass
@@ -254,6 +264,12 @@ def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
     calc_entropy = actor_cfg.entropy_coeff != 0
     clip_low, clip_high = (actor_cfg.clip_ratio if c is None else c for c in (actor_cfg.clip_ratio_low,
                                                                               actor_cfg.clip_ratio_high))
+    policy_cfg = actor_cfg.policy_loss
+    # every loss gets every parameter and uses its own (clip_cov draws its tokens with the step's generator)
+    loss_params = dict(clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=actor_cfg.clip_ratio_c,
+                       clip_cov_ratio=policy_cfg.clip_cov_ratio, clip_cov_lb=policy_cfg.clip_cov_lb,
+                       clip_cov_ub=policy_cfg.clip_cov_ub, kl_cov_ratio=policy_cfg.kl_cov_ratio,
+                       ppo_kl_coef=policy_cfg.ppo_kl_coef, generator=generator)
 
     def loss_fn(mb: Batch, scale: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         log_prob, entropy = compute_log_probs(actor, mb, temperature, len(mb["responses"]), calc_entropy,
@@ -269,12 +285,11 @@ def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
                                                        is_weights, actor_cfg.loss_agg_mode, **scale)
             terms.update({"actor/pg_loss": pg_loss, "actor/ppo_kl": ppo_kl})
         else:  # in bypass mode the ratio already is pi_theta / pi_engine: no weights on top (verl's ppo_clip)
-            pg_loss, clipfrac, ppo_kl, clipfrac_lower = core.compute_policy_loss(
-                mb["old_log_probs"], log_prob, mb["advantages"], pg_mask, clip_low, clip_high,
-                actor_cfg.clip_ratio_c, actor_cfg.loss_agg_mode, **scale,
+            pg_loss, pg_metrics = core.policy_loss(
+                policy_cfg.loss_mode, mb["old_log_probs"], log_prob, mb["advantages"], pg_mask,
+                actor_cfg.loss_agg_mode, **loss_params, **scale,
                 rollout_is_weights=None if bypass is not None else is_weights)
-            terms.update({"actor/pg_loss": pg_loss, "actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl,
-                          "actor/pg_clipfrac_lower": clipfrac_lower})
+            terms.update({"actor/pg_loss": pg_loss, **pg_metrics})
         loss = pg_loss
         if calc_entropy:
             terms["actor/entropy_loss"] = core.agg_loss(entropy, mask, actor_cfg.loss_agg_mode, **scale)
@@ -349,6 +364,99 @@ def count_batch(prompt_index: torch.Tensor, dp_group: dist.ProcessGroup) -> dict
     dist.all_gather_object(indices, prompt_index.tolist(), group=dp_group)
     return {"batch/num_prompts": len({i for rank_indices in indices for i in rank_indices}),
             "batch/num_samples": sum(len(rank_indices) for rank_indices in indices)}
+
+
+# -----------------------------------------------------------------------------
+# Scores and DAPO's dynamic sampling
+
+
+def score_samples(reward_fn: RewardFn, tokenizer: Any, share: Batch, prompts: list[Prompt], reward_cfg: Config,
+                  max_response_length: int) -> tuple[torch.Tensor, list[dict[str, float]]]:
+    """A rule score per sample of `share` (responses, response_mask, prompt_index), (B,), and the reward
+    function's extras. With reward_model.reward_manager=dapo, as verl's DAPO manager: each score is also
+    an `acc` extra (unless the function returned one), and reward_model.overlong_buffer adds its penalty."""
+    rows = [prompts[i] for i in share["prompt_index"].tolist()]
+    _, scores, extras = score_batch(reward_fn, tokenizer, share["responses"], share["response_mask"], rows)
+    scores = torch.tensor(scores, dtype=torch.float32)  # (B,)
+    if reward_cfg.reward_manager == "dapo":
+        for sample_extras, score in zip(extras, scores.tolist(), strict=True):
+            sample_extras.setdefault("acc", score)
+        buffer = reward_cfg.overlong_buffer
+        if buffer.enable:
+            penalty = core.overlong_penalty(share["response_mask"].sum(-1), max_response_length, buffer.len,
+                                            buffer.penalty_factor)  # (B,) <= 0
+            scores = scores + penalty
+            if buffer.log:
+                for sample_extras, value in zip(extras, penalty.tolist(), strict=True):
+                    sample_extras.update(overlong_reward=value, overlong=float(value < 0))
+    return scores, extras
+
+
+SCORE_METRICS = ("reward", "score", "seq_reward", "seq_final_reward")  # verl's names for the sample's score
+
+
+def filter_metric(share: Batch, extras: list[dict[str, float]], metric: str) -> torch.Tensor:
+    """algorithm.filter_groups.metric per sample, (B,): the score (SCORE_METRICS; the KL penalty comes
+    later, so seq_final_reward is the score too, config.check_algorithm refuses it with KL in reward),
+    or the reward function's extra output of that name (acc)."""
+    if metric in SCORE_METRICS:
+        return share["scores"]
+    missing = [e for e in extras if metric not in e]
+    if missing:
+        raise ConfigError(
+            f"algorithm.filter_groups.metric={metric!r}: the reward function returned no {metric!r} for some "
+            f"samples (one returned {sorted(missing[0]) or 'no extras'}). Use metric=reward, or "
+            f"reward_model.reward_manager=dapo, which records each score as `acc`.")
+    return torch.tensor([e[metric] for e in extras], dtype=torch.float64)
+
+
+def dynamic_sampling(generate_and_score: Callable[[int], tuple[Batch, list[dict[str, float]]]], filter_cfg: Config,
+                     *, train_batch_size: int) -> tuple[Batch, list[dict[str, float]], dict[str, float]]:
+    """DAPO's dynamic sampling (algorithm.filter_groups): generation batches k = 0, 1, ...
+    (generate_and_score(k) returns this rank's share, scored) until train_batch_size prompts have groups
+    whose metric differs (ppo_core.group_has_spread); at most max_num_gen_batches of them (<= 0: no limit).
+
+    Every rank gathers every sample's metric, so all keep the same prompts: the first train_batch_size
+    such prompts, in generation order. Their samples are then all-gathered and rank r keeps slice r in
+    prompt-major order, the layout plain generation gives (whole groups when train_batch_size divides by
+    the world size). Returns (this rank's share, its extras, metrics train/num_gen_batches and
+    train/uniform_group_fraction, the fraction of groups generated this step that were dropped)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    taken: set[int] = set()  # prompts kept this step
+    kept: list[tuple[Batch, list[dict[str, float]]]] = []  # this rank's kept rows, per generation batch
+    num_groups = num_uniform = 0
+    for gen_batch in itertools.count():
+        if 0 < filter_cfg.max_num_gen_batches <= gen_batch:
+            raise RuntimeError(
+                f"dynamic sampling: {gen_batch} generation batches (algorithm.filter_groups.max_num_gen_batches) "
+                f"gave {len(taken)} of the data.train_batch_size={train_batch_size} prompts whose samples differ in "
+                f"{filter_cfg.metric}; {num_uniform} of {num_groups} groups were uniform. Raise max_num_gen_batches "
+                f"or data.gen_batch_size (0: no limit), or use data the policy sometimes solves.")
+        share, extras = generate_and_score(gen_batch)
+        values = filter_metric(share, extras, filter_cfg.metric)  # (B,)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, (share["prompt_index"].tolist(), values.tolist()))
+        index = [i for rank_index, _ in everyone for i in rank_index]  # the generation batch, prompt-major
+        spread = core.group_has_spread(torch.tensor([v for _, vs in everyone for v in vs], dtype=torch.float64), index)
+        now: set[int] = set()
+        for prompt, has_spread in dict(zip(index, spread.tolist(), strict=True)).items():  # each prompt once
+            num_groups, num_uniform = num_groups + 1, num_uniform + (not has_spread)
+            if has_spread and prompt not in taken and len(taken) < train_batch_size:
+                taken.add(prompt)
+                now.add(prompt)
+        rows = [i for i, prompt in enumerate(share["prompt_index"].tolist()) if prompt in now]
+        kept.append(({k: v[rows] for k, v in share.items()}, [extras[i] for i in rows]))
+        if len(taken) == train_batch_size:
+            break
+    everyone = [None] * world
+    dist.all_gather_object(everyone, kept)
+    parts = [everyone[r][k] for k in range(len(kept)) for r in range(world)]  # prompt-major: batch by batch
+    samples = {key: torch.cat([part[key] for part, _ in parts]) for key in kept[0][0]}
+    all_extras = [e for _, part_extras in parts for e in part_extras]
+    per_rank = len(all_extras) // world  # train_batch_size x n / world (mesh_utils.plan_batches)
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    metrics = {"train/num_gen_batches": gen_batch + 1, "train/uniform_group_fraction": num_uniform / num_groups}
+    return {k: v[mine] for k, v in samples.items()}, all_extras[mine], metrics
 
 
 # -----------------------------------------------------------------------------
@@ -454,7 +562,9 @@ def main(argv: list[str] | None = None) -> None:
     reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
     if rule_reward:  # a data source without a rule fails now, not at the first rollout
         check_data_sources(p.data_source for p in train_prompts + val_prompts)
-    sampler = PromptSampler(len(train_prompts), data_cfg.train_batch_size, data_cfg.seed, data_cfg.shuffle)
+    # a step draws data.train_batch_size prompts; under dynamic sampling, generation batches of data.gen_batch_size
+    sampler = PromptSampler(len(train_prompts), data_cfg.gen_batch_size or data_cfg.train_batch_size, data_cfg.seed,
+                            data_cfg.shuffle)
     epochs_in_steps = sampler.batches_per_epoch * trainer_cfg.total_epochs
     total_steps = trainer_cfg.total_training_steps or epochs_in_steps
 
@@ -554,6 +664,30 @@ def main(argv: list[str] | None = None) -> None:
         stale_check.check(ro.engine_fingerprint(llm, probe), actor_log_probs.double().cpu())
         return seconds
 
+    def generate_and_score(step: int, gen_batch: int, metrics: dict[str, float]) -> tuple[Batch, list[dict[str, float]]]:
+        """This rank's share of one generation batch, on the host: its rollout dp group's prompts, n samples
+        each (ro.generate), TP rank r's slice r of them (ro.split_for_training), scored (score_samples).
+        For ReMax also `reward_baselines`, the score of each prompt's greedy response, one more generate."""
+        sampling = dict(train_sampling, seed=train_sampling["seed"] + 1_000_003 * gen_batch)  # fresh per gen batch
+        with timed(metrics, "gen"):
+            prompt_indices = sampler.next_batch()  # the same on every rank
+            mine = ro.shard_for_dp(prompt_indices, meshes.rollout.get_local_rank("dp"), dims.rollout_dp)
+            prompt_ids = [train_prompts[i].token_ids for i in mine]
+            generated = ro.generate(llm, prompt_ids, step=step, prompt_indices=mine, **sampling)  # prompt-major
+            if algo_cfg.adv_estimator == "remax":
+                greedy = ro.generate(llm, prompt_ids, step=step, prompt_indices=mine,
+                                     **dict(sampling, n=1, temperature=0.0))  # (prompts of the group,)
+        share = dict(vars(ro.split_for_training(generated, meshes.rollout.get_local_rank("infer_tp"), dims.infer_tp)))
+        with timed(metrics, "reward"):
+            share["scores"], extras = score_samples(reward_fn, tokenizer, share, train_prompts, cfg.reward_model,
+                                                    data_cfg.max_response_length)  # (B,)
+            if algo_cfg.adv_estimator == "remax":
+                greedy_scores, _ = score_samples(reward_fn, tokenizer, vars(greedy), train_prompts, cfg.reward_model,
+                                                 data_cfg.max_response_length)
+                baseline = dict(zip(greedy.prompt_index.tolist(), greedy_scores.tolist(), strict=True))
+                share["reward_baselines"] = torch.tensor([baseline[i] for i in share["prompt_index"].tolist()])  # (B,)
+        return share, extras
+
     def validate_now(step: int) -> dict[str, float]:
         return run_validation(llm, val_prompts, tokenizer, reward_fn, meshes.rollout, step, val_sampling, out_dir,
                               device)
@@ -588,29 +722,26 @@ def main(argv: list[str] | None = None) -> None:
             tracker.log(start_step, val_metrics)
         enter("generate")  # param_offload: the actor's (and critic's) shards to the host for the engine
 
-        # 2. generate: this rollout dp group's share of the step's prompts, n samples each
-        with timed(metrics, "gen"):
-            prompt_indices = sampler.next_batch()  # the step's prompts, the same on every rank
-            mine = ro.shard_for_dp(prompt_indices, meshes.rollout.get_local_rank("dp"), dims.rollout_dp)
-            generated = ro.generate(llm, [train_prompts[i].token_ids for i in mine], step=step, prompt_indices=mine,
-                                    **train_sampling)  # the group's samples, prompt-major
+        # 2-3. generate and score: each rollout dp group samples n responses for its share of the prompts,
+        # each rank keeps its slice and scores it (generate_and_score). With algorithm.filter_groups
+        # (DAPO's dynamic sampling) generation batches repeat until train_batch_size prompts have groups
+        # whose metric differs, and the step trains on exactly those.
+        if algo_cfg.filter_groups.enable:
+            share, reward_extras, sampling_metrics = dynamic_sampling(
+                functools.partial(generate_and_score, step, metrics=metrics), algo_cfg.filter_groups,
+                train_batch_size=data_cfg.train_batch_size)
+            metrics.update(sampling_metrics)
+        else:
+            share, reward_extras = generate_and_score(step, 0, metrics)
         enter("log_prob")  # free_cache_engine: the engine sleeps; param_offload: the shards come back
-        # training is data parallel over all ranks: TP rank r keeps slice r of its group's samples
-        samples = ro.split_for_training(generated, meshes.rollout.get_local_rank("infer_tp"), dims.infer_tp)
-        batch = {k: v.to(device) for k, v in vars(samples).items()}
+        batch = {k: v.to(device) for k, v in share.items()}
         if sp_group is not None:  # Ulysses: every rank of an sp group trains on the group's slices
             batch = ulysses.gather_rows(batch, sp_group)
         mask = batch["response_mask"].float()  # (B, R)
         lengths = batch["response_mask"].sum(-1)  # (B,)
-
-        # 3. reward: a rule score at each response's last token
-        with timed(metrics, "reward"):
-            rows = [train_prompts[i] for i in batch["prompt_index"].tolist()]
-            _, scores, reward_extras = score_batch(reward_fn, tokenizer, batch["responses"].cpu(),
-                                                   batch["response_mask"].cpu(), rows)
-            scores = torch.tensor(scores, dtype=torch.float32, device=device)  # (B,)
-            batch["token_level_scores"] = torch.zeros_like(mask)  # (B, R)
-            batch["token_level_scores"][torch.arange(len(scores)), (lengths - 1).clamp(min=0)] = scores
+        scores = batch.pop("scores")  # (B,)
+        batch["token_level_scores"] = torch.zeros_like(mask)  # (B, R): the score at each response's last token
+        batch["token_level_scores"][torch.arange(len(scores)), (lengths - 1).clamp(min=0)] = scores
 
         # 4. old log-probs (and the sync check), reference log-probs, values: no-grad forwards
         actor.eval()

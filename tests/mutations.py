@@ -45,12 +45,21 @@ MUTATIONS = (
         ('set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])',
          'pass')),
         "tests/test_checkpoint.py::test_killed_rank_resumes_and_reproduces"),
-    Mutation("GRPO baselines from one TP rank's samples, not the whole rollout group", "train_ppo.py", (
-        ('gather_in_group((rewards * mask).sum(-1), tp_group)[:, None]', '(rewards * mask).sum(-1)[:, None]'),
-        ('gather_in_group(batch["prompt_index"], tp_group)', 'batch["prompt_index"]'),
-        ('if not bool((counts == samples_per_prompt).all()):', 'if False:'),
-        ('mine = slice(tp_rank * len(mask), (tp_rank + 1) * len(mask))', 'mine = slice(0, len(mask))')),
+    Mutation("GRPO baselines from one rank's samples, not the whole batch", "train_ppo.py", (
+        ('gather_in_group(rewards.flatten(), dp_group).view(-1, length)', 'rewards'),
+        ('gather_in_group(mask.flatten(), dp_group).view(-1, length)', 'mask'),
+        ('gather_in_group(batch["prompt_index"], dp_group)', 'batch["prompt_index"]'),
+        ('if runs is None or not bool((runs == runs[:, :1]).all()) or len(set(all_index.tolist())) != len(runs):',
+         'if False:'),
+        ('mine = slice(dp_rank * num_rows, (dp_rank + 1) * num_rows)', 'mine = slice(0, num_rows)')),
         "tests/test_train_ppo_steps.py::test_advantages_use_the_whole_rollout_group"),
+    Mutation("dynamic sampling decides from each rank's own samples", "train_ppo.py", ((
+        'dist.all_gather_object(everyone, (share["prompt_index"].tolist(), values.tolist()))',
+        'everyone = [(share["prompt_index"].tolist(), values.tolist())] * world'),),
+        "tests/test_train_ppo_steps.py::test_dynamic_sampling_keeps_the_first_groups_that_differ"),
+    Mutation("GSPO clips each token's ratio, not the sequence's", "ppo_core.py", ((
+        'seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)', 'log_ratio.detach()).clamp(max=10.0)'),),
+        "tests/test_ppo_core.py::test_gspo_clips_the_sequence_ratio_and_each_token_keeps_its_gradient"),
     Mutation("weight sync silently skips a layer", "models.py", ((
         '        tensor = param.detach()\n        if not isinstance(tensor, DTensor):',
         '        if ".layers.1.mlp." in name:\n            continue\n'

@@ -90,6 +90,7 @@ def test_choices_equal_what_ppo_core_implements():
 
     assert tuple(ppo_core.ADV_ESTIMATORS) == config.ADV_ESTIMATORS
     assert tuple(ppo_core.KL_ESTIMATORS) == config.KL_ESTIMATORS
+    assert tuple(ppo_core.POLICY_LOSSES) == config.POLICY_LOSS_MODES
     assert set(config.GROUP_ESTIMATORS) | set(config.CRITIC_ESTIMATORS) <= set(config.ADV_ESTIMATORS)
     assert ppo_core.LOSS_AGG_MODES is config.LOSS_AGG_MODES
     for mode in config.LOSS_AGG_MODES:  # each accepted mode aggregates without error
@@ -113,6 +114,8 @@ def test_verl_defaults():
     ("actor_rollout_ref.rollout.temperature=0", "temperature=0.0"),
     ("trainer.logger=[console,wandbb]", "['wandbb']"),
     ("reward_model.enable=true", "reward_model.enable=true"),
+    ("reward_model.overlong_buffer.enable=true", "reward_model.reward_manager=dapo"),
+    ("data.gen_batch_size=96", "algorithm.filter_groups.enable=true"),
 ])
 def test_unsupported_values_are_refused_with_the_key(override, fragment):
     from config import check_supported
@@ -130,3 +133,36 @@ def test_config_records_the_keys_a_program_reads():
     assert len(unread_keys(cfg)) == len(flat_keys())
     cfg.data.seed, cfg.actor_rollout_ref.actor.optim["lr"]
     assert set(flat_keys()) - set(unread_keys(cfg)) == {"data.seed", "actor_rollout_ref.actor.optim.lr"}
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (["reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true"], "overlong_buffer.len=0"),
+    (["reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true", "data.max_response_length=8",
+      "reward_model.overlong_buffer.len=9"], "data.max_response_length=8"),
+    (["algorithm.filter_groups.enable=true", "data.gen_batch_size=0"], "data.gen_batch_size=0"),
+    (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward",
+      "algorithm.use_kl_in_reward=true"], "metric=seq_reward"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0"],
+     "clip_cov_ratio=0.0"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov", "actor_rollout_ref.actor.policy_loss.kl_cov_ratio=2"],
+     "kl_cov_ratio=2.0"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "actor_rollout_ref.actor.policy_loss.clip_cov_lb=6"],
+     "clip_cov_lb=6.0"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=ppo"], "vanilla, gspo, cispo, clip_cov, kl_cov"),
+])
+def test_algorithm_keys_that_only_work_together(overrides, fragment):
+    from config import check_supported
+
+    with pytest.raises(ConfigError) as err:
+        check_supported(load_config(None, overrides))
+    assert fragment in str(err.value)
+
+
+def test_gen_batch_size_must_split_like_train_batch_size():
+    from mesh_utils import validate
+
+    base = ["algorithm.filter_groups.enable=true", "trainer.n_gpus_per_node=6", "data.train_batch_size=60",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=60", "actor_rollout_ref.rollout.n=12"]
+    validate(load_config(None, [*base, "data.gen_batch_size=180"]))  # DAPO's 3x, on the seed's layout
+    with pytest.raises(ConfigError, match="data.gen_batch_size=31 .* Nearest valid: 30"):
+        validate(load_config(None, [*base, "data.gen_batch_size=31"]))

@@ -514,3 +514,212 @@ def test_straight_through_kl_has_the_value_of_its_base_and_the_gradient_of_k2(na
     assert torch.equal(value.detach(), pc.kl_penalty(logprob, ref, base).detach())
     (grad,) = torch.autograd.grad(value.sum(), logprob)
     torch.testing.assert_close(grad, (logprob - ref).detach())  # d/dx 0.5 (x - r)^2
+
+
+# --- more advantage estimators (verl's definitions), against per-group Python loops -----------------
+
+
+def _groups(scores):
+    by_key = {}
+    for s, k in zip(scores, GROUP_INDEX, strict=True):
+        by_key.setdefault(k, []).append(s)
+    return by_key
+
+
+def test_reinforce_plus_plus_baseline_whitens_group_centred_outcomes_over_tokens():
+    rewards, mask = group_batch()
+    adv, ret = pc.compute_reinforce_plus_plus_baseline_outcome_advantage(rewards, mask, GROUP_INDEX)
+    scores = outcome_scores(rewards, GROUP_LENGTHS)
+    groups = _groups(scores)
+    centred = [s - (statistics.fmean(groups[k]) if len(groups[k]) > 1 else 0.0)
+               for s, k in zip(scores, GROUP_INDEX, strict=True)]
+    tokens = [c for c, n in zip(centred, GROUP_LENGTHS, strict=True) for _ in range(n)]  # each token counts
+    assert adv[mask.bool()].tolist() == pytest.approx(whiten_ref(tokens), abs=1e-9)
+    assert torch.all(adv[mask == 0] == 0) and torch.equal(adv, ret)
+
+
+def test_opo_baseline_is_the_length_weighted_group_mean():
+    rewards, mask = group_batch()
+    adv, _ = pc.compute_opo_outcome_advantage(rewards, mask, GROUP_INDEX)
+    scores = outcome_scores(rewards, GROUP_LENGTHS)
+    for i, key in enumerate(GROUP_INDEX):
+        members = [j for j, k in enumerate(GROUP_INDEX) if k == key]
+        baseline = 0.0 if len(members) == 1 else (
+            math.fsum(GROUP_LENGTHS[j] * scores[j] for j in members) / sum(GROUP_LENGTHS[j] for j in members))
+        n = GROUP_LENGTHS[i]
+        assert adv[i, :n].tolist() == pytest.approx([scores[i] - baseline] * n, abs=1e-12)
+        assert torch.all(adv[i, n:] == 0)
+
+
+def test_gpg_scales_by_batch_over_nonzero_outcomes():
+    rewards, mask = group_batch()
+    adv, _ = pc.compute_gpg_outcome_advantage(rewards, mask, GROUP_INDEX)
+    scores = outcome_scores(rewards, GROUP_LENGTHS)
+    alpha = len(scores) / sum(s != 0 for s in scores)  # 7 / 6: one sample scored 0
+    assert alpha == pytest.approx(7 / 6)
+    groups = _groups(scores)
+    for i, key in enumerate(GROUP_INDEX):
+        mean = statistics.fmean(groups[key]) if len(groups[key]) > 1 else 0.0
+        n = GROUP_LENGTHS[i]
+        assert adv[i, :n].tolist() == pytest.approx([alpha * (scores[i] - mean)] * n, abs=1e-12)
+        assert torch.all(adv[i, n:] == 0)
+
+
+def test_remax_is_reward_to_go_minus_the_greedy_baseline():
+    lengths = [4, 1, 3]
+    mask = lengths_to_mask(lengths, 4)
+    rewards = rand(3, 4, seed=30)
+    rewards[mask == 0] = NAN
+    baselines = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    adv, ret = pc.compute_remax_outcome_advantage(rewards, mask, baselines)
+    for i, n in enumerate(lengths):
+        to_go = [math.fsum(rewards[i, t:n].tolist()) for t in range(n)]
+        assert ret[i, :n].tolist() == pytest.approx(to_go)
+        assert adv[i, :n].tolist() == pytest.approx([g - baselines[i].item() for g in to_go])
+        assert torch.all(adv[i, n:] == 0) and torch.all(ret[i, n:] == 0)
+
+
+# --- policy losses by loss_mode, against element-wise loops ----------------------------------------
+
+
+def _loss_batch(seed, spread=1.5, lengths=(6, 3, 1, 5)):
+    mask = lengths_to_mask(list(lengths), 6)
+    old, adv = rand(4, 6, seed=seed), rand(4, 6, seed=seed + 1)
+    new = old + spread * rand(4, 6, seed=seed + 2)
+    return old, new, adv, mask, list(lengths)
+
+
+def test_policy_loss_registry_names_and_vanilla():
+    old, new, adv, mask, _ = _loss_batch(40)
+    loss, metrics = pc.policy_loss("vanilla", old, new, adv, mask, "token-mean", clip_ratio_low=0.2,
+                                   clip_ratio_high=0.28, clip_ratio_c=3.0, kl_cov_ratio=0.5)  # others' keys ignored
+    want = pc.compute_policy_loss(old, new, adv, mask, 0.2, 0.28, 3.0)
+    assert loss.item() == want[0].item()
+    assert [metrics[k].item() for k in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")] == [
+        w.item() for w in want[1:]]
+    with pytest.raises(ValueError, match="vanilla, gspo, cispo, clip_cov, kl_cov"):
+        pc.policy_loss("ppo3", old, new, adv, mask)
+
+
+def test_gspo_clips_the_sequence_ratio_and_each_token_keeps_its_gradient():
+    lo, hi = 3e-4, 4e-4
+    old, new, adv, mask, lengths = _loss_batch(51, spread=1e-3)  # ratios near 1: some sequences clip, some not
+    new = new.clone().requires_grad_()
+    loss, metrics = pc.policy_loss("gspo", old, new, adv, mask, "seq-mean-token-mean", clip_ratio_low=lo,
+                                   clip_ratio_high=hi)
+    seq_losses, clipped, grads = [], [], torch.zeros_like(new)
+    for i, n in enumerate(lengths):
+        s = math.exp(statistics.fmean(new[i, t].item() - old[i, t].item() for t in range(n)))  # sequence ratio
+        token_losses = []
+        for t in range(n):
+            a = adv[i, t].item()
+            l1, l2 = -a * s, -a * min(max(s, 1 - lo), 1 + hi)
+            token_losses.append(max(l1, l2))
+            clipped.append(l2 > l1)
+            if l1 >= l2:  # unclipped: d(-A s_t)/d log pi_t = -A s, through this token alone
+                grads[i, t] = -a * s / n / len(lengths)
+        seq_losses.append(statistics.fmean(token_losses))
+    assert loss.item() == pytest.approx(statistics.fmean(seq_losses), rel=1e-9)
+    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(statistics.fmean(clipped))
+    assert 0 < sum(clipped) < len(clipped)  # both branches exercised
+    loss.backward()
+    torch.testing.assert_close(new.grad, grads, rtol=1e-9, atol=1e-12)
+
+
+def test_cispo_weights_log_prob_by_the_clipped_stop_gradient_ratio():
+    lo, hi = 0.2, 0.28
+    old, new, adv, mask, lengths = _loss_batch(60)
+    new = new.clone().requires_grad_()
+    loss, metrics = pc.policy_loss("cispo", old, new, adv, mask, "token-mean", clip_ratio_low=lo, clip_ratio_high=hi)
+    losses, clipped, grads = [], [], torch.zeros_like(new)
+    count = sum(lengths)
+    for i, n in enumerate(lengths):
+        for t in range(n):
+            a, logp = adv[i, t].item(), new[i, t].item()
+            r = math.exp(logp - old[i, t].item())
+            w = min(max(r, 1 - lo), 1 + hi)
+            losses.append(-w * a * logp)
+            clipped.append(w != r)
+            grads[i, t] = -w * a / count  # every token keeps a gradient, even clipped ones
+    assert loss.item() == pytest.approx(statistics.fmean(losses))
+    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(statistics.fmean(clipped))
+    loss.backward()
+    torch.testing.assert_close(new.grad, grads, rtol=1e-9, atol=1e-12)
+
+
+def _covariance_terms(adv, new, lengths):
+    """{(i, t): (A - mean A)(log pi - mean log pi)} over the valid tokens, in Python."""
+    valid = [(i, t) for i, n in enumerate(lengths) for t in range(n)]
+    mean_a = statistics.fmean(adv[i, t].item() for i, t in valid)
+    mean_lp = statistics.fmean(new[i, t].item() for i, t in valid)
+    return {(i, t): (adv[i, t].item() - mean_a) * (new[i, t].item() - mean_lp) for i, t in valid}
+
+
+def test_clip_cov_cuts_the_gradient_of_tokens_drawn_from_the_covariance_window():
+    lo = hi = 0.2
+    old, new, adv, mask, lengths = _loss_batch(72, spread=0.3)
+    adv = adv * 3  # covariance terms spread over (1, 5) for a few tokens
+    cov = _covariance_terms(adv, new, lengths)
+    ppo = {}
+    for (i, t) in cov:
+        a, r = adv[i, t].item(), math.exp(new[i, t].item() - old[i, t].item())
+        l1, l2 = -a * r, -a * min(max(r, 1 - lo), 1 + hi)
+        ppo[i, t] = (max(l1, l2), l2 > l1)
+    candidates = {k for k, c in cov.items() if 1.0 < c < 5.0 and not ppo[k][1]}
+    assert 2 <= len(candidates) < len(cov)  # the data exercises the window
+    kwargs = dict(clip_ratio_low=lo, clip_ratio_high=hi, clip_cov_lb=1.0, clip_cov_ub=5.0)
+    # a ratio that cuts every candidate: the result no longer depends on the draw
+    loss, metrics = pc.policy_loss("clip_cov", old, new, adv, mask, "token-mean", clip_cov_ratio=1.0, **kwargs)
+    assert loss.item() == pytest.approx(statistics.fmean(0.0 if k in candidates else ppo[k][0] for k in cov))
+    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(len(candidates) / len(cov))
+    # the default ratio cuts max(1, 0.0002 x tokens) = 1 token, one of the candidates, chosen by the generator
+    new = new.clone().requires_grad_()
+    loss, metrics = pc.policy_loss("clip_cov", old, new, adv, mask, "token-mean", clip_cov_ratio=0.0002,
+                                   generator=torch.Generator().manual_seed(0), **kwargs)
+    loss.backward()
+    no_grad = {(i, t) for (i, t) in cov if new.grad[i, t] == 0 and not ppo[i, t][1]}
+    assert len(no_grad) == 1 and no_grad <= candidates
+    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(1 / len(cov))
+
+
+def test_kl_cov_penalises_the_tokens_of_largest_covariance():
+    coef = 0.1
+    old, new, adv, mask, lengths = _loss_batch(80, spread=0.5)
+    cov = _covariance_terms(adv, new, lengths)
+    k = max(1, int(len(cov) * 0.2))
+    top = set(sorted(cov, key=cov.get, reverse=True)[:k])
+    loss, metrics = pc.policy_loss("kl_cov", old, new, adv, mask, "token-mean", kl_cov_ratio=0.2, ppo_kl_coef=coef)
+    losses = []
+    for (i, t) in cov:
+        log_r = new[i, t].item() - old[i, t].item()
+        losses.append(-adv[i, t].item() * math.exp(log_r) + (coef * abs(log_r) if (i, t) in top else 0.0))
+    assert k == 3 and loss.item() == pytest.approx(statistics.fmean(losses))
+    assert metrics["actor/ppo_kl"].item() == pytest.approx(
+        statistics.fmean(abs(new[i, t].item() - old[i, t].item()) for i, t in cov))
+
+
+@pytest.mark.parametrize("mode", ["gspo", "cispo", "clip_cov", "kl_cov"])
+def test_policy_losses_scale_like_agg_loss(mode):
+    """Every loss passes the global counts on to agg_loss: sum / count * dp_size."""
+    old, new, adv, mask, lengths = _loss_batch(90)
+    kwargs = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_cov_ratio=1.0)
+    local, _ = pc.policy_loss(mode, old, new, adv, mask, "token-mean", **kwargs)
+    scaled, _ = pc.policy_loss(mode, old, new, adv, mask, "token-mean", global_num_tokens=40, dp_size=3, **kwargs)
+    assert scaled.item() == pytest.approx(local.item() * sum(lengths) / 40 * 3)
+
+
+# --- DAPO: overlong penalty and the groups dynamic sampling keeps ----------------------------------
+
+
+def test_overlong_penalty_hand_values():
+    # max 20 tokens, buffer 4: free up to 16, then -1/4 per token to -1.0 (x penalty_factor 0.5)
+    got = pc.overlong_penalty(torch.tensor([3, 16, 17, 18, 20]), 20, 4, 0.5)
+    assert got.tolist() == pytest.approx([0.0, 0.0, -0.125, -0.25, -0.5])
+
+
+def test_group_has_spread_is_exact_and_keeps_single_samples():
+    values = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 1.0, 2.0, 0.3], dtype=torch.float64)
+    index = [5, 5, 5, 7, 7, 7, 9, 4]
+    # group 5: three equal floats whose mean is not exactly 0.1, still uniform; 7: spread; 9, 4: single samples
+    got = pc.group_has_spread(values, index)
+    assert got.tolist() == [False] * 3 + [True] * 3 + [True, True]

@@ -3,9 +3,11 @@
 Each launch pays an engine start-up per rank, so each checks as much as it can from its files. The
 runs that test learning start from the warmed (SFT) tiny model, which scores on the demo task from
 step 1, so advantages, losses and gradients are not zero and the weights really move:
-  GRPO, world 2, TP 2   (the TP-group gather of GRPO's group baselines, validation, checkpoint, export)
+  GRPO, world 2, TP 2   (the gather of GRPO's group baselines, DAPO's dynamic sampling, validation,
+                         checkpoint, export)
   GAE + KL, world 2     (critic, reference model, KL in reward with an adaptive controller, KL loss,
-                         validation of an odd-sized held-out set over 2 rollout groups)
+                         DAPO's reward manager with its overlong buffer, validation of an odd-sized
+                         held-out set over 2 rollout groups)
   an untrained model, weight decay 0: every gradient is exactly 0, and that is not a sync failure
   the GSM8K job's config on 6 ranks (60 prompts -> 720 samples -> 120 per rank; lr 1e-6)
   a learning check      (the demo's task, short: the validation score must rise)
@@ -76,7 +78,8 @@ def grpo_tp2(tiny_assets, sft_model, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("grpo") / "run"
     train(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model),
               "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.total_training_steps=3",
-              "trainer.test_freq=3", "trainer.save_freq=3", "data.max_val_samples=16"])
+              "trainer.test_freq=3", "trainer.save_freq=3", "data.max_val_samples=16",
+              "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=10"])
     return out
 
 
@@ -88,7 +91,9 @@ def gae_kl(tiny_assets, sft_model, tmp_path_factory) -> Path:
               "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",
               "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm", "critic.loss_agg_mode=token-mean",
               "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=2",
-              "data.max_val_samples=17",
+              "data.max_val_samples=17", "reward_model.reward_manager=dapo",
+              "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=12",
+              "reward_model.overlong_buffer.penalty_factor=0.5", "reward_model.overlong_buffer.log=true",
               # every offload flag: on the CPU each move is a no-op, but the trainer walks the whole plan
               "actor_rollout_ref.actor.fsdp_config.param_offload=true",
               "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true", "critic.fsdp_config.param_offload=true",
@@ -101,6 +106,8 @@ def test_grpo_tp2(grpo_tp2, sft_model):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert_common(rows, prompts=32, samples=256)
     assert_learning_signal(rows)
+    for r in rows:  # generation batches of 32 prompts: each uniform group costs another
+        assert r["train/num_gen_batches"] >= (2 if r["train/uniform_group_fraction"] > 0 else 1), r
     assert "val/score" in rows[-1] and rows[-1]["val/num_samples"] == 16
     assert rows[-1]["val-core/arithmetic/reward/mean@1"] == rows[-1]["val/score"]
     assert read_metrics(grpo_tp2 / "metrics.jsonl")[0]["step"] == 0  # val_before_train
@@ -127,6 +134,10 @@ def test_gae_with_kl(gae_kl):
     assert rows[1]["actor/reward_kl_penalty_coeff"] != 0.001  # the adaptive controller moved
     # an odd-sized held-out set over 2 rollout groups: every prompt scored, none dropped
     assert rows[-1]["val/num_samples"] == 17
+    for r in rows:  # the overlong buffer spans all 12 tokens: each response loses 0.5 x length / 12
+        penalty = -0.5 * r["response_length/mean"] / 12
+        assert r["reward_extra/overlong_reward"] == pytest.approx(penalty)
+        assert r["critic/score/mean"] == pytest.approx(r["reward_extra/acc"] + penalty)
 
 
 def test_every_config_key_is_read(grpo_tp2, gae_kl):

@@ -1,8 +1,11 @@
 """train_ppo.py's step functions on real gloo process groups, against references computed another way:
 
-  compute_advantages   GRPO / RLOO baselines over the whole rollout group, when a prompt's samples
-                       sit on both TP ranks of the group, equal the estimator run on all samples in one
-                       process; GAE whitening spans every rank's share
+  compute_advantages   every group estimator (GRPO, RLOO, REINFORCE++-baseline, OPO, GPG), when a
+                       prompt's samples sit on both ranks, equals the estimator run on all samples in one
+                       process; GAE whitening spans every rank's share; ReMax uses each sample's baseline
+  dynamic_sampling     DAPO's filter keeps the first train_batch_size prompts whose groups differ, over
+                       several generation batches, the same on every rank, each rank getting its slice
+                       of them in prompt-major order (against a plain loop over the whole data)
   update_actor         the gradient of a mini batch does not depend on how it is cut into micro batches
                        (the loss is scaled by the mini batch's global token count), nor on whether they are
                        cut by token budget (use_dynamic_bsz) or run packed (use_remove_padding); checked
@@ -34,23 +37,23 @@ def _group_batch(seed: int) -> dict[str, torch.Tensor]:
     token_scores = torch.zeros(6, 5)
     token_scores[torch.arange(6), mask.sum(-1) - 1] = scores
     return {"response_mask": mask, "token_level_scores": token_scores, "prompt_index": torch.tensor([7, 7, 3, 3, 9, 9]),
-            "values": torch.randn(6, 5, generator=g)}
+            "values": torch.randn(6, 5, generator=g), "reward_baselines": torch.rand(6, generator=g)}
+
+
+ESTIMATORS = (*config.GROUP_ESTIMATORS, "gae", "remax")
 
 
 def _advantages_worker(rank: int, init_file: str, out: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
     import train_ppo
 
     _init(rank, init_file)
     try:
-        rollout_mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "infer_tp"))  # one TP=2 group
         result = {}
-        for estimator in ("grpo", "rloo", "gae"):
+        for estimator in ESTIMATORS:
             cfg = config.load_config(None, [f"algorithm.adv_estimator={estimator}", "algorithm.lam=0.95"])
             group = _group_batch(seed=0)
             mine = {k: v[rank * 3:(rank + 1) * 3] for k, v in group.items()}  # split_for_training's slice
-            train_ppo.compute_advantages(mine, cfg.algorithm, ppo_core.FixedKLController(0.0), rollout_mesh, 6, 2)
+            train_ppo.compute_advantages(mine, cfg.algorithm, ppo_core.FixedKLController(0.0), dist.group.WORLD, 6, 2)
             result[estimator] = mine["advantages"]
         torch.save(result, f"{out}.{rank}")
     finally:
@@ -62,15 +65,65 @@ def test_advantages_use_the_whole_rollout_group(tmp_path):
     ranks = [torch.load(tmp_path / f"adv.{r}") for r in range(WORLD)]
     group = _group_batch(seed=0)
     mask = group["response_mask"].float()
-    reference = {
-        "grpo": ppo_core.compute_grpo_outcome_advantage(group["token_level_scores"], mask, group["prompt_index"])[0],
-        "rloo": ppo_core.compute_rloo_outcome_advantage(group["token_level_scores"], mask, group["prompt_index"])[0],
-        "gae": ppo_core.compute_gae_advantage_return(group["token_level_scores"], group["values"], mask, 1.0, 0.95)[0],
-    }
+    reference = {name: ppo_core.compute_advantage(
+        name, token_level_rewards=group["token_level_scores"], response_mask=mask, index=group["prompt_index"],
+        values=group["values"], gamma=1.0, lam=0.95, reward_baselines=group["reward_baselines"])[0]
+        for name in ESTIMATORS}
     for estimator, want in reference.items():
         got = torch.cat([ranks[r][estimator] for r in range(WORLD)])
-        assert got[2:4].abs().sum() > 0 or estimator == "gae", "the split prompt's advantages are all 0"
+        assert got[2:4].abs().sum() > 0, f"{estimator}: the split prompt's advantages are all 0"
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=estimator)
+
+
+# Two generation batches of 4 prompts x n=2, each sample's metric; uniform groups: 0, 2 and 10.
+SAMPLING_METRIC = {0: [1, 1], 1: [0, 1], 2: [0, 0], 3: [1, 0], 10: [1, 1], 11: [0, 1], 12: [1, 0], 13: [0, 1]}
+
+
+def _generation_batch(gen_batch: int, rank: int) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
+    """Rank `rank`'s slice of generation batch `gen_batch`, prompt-major, as generate_and_score returns it."""
+    prompts = [10 * gen_batch + p for p in range(4)]
+    rows = [(p, s) for p in prompts for s in range(2)][rank * 4:(rank + 1) * 4]
+    share = {"prompt_index": torch.tensor([p for p, _ in rows]),
+             "responses": torch.tensor([[100 * p + s] for p, s in rows]),  # identifies the sample
+             "scores": torch.tensor([float(SAMPLING_METRIC[p][s]) + 0.5 * s for p, s in rows])}  # all groups differ
+    return share, [{"acc": float(SAMPLING_METRIC[p][s])} for p, s in rows]
+
+
+def _sampling_worker(rank: int, init_file: str, out: str) -> None:
+    import train_ppo
+
+    _init(rank, init_file)
+    try:
+        calls = []
+
+        def generate_and_score(gen_batch: int) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
+            calls.append(gen_batch)
+            return _generation_batch(gen_batch, rank)
+
+        filter_cfg = config.load_config(None, ["algorithm.filter_groups.metric=acc"]).algorithm.filter_groups
+        share, extras, metrics = train_ppo.dynamic_sampling(generate_and_score, filter_cfg, train_batch_size=4)
+        limited = config.load_config(None, ["algorithm.filter_groups.metric=acc",
+                                            "algorithm.filter_groups.max_num_gen_batches=1"]).algorithm.filter_groups
+        with pytest.raises(RuntimeError, match="max_num_gen_batches.* gave 2 of the data.train_batch_size=4"):
+            train_ppo.dynamic_sampling(generate_and_score, limited, train_batch_size=4)
+        torch.save({"share": share, "extras": extras, "metrics": metrics, "calls": calls}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dynamic_sampling_keeps_the_first_groups_that_differ(tmp_path):
+    run_gloo(_sampling_worker, WORLD, str(tmp_path / "pg"), str(tmp_path / "ds"), timeout_s=120)
+    # the reference: walk the prompts in generation order, keep those whose samples differ, stop at 4
+    kept = [p for p in sorted(SAMPLING_METRIC) if len(set(SAMPLING_METRIC[p])) > 1][:4]
+    samples = [100 * p + s for p in kept for s in range(2)]  # prompt-major
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"ds.{rank}")
+        assert got["calls"] == [0, 1, 0]  # two batches, then one for the run that hits its limit
+        assert got["share"]["responses"].flatten().tolist() == samples[rank * 4:(rank + 1) * 4]
+        assert got["share"]["prompt_index"].tolist() == [p for p in kept for _ in range(2)][rank * 4:(rank + 1) * 4]
+        assert [e["acc"] for e in got["extras"]] == [float(SAMPLING_METRIC[s // 100][s % 100])
+                                                     for s in samples[rank * 4:(rank + 1) * 4]]
+        assert got["metrics"] == {"train/num_gen_batches": 2, "train/uniform_group_fraction": 3 / 8}
 
 
 def _update_worker(rank: int, init_file: str, model_path: str, mode: str, out: str) -> None:
