@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -56,6 +57,17 @@ def run_gloo(worker: Callable[..., None], world: int, *args: object, timeout_s: 
             for p in ctx.processes:
                 p.kill()
             pytest.fail(f"{world} spawned workers did not finish within {timeout_s:.0f} s")
+
+
+def forward_batch(vocab: int) -> dict[str, torch.Tensor]:
+    """A batch for models.compute_log_probs / compute_values: 3 sequences of 6 prompt + 5 response
+    tokens, the first prompt left-padded."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (3, 11), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": ids[:, -5:]}
 
 
 # Variables torchrun sets for its workers: a child launch must not inherit a parent launch's.

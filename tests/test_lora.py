@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import clean_env, run, run_gloo, torchrun
+from conftest import clean_env, forward_batch, run, run_gloo, torchrun
 
 WORLD = 2
 CASES = {"tiny-qwen2": ["q_proj", "v_proj", "down_proj"], "tiny-llama-tied": "all-linear"}
@@ -31,15 +31,6 @@ OPTIM = dict(lr=1e-2, betas=[0.9, 0.999], weight_decay=0.0, total_training_steps
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.detach()
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def _batch(vocab: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (3, 11), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-            "responses": ids[:, -5:]}
 
 
 def _optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -89,7 +80,7 @@ def _worker(rank: int, paths: dict[str, str], init_file: str, ckpt_root: str, ou
             r["base_equal"] = set(base_params) == set(want) and all(torch.equal(base_params[n], want[n])
                                                                       for n in want)
             r["tied"] = actor.get_output_embeddings().weight is actor.get_input_embeddings().weight
-            batch = _batch(base.config.vocab_size)
+            batch = forward_batch(base.config.vocab_size)
             optimizer, sched = models.make_optimizer(actor, OPTIM, 10)
             names = {id(p): n for n, p in actor.named_parameters()}
             for _ in range(2):

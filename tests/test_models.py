@@ -7,7 +7,7 @@ on the sharded actor, and its gradients after FSDP's reduce-scatter, against the
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import run_gloo
+from conftest import forward_batch, run_gloo
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 WORLD = 2
@@ -25,16 +25,6 @@ def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[s
     bad += [n for n in sorted(set(got) & set(want))
             if got[n].dtype != want[n].dtype or not torch.equal(got[n].cpu(), want[n].cpu())]
     return bad
-
-
-def _batch(vocab: int) -> dict[str, torch.Tensor]:
-    """3 sequences of 6 prompt + 5 response tokens, the first prompt left-padded."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (3, 11), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-            "responses": ids[:, -5:]}
 
 
 def _worker(rank: int, paths: dict[str, str], init_file: str, out: str) -> None:
@@ -71,14 +61,14 @@ def _worker(rank: int, paths: dict[str, str], init_file: str, out: str) -> None:
             result[name]["critic_dropout"] = sorted({m.p for m in critic.modules() if isinstance(m, torch.nn.Dropout)})
             with torch.no_grad():
                 critic.train()
-                train_values = models.compute_values(critic, _batch(critic.config.vocab_size), 3)
+                train_values = models.compute_values(critic, forward_batch(critic.config.vocab_size), 3)
                 critic.eval()
-                eval_values = models.compute_values(critic, _batch(critic.config.vocab_size), 3)
+                eval_values = models.compute_values(critic, forward_batch(critic.config.vocab_size), 3)
             result[name]["critic_train_equals_eval"] = torch.equal(train_values, eval_values)
 
             # The sharded forward and backward against the plain model on the same rows; every rank
             # holds the same rows, so FSDP's averaged gradient is the plain model's.
-            batch = _batch(reference.config.vocab_size)
+            batch = forward_batch(reference.config.vocab_size)
             weights = torch.linspace(-1.0, 1.0, 5)  # (R,) a loss that is not symmetric in the positions
             log_probs, entropy = models.compute_log_probs(actor, batch, 0.7, micro_batch_size=2, calc_entropy=True)
             (log_probs * weights).sum().backward()
