@@ -36,14 +36,15 @@ MUTATIONS = (
     # the load itself restores them, so the mutations drop what is loaded, not only what is set after)
     Mutation("resume restores the model but not the optimizer", "checkpoint.py", (
         ('loaded = {"model": model_sd, "optim": optim_sd}', 'loaded = {"model": model_sd}'),
-        ('set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])',
+        ('set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],\n'
+         '                       options=_options(model))',
          '__import__("torch.distributed.checkpoint.state_dict", fromlist=["_"]).set_model_state_dict('
-         'model, loaded["model"])')),
+         'model, loaded["model"], options=_options(model))')),
         "tests/test_checkpoint.py::test_killed_rank_resumes_and_reproduces"),
     Mutation("resume restores neither model nor optimizer", "checkpoint.py", (
         ('dcp.load(loaded, checkpoint_id=str(path / name))', 'pass'),
-        ('set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])',
-         'pass')),
+        ('set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],\n'
+         '                       options=_options(model))', 'pass')),
         "tests/test_checkpoint.py::test_killed_rank_resumes_and_reproduces"),
     Mutation("GRPO baselines from one rank's samples, not the whole batch", "train_ppo.py", (
         ('gather_in_group(rewards.flatten(), dp_group).view(-1, length)', 'rewards'),
@@ -61,9 +62,8 @@ MUTATIONS = (
         'seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)', 'log_ratio.detach()).clamp(max=10.0)'),),
         "tests/test_ppo_core.py::test_gspo_clips_the_sequence_ratio_and_each_token_keeps_its_gradient"),
     Mutation("weight sync silently skips a layer", "models.py", ((
-        '        tensor = param.detach()\n        if not isinstance(tensor, DTensor):',
-        '        if ".layers.1.mlp." in name:\n            continue\n'
-        '        tensor = param.detach()\n        if not isinstance(tensor, DTensor):'),),
+        'for name, param in model.named_parameters(remove_duplicate=False))',
+        'for name, param in model.named_parameters(remove_duplicate=False) if ".layers.1.mlp." not in name)'),),
         "tests/test_rollout.py -k w2_tp1_qwen2 and greedy"),
     Mutation("the export writes the initial (unloaded) weights", "export_hf.py", ((
         'dcp.load(state, checkpoint_id=str(ckpt / which), no_dist=True)', 'pass'),),
