@@ -1,6 +1,7 @@
 """The algorithm recipes end to end: each of configs/gsm8k_{dapo,gspo,drgrpo}_1node_6gpu.yaml runs 2
 steps on 2 CPU ranks as shipped but for a tiny warmed model, short lengths and small batches, plus one
-run of what no recipe uses (ReMax's greedy baseline generation, the clip_cov loss). Each launch pays
+run each of what no recipe uses (ReMax's greedy baseline generation and the clip_cov loss, OPO with
+CISPO, GPG with KL-Cov, REINFORCE++-baseline). Each launch pays
 the engine start-up, so these are slow tests; the maths is checked in test_ppo_core.py and the step
 functions in test_train_ppo_steps.py."""
 
@@ -31,6 +32,13 @@ CASES = {
     "remax_clip_cov": ("configs/tiny_cpu.yaml", ["algorithm.adv_estimator=remax",
                                                  "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
                                                  "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.05"]),
+    # every other estimator and loss mode, paired so that each runs end to end once
+    "opo_cispo": ("configs/tiny_cpu.yaml", ["algorithm.adv_estimator=opo",
+                                            "actor_rollout_ref.actor.policy_loss.loss_mode=cispo"]),
+    "gpg_kl_cov": ("configs/tiny_cpu.yaml", ["algorithm.adv_estimator=gpg",
+                                             "actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov",
+                                             "actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.05"]),
+    "reinforce_plus_plus_baseline": ("configs/tiny_cpu.yaml", ["algorithm.adv_estimator=reinforce_plus_plus_baseline"]),
 }
 
 
@@ -45,7 +53,8 @@ def test_recipe_runs_two_steps(case, tiny_assets, sft_model, tmp_path):
     assert_common(rows, prompts=8, samples=32)
     unread = set(json.loads((out / "config_unread.json").read_text()))
     for r in rows:
-        assert math.isfinite(r["actor/pg_clipfrac"]) and math.isfinite(r["actor/ppo_kl"]), r
+        assert math.isfinite(r["actor/ppo_kl"]) and math.isfinite(r["actor/grad_norm"]), r
+        assert case == "gpg_kl_cov" or math.isfinite(r["actor/pg_clipfrac"]), r  # kl_cov clips nothing
     if case == "dapo":
         for r in rows:
             assert 0 <= r["train/uniform_group_fraction"] < 1, r
