@@ -15,6 +15,11 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 # The repo is a set of flat scripts; make them importable from the tests without installing.
 sys.path.insert(0, str(ROOT))
+# vLLM's sampler runs one small op (the rank of each sampled token's log-prob) through torch.compile, and
+# the first generate of every engine process pays ~3 s of dynamo tracing for it; eager gives the same
+# integers. The tests and every process they start (clean_env copies this environment) run it eagerly;
+# nothing here changes a user's run.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 @pytest.fixture(scope="session")

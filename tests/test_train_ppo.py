@@ -16,7 +16,6 @@ Config errors are checked with plain `python` runs: they must fail before any mo
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -251,50 +250,89 @@ def test_score_improves(tiny_assets, sft_model, tmp_path):
     assert val[1] >= val[0] + 0.1, val
 
 
-def run_python(args: list[str]) -> subprocess.CompletedProcess:
-    return run([sys.executable, "train_ppo.py", "--config", "configs/tiny_cpu.yaml", "trainer.n_gpus_per_node=1",
-                "actor_rollout_ref.rollout.tensor_model_parallel_size=1", *args], timeout=300, check=False)
+BAD_INPUT_CASES = ["missing_file", "empty_data", "reward_name", "too_long", "layout", "timeout", "temperature", "logger",
+                   "model_path", "head_size"]
 
 
-@pytest.mark.parametrize("case", ["missing_file", "empty_data", "reward_name", "too_long", "layout", "timeout",
-                                  "temperature", "logger", "model_path", "head_size"])
-def test_bad_input_fails_before_models_load(case, tiny_assets, tmp_path):
-    base = tiny(tiny_assets, tmp_path / "out")
+def bad_input_args(case: str, assets: dict, tmp: Path) -> tuple[list[str], str]:
+    """One wrong input of a user's run and what its error must say."""
+    base = tiny(assets, tmp / "out")
     if case == "missing_file":
-        args, expect = [*base, f"data.train_files={tmp_path / 'nope.parquet'}"], "data.train_files"
-    elif case == "empty_data":
+        return [*base, f"data.train_files={tmp / 'nope.parquet'}"], "data.train_files"
+    if case == "empty_data":
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        empty = tmp_path / "empty.parquet"
+        empty = tmp / "empty.parquet"
         pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty)
-        args, expect = [*base, f"data.train_files={empty}"], "has no rows"
-    elif case == "reward_name":
-        fn = tmp_path / "my_reward.py"
+        return [*base, f"data.train_files={empty}"], "has no rows"
+    if case == "reward_name":
+        fn = tmp / "my_reward.py"
         fn.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
-        args = [*base, f"custom_reward_function.path={fn}", "custom_reward_function.name=scroe"]
-        expect = "custom_reward_function.name='scroe'"
-    elif case == "too_long":
-        args, expect = [*base, "data.max_prompt_length=500", "data.max_response_length=100"], "max_position_embeddings"
-    elif case == "timeout":
-        args, expect = [*base, "actor_rollout_ref.nccl_timeout=0"], "actor_rollout_ref.nccl_timeout=0"
-    elif case == "temperature":
-        args, expect = [*base, "actor_rollout_ref.rollout.temperature=0"], "rollout.temperature=0.0"
-    elif case == "logger":
-        args, expect = [*base, "trainer.logger=[console,tensorbord]"], "trainer.logger has unknown entries"
-    elif case == "model_path":
-        args = [*base, f"actor_rollout_ref.model.path={tmp_path / 'no-such-model'}"]
-        expect = "cannot read the model's config"
-    elif case == "head_size":  # vLLM's CPU engine has no kernels for heads of 16
+        return [*base, f"custom_reward_function.path={fn}", "custom_reward_function.name=scroe"], \
+            "custom_reward_function.name='scroe'"
+    if case == "too_long":
+        return [*base, "data.max_prompt_length=500", "data.max_response_length=100"], "max_position_embeddings"
+    if case == "timeout":
+        return [*base, "actor_rollout_ref.nccl_timeout=0"], "actor_rollout_ref.nccl_timeout=0"
+    if case == "temperature":
+        return [*base, "actor_rollout_ref.rollout.temperature=0"], "rollout.temperature=0.0"
+    if case == "logger":
+        return [*base, "trainer.logger=[console,tensorbord]"], "trainer.logger has unknown entries"
+    if case == "model_path":
+        return [*base, f"actor_rollout_ref.model.path={tmp / 'no-such-model'}"], "cannot read the model's config"
+    if case == "head_size":  # vLLM's CPU engine has no kernels for heads of 16
         import make_assets
 
-        small_heads = tmp_path / "heads16"
+        small_heads = tmp / "heads16"
         make_assets.build_model(small_heads, make_assets.model_config("qwen2", hidden=64, layers=1, heads=4,
                                                                       kv_heads=2, intermediate=128, tied=False), 0)
-        args, expect = [*base, f"actor_rollout_ref.model.path={small_heads}"], "attention heads of size 16"
+        return [*base, f"actor_rollout_ref.model.path={small_heads}"], "attention heads of size 16"
+    assert case == "layout", case
+    return [*base, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "tensor_model_parallel_size"
+
+
+# Every case in one plain `python` process (an import of the trainer costs seconds; a case, milliseconds):
+# main() must raise ConfigError before any model loads. The CLI's own handling of that error (one line,
+# exit 2) is checked once, in test_config_error_exits_2_with_one_line.
+BAD_INPUT_DRIVER = """
+import json, sys
+import train_ppo
+from config import ConfigError
+for case, argv in json.loads(sys.argv[1]).items():
+    print(f"=== {case}", flush=True)
+    try:
+        train_ppo.main(["--config", "configs/tiny_cpu.yaml", "trainer.n_gpus_per_node=1",
+                        "actor_rollout_ref.rollout.tensor_model_parallel_size=1", *argv])
+    except ConfigError as e:
+        print(f"config error: {e}", flush=True)
     else:
-        args, expect = [*base, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "tensor_model_parallel_size"
-    proc = run_python(args)
+        print("no error", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_input_output(tiny_assets, tmp_path_factory) -> tuple[dict[str, str], dict[str, str]]:
+    """case -> what the plain python run printed for it; case -> the text its error must contain."""
+    cases = {case: bad_input_args(case, tiny_assets, tmp_path_factory.mktemp(case)) for case in BAD_INPUT_CASES}
+    proc = run([sys.executable, "-c", BAD_INPUT_DRIVER, json.dumps({c: a for c, (a, _) in cases.items()})],
+               timeout=300)
+    assert "Loading weights" not in proc.stdout + proc.stderr
+    printed = dict(part.split("\n", 1) for part in proc.stdout.split("=== ")[1:])
+    return printed, {c: expect for c, (_, expect) in cases.items()}
+
+
+@pytest.mark.parametrize("case", BAD_INPUT_CASES)
+def test_bad_input_fails_before_models_load(case, bad_input_output):
+    printed, expect = bad_input_output
+    _, raised, error = printed[case].rpartition("config error: ")
+    assert raised and expect[case] in error, printed[case][-2000:]
+
+
+def test_config_error_exits_2_with_one_line(tiny_assets, tmp_path):
+    args, expect = bad_input_args("temperature", tiny_assets, tmp_path)
+    proc = run([sys.executable, "train_ppo.py", "--config", "configs/tiny_cpu.yaml", "trainer.n_gpus_per_node=1",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=1", *args], timeout=300, check=False)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert expect in proc.stdout
-    assert "config error" in proc.stdout and "Loading weights" not in proc.stdout + proc.stderr
+    errors = [line for line in proc.stdout.splitlines() if "config error" in line]
+    assert len(errors) == 1 and expect in errors[0] and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
