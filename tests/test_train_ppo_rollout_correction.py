@@ -3,13 +3,13 @@ CPU engine, the warmed model, 2 steps each. Every step syncs the actor into the 
 that it landed, so at the start of a step the two hold identical weights and every importance
 weight must be 1 (within float32 error), whatever the sampler truncates:
 
-  decoupled, top_k=20 and top_p=0.8: the engine's log-probs are of the cut distribution; the
-      actor's side of the correction is computed under the same cut (without it the weights are the
-      kept mass, ~0.77-1.0 on this model, and half of the tokens fall outside a 0.1% band)
+  decoupled, top_k=20 and top_p=0.9, on 4 ranks: FSDP groups of 2 (HSDP), vLLM TP=2, RLOO, 2 shuffled
+      PPO epochs. The engine's log-probs are of the cut distribution; the actor's side of the
+      correction (and of the sync check) is computed under the same cut (without it the weights are
+      the kept mass, ~0.77-1.0 on this model, and half of the tokens fall outside a 0.1% band)
   bypass, the full vocabulary: no old-log-prob forward; pi_theta against the engine in the loss,
       one optimizer step per step, so pi_theta still equals the synced weights in every micro batch
 """
-
 import json
 import math
 from pathlib import Path
@@ -37,10 +37,16 @@ def assert_weights_one(rows: list[dict]) -> None:
 @pytest.fixture(scope="module")
 def decoupled_top_p(tiny_assets, sft_model, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("rc_decoupled") / "run"
-    run(tiny_assets, sft_model, out, "actor_rollout_ref.rollout.top_k=20", "actor_rollout_ref.rollout.top_p=0.8",
-        f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=2.0", f"{RC}.rollout_is_batch_normalize=true",
-        # a band of 0.1% around ratio 1: exactness rejects nothing, the full-vocabulary comparison half the tokens
-        f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=0.999_1.001")
+    train(4, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model), "trainer.n_gpus_per_node=4",
+              "actor_rollout_ref.actor.fsdp_config.fsdp_size=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+              "algorithm.adv_estimator=rloo", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum",
+              "actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.shuffle=true",
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+              "actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.top_k=20",
+              "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
+              f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=2.0", f"{RC}.rollout_is_batch_normalize=true",
+              # a band of 0.1% around ratio 1: exactness rejects nothing, the full-vocabulary comparison half
+              f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=0.999_1.001"])
     return out
 
 
@@ -53,7 +59,8 @@ def bypass(tiny_assets, sft_model, tmp_path_factory) -> Path:
     return out
 
 
-def test_decoupled_weights_are_one_under_top_k_top_p(decoupled_top_p):
+@pytest.mark.slow
+def test_decoupled_weights_are_one_under_top_k_top_p_rloo_hsdp(decoupled_top_p):
     rows = step_rows(decoupled_top_p)
     assert [r["step"] for r in rows] == [1, 2]
     # the sync check compares the engine's log-probs with the actor's under the same cut: exact, too
@@ -64,6 +71,9 @@ def test_decoupled_weights_are_one_under_top_k_top_p(decoupled_top_p):
         assert r["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(1.0, abs=1e-4)
         assert r["rollout_corr/rollout_rs_token_k1_seq_masked_fraction"] == 0
         assert math.isfinite(r["timing_s/rollout_corr"]) and r["timing_s/old_log_prob"] > 0
+    layouts = [json.loads((decoupled_top_p / "layout" / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [lay["fsdp_group"] for lay in layouts] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [lay["rollout_tp_group"] for lay in layouts] == [[0, 1], [0, 1], [2, 3], [2, 3]]
 
 
 @pytest.mark.slow
