@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=bc.DEFAULT_OUT / "step.json")
     ap.add_argument("--profile", default=None, help="profile one step of these setups instead: demo and/or "
                     f"sizes {list(bc.SIZES)} (writes profile_<setup>.txt/.json beside --out)")
+    ap.add_argument("--profile-overrides", default="", help="with --profile: more key=value overrides, "
+                    "space-separated (e.g. actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false)")
+    ap.add_argument("--tag", default="", help="with --profile: appended to the output names, profile_<setup><tag>")
     ap.add_argument("--png", type=Path, default=None, help="plot (default: step_growth.png beside --out)")
     return ap.parse_args(argv)
 
@@ -243,31 +246,34 @@ def profile_overrides(setup: str, args: argparse.Namespace, data: dict[str, Path
 def profile_setup(setup: str, args: argparse.Namespace, data: dict[str, Path]) -> dict:
     """One run of `setup` with step PROFILED_STEP profiled; writes profile_<setup>.txt / .json."""
     world = bc.fit_world(WORLD)
-    out_dir = args.out.parent / "profile" / setup
+    name = f"{setup}{args.tag}"
+    out_dir = args.out.parent / "profile" / name
     shutil.rmtree(out_dir, ignore_errors=True)
     prefix = out_dir / "profile"
     wall = bc.torchrun(bc.ROOT / "bench" / "profile_step.py", world,
                        ["--step", PROFILED_STEP, "--out", prefix, "--",
-                        "--config", "configs/tiny_cpu.yaml", *profile_overrides(setup, args, data, out_dir, world)],
-                       args.out.parent / "logs" / f"profile_{setup}.log")
+                        "--config", "configs/tiny_cpu.yaml", *profile_overrides(setup, args, data, out_dir, world),
+                        *args.profile_overrides.split()],
+                       args.out.parent / "logs" / f"profile_{name}.log")
     rows = {r["step"]: r for r in read_metrics(out_dir / "metrics.jsonl")}
 
     def timers(row: dict) -> dict[str, float]:
         return {k.removeprefix("timing_s/"): v for k, v in row.items() if k.startswith("timing_s/")}
 
     ranks = [json.loads(Path(f"{prefix}_rank{r}.json").read_text()) for r in range(world)]
-    report = {"benchmark": "profile", "setup": setup, "world": world, "profiled_step": PROFILED_STEP,
+    report = {"benchmark": "profile", "setup": setup, "overrides": args.profile_overrides.split(), "world": world,
+              "profiled_step": PROFILED_STEP,
               "timers_profiled_step": timers(rows[PROFILED_STEP]),
               "timers_next_step": timers(rows[PROFILED_STEP + 1]),
               "response_length_mean": rows[PROFILED_STEP + 1]["response_length/mean"],
               "on_policy_shortcut": rows[PROFILED_STEP + 1].get("actor/on_policy_shortcut", 0.0),
               "ranks": ranks, "wall_s": wall, "machine": bc.machine_info()}
-    base = args.out.parent / f"profile_{setup}"
+    base = args.out.parent / f"profile_{name}"
     bc.write_json(base.with_suffix(".json"), report)
     step_lines = "".join(f"  {k:<16} {report['timers_profiled_step'].get(k, 0.0):8.3f} {v:8.3f}\n"
                          for k, v in report["timers_next_step"].items())
     base.with_suffix(".txt").write_text(
-        f"setup {setup}: {world} ranks, mean response length {report['response_length_mean']:.1f}, "
+        f"setup {setup} {' '.join(report['overrides'])}: {world} ranks, mean response length {report['response_length_mean']:.1f}, "
         f"on-policy shortcut {report['on_policy_shortcut']:.0f}\n"
         f"the step's own timers, seconds (step {PROFILED_STEP} profiled, step {PROFILED_STEP + 1} not):\n"
         f"{step_lines}\n" + Path(f"{prefix}_rank0.txt").read_text())

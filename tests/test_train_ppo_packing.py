@@ -51,7 +51,7 @@ def assert_same_run(padded: list[dict], packed: list[dict]) -> None:
     for rows in (padded, packed):
         assert_common(rows, prompts=32, samples=256)  # includes rollout/logprob_diff_max < 1e-3
     for want, got in zip(padded, packed, strict=True):
-        assert want["perf/padding_fraction"] > 0.2 and got["perf/padding_fraction"] == 0.0
+        assert want["perf/padding_fraction"] > 0.05 and got["perf/padding_fraction"] == 0.0
         keys = [k for k in want if not k.startswith(NOT_COMPARED)]
         assert set(keys) <= set(got), sorted(set(keys) - set(got))
         for key in keys:
