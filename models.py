@@ -396,6 +396,19 @@ def _pack(inputs: Mapping[str, torch.Tensor], response_len: int) -> tuple[dict[s
     return model_inputs, predictors, response_valid
 
 
+def _trim(inputs: Mapping[str, torch.Tensor], response_len: int) -> tuple[dict[str, torch.Tensor], int]:
+    """The padded micro batch without its all-padding columns: those left of its longest prompt (prompts
+    are left-padded to P) and right of its longest response (R). The forward then runs over the micro
+    batch's longest sample rather than P+R; position ids are explicit and padding is masked, so every
+    real token's output is the same. Returns the inputs and the response columns kept, r <= R."""
+    columns = inputs["attention_mask"].bool().any(0).tolist()  # (P+R,) one host sync
+    prompt_len = len(columns) - response_len
+    first = next((i for i, c in enumerate(columns[:prompt_len]) if c), prompt_len - 1)
+    kept = max((j + 1 for j, c in enumerate(columns[prompt_len:]) if c), default=1)
+    first = min(first, prompt_len - 1)  # the last prompt column predicts the first response token
+    return {key: value[:, first:prompt_len + kept] for key, value in inputs.items()}, kept
+
+
 def _unpack(values: torch.Tensor, response_valid: torch.Tensor) -> torch.Tensor:
     """(K,) per real response token -> (b, R), zero on the padding."""
     return values.new_zeros(response_valid.shape).masked_scatter(response_valid, values)
@@ -422,7 +435,8 @@ def compute_log_probs(
     and "responses" (B, R), which gives R. Micro batches are runs of micro_batch_size rows, or cut by
     token count when max_token_len is set (token_budget_micro_batches; collective). With
     use_remove_padding each micro batch's valid tokens run packed in one row (_pack), and positions
-    past a response's end come back as 0; padded, they hold the model's output there. Either way only
+    past a response's end come back as 0; padded, each micro batch runs over its longest sample (_trim),
+    and they hold the model's output there up to its longest response, 0 after. Either way only
     the positions that predict response tokens go through the LM head (`logits_to_keep`), and
     ppo_core's logprobs_from_logits / entropy_from_logits upcast one chunk of rows at a time, so no
     forward holds the (tokens, vocab) logits in float32 at once.
@@ -455,19 +469,21 @@ def compute_log_probs(
             if truncation is not None:
                 truncated.append(_unpack(truncated_log_probs(logits, labels, *truncation), response_valid))  # (b, R)
         else:
-            out = model(**inputs, use_cache=False, logits_to_keep=response_len + 1)
+            inputs, kept = _trim(inputs, response_len)  # (b, <= P+R): the micro batch's longest sample
+            out = model(**inputs, use_cache=False, logits_to_keep=kept + 1)
             # In place and in the model's dtype (bf16 on GPU), as verl does: a copy, let alone a float32
             # one, would double the largest tensor of the forward.
-            logits = out.logits.div_(temperature)  # (b, R+1, V)
+            logits = out.logits.div_(temperature)  # (b, r+1, V)
             # Position t predicts token t+1: the last prompt token predicts the first response token, and
             # the final position predicts past the end. That position goes through the maths with label 0
             # and is dropped after: slicing it off first would copy the logits to make them contiguous.
-            labels = F.pad(inputs["input_ids"][:, -response_len:], (0, 1))  # (b, R+1)
-            log_probs.append(core.logprobs_from_logits(logits, labels)[:, :-1])  # (b, R)
+            labels = F.pad(inputs["input_ids"][:, -kept:], (0, 1))  # (b, r+1)
+            to_full = (0, response_len - kept)  # after dropping that position: 0 in the trimmed columns, (b, R)
+            log_probs.append(F.pad(core.logprobs_from_logits(logits, labels)[:, :-1], to_full))  # (b, R)
             if calc_entropy:
-                entropies.append(core.entropy_from_logits(logits)[:, :-1])  # (b, R)
+                entropies.append(F.pad(core.entropy_from_logits(logits)[:, :-1], to_full))  # (b, R)
             if truncation is not None:
-                truncated.append(truncated_log_probs(logits, labels, *truncation)[:, :-1])  # (b, R)
+                truncated.append(F.pad(truncated_log_probs(logits, labels, *truncation)[:, :-1], to_full))  # (b, R)
         row_groups.append(rows)
     entropy = _in_batch_order(entropies, row_groups) if calc_entropy else None
     if truncation is not None:
@@ -494,8 +510,9 @@ def compute_values(critic: nn.Module, batch: Mapping[str, torch.Tensor], micro_b
             out = critic(**model_inputs, use_cache=False)  # (1, N, 1): one number per token, no need to trim
             values.append(_unpack(out.logits[0, predictors, 0].float(), response_valid))  # (b, R)
         else:
+            inputs, kept = _trim(inputs, response_len)  # (b, <= P+R): the micro batch's longest sample
             out = critic(**inputs, use_cache=False)
-            values.append(out.logits[:, -response_len - 1:-1, 0].float())  # (b, R)
+            values.append(F.pad(out.logits[:, -kept - 1:-1, 0].float(), (0, response_len - kept)))  # (b, R)
         row_groups.append(rows)
     return _in_batch_order(values, row_groups)
 
@@ -507,12 +524,16 @@ def _check_sp_packed(sp_group: dist.ProcessGroup | None, use_remove_padding: boo
 
 
 def padding_fraction(attention_mask: torch.Tensor, use_remove_padding: bool) -> float:
-    """The fraction of the tokens a training forward processes that are padding. Counted over the
-    batch's (B, P+R) layout: padded, every row runs at full length P+R, so it is 1 - valid / (B (P+R))
-    whatever the micro batches; packed (use_remove_padding), only valid tokens run: 0."""
+    """The fraction of the tokens a training forward processes that are padding. Padded, every row
+    runs at the length of the longest sample of its micro batch (_trim); counted here with the whole
+    batch as one micro batch, 1 - valid / (B x that length), an upper bound when micro batches are
+    smaller; packed (use_remove_padding), only valid tokens run: 0."""
     if use_remove_padding:
         return 0.0
-    return 1.0 - attention_mask.sum().item() / attention_mask.numel()
+    columns = attention_mask.bool().any(0)  # (P+R,) the batch's trimmed span: its first to last real column
+    span = columns.nonzero()
+    width = int(span.max() - span.min()) + 1 if len(span) else attention_mask.shape[1]
+    return 1.0 - attention_mask.sum().item() / (attention_mask.shape[0] * width)
 
 
 # Buckets of at most this many bytes are gathered in one collective. Per-parameter gathers pay a fixed

@@ -254,13 +254,24 @@ def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
                  temperature: float, mini_batch_size: int, micro_batch_size: int, dp_size: int,
                  loss_scale_factor: int, generator: torch.Generator, max_token_len: int | None = None,
                  use_remove_padding: bool = False, dp_group: dist.ProcessGroup | None = None,
-                 sp_group: dist.ProcessGroup | None = None, bypass: Config | None = None) -> dict[str, float]:
+                 sp_group: dist.ProcessGroup | None = None, bypass: Config | None = None,
+                 on_policy: Batch | None = None, truncation: tuple[int, float] | None = None) -> dict[str, float]:
     """The policy loss of actor.policy_loss.loss_mode (ppo_core.POLICY_LOSSES), minus the entropy bonus,
     plus the KL loss to the reference model.
     max_token_len: token-budget micro batches (use_dynamic_bsz); use_remove_padding: packed forwards;
     sp_group: Ulysses forwards; dp_group: see run_updates. The batch's rollout_is_weights (decoupled
     rollout correction) weigh the policy loss; with bypass (algorithm.rollout_correction in bypass
-    mode) the correction runs here, pi_theta against the engine."""
+    mode) the correction runs here, pi_theta against the engine.
+
+    on_policy (a dict, filled here; see on_policy_shortcut): the update is one epoch of one mini batch,
+    so its forward runs on the weights that sampled the batch and the old log-probs are that forward's
+    own, detached (the ratio is exactly 1); the batch needs no old_log_probs. What the separate forward
+    would have given comes back in on_policy, (B, R) each in batch order: old_log_probs, entropy, and
+    with truncation=(top_k, top_p) sampling_log_probs, the log-probs under the engine's cut."""
+    num_samples = batch["responses"].shape[0]
+    if on_policy is not None and (actor_cfg.ppo_epochs != 1 or num_samples > mini_batch_size):
+        raise ValueError(f"update_actor(on_policy=...) needs one epoch of one mini batch; got ppo_epochs="
+                         f"{actor_cfg.ppo_epochs}, {num_samples} samples in mini batches of {mini_batch_size}")
     calc_entropy = actor_cfg.entropy_coeff != 0
     clip_low, clip_high = (actor_cfg.clip_ratio if c is None else c for c in (actor_cfg.clip_ratio_low,
                                                                               actor_cfg.clip_ratio_high))
@@ -271,10 +282,16 @@ def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
                        clip_cov_ub=policy_cfg.clip_cov_ub, kl_cov_ratio=policy_cfg.kl_cov_ratio,
                        ppo_kl_coef=policy_cfg.ppo_kl_coef, generator=generator)
 
+    forward_outputs: list[tuple[torch.Tensor, ...]] = []  # on_policy: (rows, log-probs, entropy[, cut]) per micro batch
+
     def loss_fn(mb: Batch, scale: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        log_prob, entropy = compute_log_probs(actor, mb, temperature, len(mb["responses"]), calc_entropy,
-                                              use_remove_padding=use_remove_padding,
-                                              sp_group=sp_group)  # (b, R), one forward
+        log_prob, entropy, *cut = compute_log_probs(
+            actor, mb, temperature, len(mb["responses"]), calc_entropy or on_policy is not None,
+            use_remove_padding=use_remove_padding, sp_group=sp_group,
+            truncation=truncation if on_policy is not None else None)  # (b, R) each, one forward
+        if on_policy is not None:  # this forward is the old policy's: its log-probs are the old ones
+            mb = dict(mb, old_log_probs=log_prob.detach())
+            forward_outputs.append((mb["row_index"], log_prob.detach(), entropy.detach(), *(c.detach() for c in cut)))
         mask = mb["response_mask"]  # (b, R)
         pg_mask, is_weights, terms = mask, mb.get("rollout_is_weights"), {}  # (b, R) each
         if bypass is not None:  # old_log_probs are the engine's: weights and rejection of pi_theta against them
@@ -300,10 +317,57 @@ def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
             loss = loss + actor_cfg.kl_loss_coef * terms["actor/kl_loss"]
         return loss, terms
 
-    return run_updates(actor, optimizer, batch, loss_fn, epochs=actor_cfg.ppo_epochs, mini_batch_size=mini_batch_size,
-                       micro_batch_size=micro_batch_size, shuffle=actor_cfg.shuffle, generator=generator,
-                       grad_clip=actor_cfg.grad_clip, prefix="actor", dp_size=dp_size,
-                       loss_scale_factor=loss_scale_factor, max_token_len=max_token_len, dp_group=dp_group)
+    if on_policy is not None:
+        batch = dict(batch, row_index=torch.arange(num_samples, device=batch["responses"].device))  # (B,)
+    metrics = run_updates(actor, optimizer, batch, loss_fn, epochs=actor_cfg.ppo_epochs,
+                          mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size, shuffle=actor_cfg.shuffle,
+                          generator=generator, grad_clip=actor_cfg.grad_clip, prefix="actor", dp_size=dp_size,
+                          loss_scale_factor=loss_scale_factor, max_token_len=max_token_len, dp_group=dp_group)
+    if on_policy is not None:  # the micro batches' outputs, back in batch order
+        rows = torch.cat([out[0] for out in forward_outputs])
+        names = ("old_log_probs", "entropy", "sampling_log_probs")
+        for i, name in enumerate(names[:len(forward_outputs[0]) - 1], start=1):
+            on_policy[name] = torch.cat([out[i] for out in forward_outputs])[torch.argsort(rows)]  # (B, R)
+    return metrics
+
+
+def on_policy_shortcut(actor: torch.nn.Module, actor_cfg: Config, algo_cfg: Config, samples_per_rank: int,
+                       mini_batch_size_per_rank: int) -> str | None:
+    """None when the old log-probs can come from the actor update's own forward, else why they cannot.
+
+    With one epoch of one mini batch the update's forward runs on the weights that sampled the batch,
+    so a separate no-grad forward before it would give the same log-probs (verl and TRL take that
+    forward's own, detached; the PPO ratio is then exactly 1). Exact only if nothing needs them before
+    the update and the training forward equals the no-grad one: not with the KL penalty in the reward
+    (the advantages need it), rollout correction's weights or rejections (they change the losses),
+    bypass mode (the engine's log-probs are the old ones already), or dropout (train mode differs)."""
+    rc_cfg = algo_cfg.rollout_correction
+    if rc_cfg.bypass_mode:
+        return "algorithm.rollout_correction.bypass_mode: the engine's log-probs are the old ones"
+    if actor_cfg.ppo_epochs != 1:
+        return f"actor.ppo_epochs={actor_cfg.ppo_epochs}: later epochs train on updated weights"
+    if samples_per_rank > mini_batch_size_per_rank:
+        return (f"{samples_per_rank} samples per rank in mini batches of {mini_batch_size_per_rank} "
+                f"(actor.ppo_mini_batch_size): later mini batches train on updated weights")
+    if algo_cfg.use_kl_in_reward:
+        return "algorithm.use_kl_in_reward: the advantages need the old log-probs before the update"
+    if rc_cfg.rollout_is is not None or rc_cfg.rollout_rs is not None:
+        return "algorithm.rollout_correction.rollout_is / rollout_rs: the losses need the weights before the update"
+    dropout = [m.p for m in actor.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    if dropout or getattr(getattr(actor, "config", None), "attention_dropout", 0.0):
+        return "the actor has dropout: its training forward differs from a no-grad one"
+    return None
+
+
+def old_policy_metrics(batch: Batch, sampling_log_probs: torch.Tensor, entropy: torch.Tensor,
+                       loss_agg_mode: str) -> dict[str, float]:
+    """The sync check (the engine's log-probs of its samples against the actor's, under the same cut)
+    and the entropy of the policy that sampled the batch, from the old-log-prob forward's outputs."""
+    from rollout import logprob_diff
+
+    diff = logprob_diff(batch["rollout_log_probs"], sampling_log_probs, batch["response_mask"])
+    return {"rollout/logprob_diff_mean": diff["logprob_diff_mean"], "rollout/logprob_diff_max": diff["logprob_diff_max"],
+            "actor/entropy": core.agg_loss(entropy, batch["response_mask"].float(), loss_agg_mode).item()}
 
 
 def update_critic(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, critic_cfg: Config, *,
@@ -703,6 +767,13 @@ def main(argv: list[str] | None = None) -> None:
                     {"actor": actor_optim, "critic": critic_optim}, device, sleep_engine=lambda: ro.sleep(llm))
         current_phase = phase
 
+    # One epoch of one mini batch: the old log-probs are the update forward's own (on_policy_shortcut)
+    truncation = (rollout_cfg.top_k, rollout_cfg.top_p) if truncated_sampling else None
+    not_on_policy = on_policy_shortcut(actor, actor_cfg, algo_cfg, plan.samples_per_rank, plan.ppo_mini_batch_size_per_rank)
+    on_policy = not_on_policy is None
+    print0("old log-probs: " + ("from the actor update's own forward (one epoch, one mini batch; no separate forward)"
+                                if on_policy else f"a separate forward ({not_on_policy})"))
+
     # --- the loop ----------------------------------------------------------------------------------
     enter("sync")
     consecutive_skips = 0
@@ -747,20 +818,16 @@ def main(argv: list[str] | None = None) -> None:
         actor.eval()
         if rc_cfg.bypass_mode:  # the engine's log-probs are the old ones: one forward less
             batch["old_log_probs"] = batch["rollout_log_probs"]
-        else:
+        elif not on_policy:  # (on policy, the actor update's own forward gives them: step 6)
             # The engine's log-probs are of its top-k / top-p cut of the distribution; the actor's of the
             # same cut come from the same forward (sampling_log_probs) for the comparisons with them.
             with timed(metrics, "old_log_prob"), torch.no_grad():
                 batch["old_log_probs"], entropy, *cut = compute_log_probs(
                     actor, batch, rollout_cfg.temperature, plan.log_prob_micro_batch_size_per_gpu, calc_entropy=True,
                     max_token_len=plan.log_prob_max_token_len_per_gpu, use_remove_padding=model_cfg.use_remove_padding,
-                    sp_group=sp_group,
-                    truncation=(rollout_cfg.top_k, rollout_cfg.top_p) if truncated_sampling else None)
+                    sp_group=sp_group, truncation=truncation)
             sampling_log_probs = cut[0] if truncated_sampling else batch["old_log_probs"]  # (B, R)
-            diff = ro.logprob_diff(batch["rollout_log_probs"], sampling_log_probs, batch["response_mask"])
-            metrics["rollout/logprob_diff_mean"], metrics["rollout/logprob_diff_max"] = (
-                diff["logprob_diff_mean"], diff["logprob_diff_max"])
-            metrics["actor/entropy"] = core.agg_loss(entropy, mask, actor_cfg.loss_agg_mode).item()
+            metrics.update(old_policy_metrics(batch, sampling_log_probs, entropy, actor_cfg.loss_agg_mode))
         if ref is not None:
             with timed(metrics, "ref"), torch.no_grad(), reference_mode():
                 batch["ref_log_probs"], _ = compute_log_probs(
@@ -782,7 +849,7 @@ def main(argv: list[str] | None = None) -> None:
 
         # 5b. rollout correction (decoupled mode): the old actor against the engine over the whole step
         # batch; IS weights for the policy loss, rejected tokens out of every loss (rollout_correction.py)
-        if not rc_cfg.bypass_mode:
+        if not rc_cfg.bypass_mode and not on_policy:
             with timed(metrics, "rollout_corr"):
                 is_weights, batch["response_mask"], rc_metrics = rc.correct_batch(
                     sampling_log_probs, batch["rollout_log_probs"], batch["response_mask"], rc_cfg, dp_group)
@@ -804,13 +871,24 @@ def main(argv: list[str] | None = None) -> None:
                     max_token_len=plan.critic_ppo_max_token_len_per_gpu,
                     use_remove_padding=critic_cfg.model.use_remove_padding, dp_group=dp_group, sp_group=sp_group))
             critic_sched.step()
+        forward_outputs = {} if on_policy else None  # filled by the update's forward (on_policy_shortcut)
         with timed(metrics, "update_actor"):
             actor_metrics = update_actor(
                 actor, actor_optim, batch, actor_cfg, temperature=rollout_cfg.temperature,
                 mini_batch_size=plan.ppo_mini_batch_size_per_rank, micro_batch_size=plan.ppo_micro_batch_size_per_gpu,
                 dp_size=dims.train_dp, loss_scale_factor=data_cfg.max_response_length, generator=generator,
                 max_token_len=plan.ppo_max_token_len_per_gpu, use_remove_padding=model_cfg.use_remove_padding,
-                dp_group=dp_group, sp_group=sp_group, bypass=rc_cfg if rc_cfg.bypass_mode else None)
+                dp_group=dp_group, sp_group=sp_group, bypass=rc_cfg if rc_cfg.bypass_mode else None,
+                on_policy=forward_outputs, truncation=truncation)
+        if on_policy:  # step 4's checks and 5b's diagnostics (nothing to correct), from the update's forward
+            batch["old_log_probs"] = forward_outputs["old_log_probs"]
+            sampling_log_probs = forward_outputs.get("sampling_log_probs", batch["old_log_probs"])  # (B, R)
+            metrics.update(old_policy_metrics(batch, sampling_log_probs, forward_outputs["entropy"],
+                                              actor_cfg.loss_agg_mode))
+            with timed(metrics, "rollout_corr"):
+                metrics.update(rc.correct_batch(sampling_log_probs, batch["rollout_log_probs"],
+                                                batch["response_mask"], rc_cfg, dp_group)[2])
+        metrics["actor/on_policy_shortcut"] = float(on_policy)
         enter("sync")  # optimizer_offload: Adam's state back to the host; ready for validation and the next sync
         metrics.update(actor_metrics)
         metrics["actor/lr"] = actor_sched.get_last_lr()[0]

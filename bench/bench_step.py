@@ -3,6 +3,7 @@ and how the step time grows with rollout.n, the response length and the model si
 
     python bench/bench_step.py            # 7 runs; a table, outputs/bench/step.json and step_growth.png
     python bench/bench_step.py --n-values 4 --response-lengths 64 --sizes 5m      # one run: the breakdown only
+    python bench/bench_step.py --profile demo,30m   # one step of each under the profilers (profile_step.py)
 
 Every run is `torchrun --standalone --nproc_per_node=2 train_ppo.py --config configs/tiny_cpu.yaml`
 with PPO's full set of phases switched on (GAE with a critic, KL loss to a reference model), on the
@@ -12,6 +13,13 @@ middle of each sweep (by default n=4, max_response_length=64, the 5m model, 8 pr
 each sweep changes one of the three. Responses of the randomly initialised models stop at EOS after
 a near-geometric number of tokens, so the mean response length is reported beside the budget.
 
+--profile runs each named setup once, 3 steps, step 2 under torch.profiler and cProfile
+(bench/profile_step.py), and writes outputs/bench/profile_<setup>.txt (rank 0's top operators and
+Python functions, the step's own timers) and profile_<setup>.json: `demo` is configs/tiny_cpu.yaml as
+it is (the warmed tiny model when assets/tiny-qwen2-sft exists); a size from bench_common.SIZES is
+that model on the demo's prompts at the batch of the side-by-side with TRL (16 prompts x n=4, GRPO,
+max_prompt_length 64, max_response_length 128, one mini batch per step).
+
 Growth is summarised as an exponent: log(t_last / t_first) / log(x_last / x_first), for x = samples
 per step (n sweep), generated tokens per step (length sweep) and parameters (size sweep). 1 is linear.
 """
@@ -19,6 +27,7 @@ per step (n sweep), generated tokens per step (length sweep) and parameters (siz
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shutil
 import sys
@@ -47,6 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=3, help="steps per run; the first is dropped")
     ap.add_argument("--assets", type=Path, default=bc.DEFAULT_ASSETS)
     ap.add_argument("--out", type=Path, default=bc.DEFAULT_OUT / "step.json")
+    ap.add_argument("--profile", default=None, help="profile one step of these setups instead: demo and/or "
+                    f"sizes {list(bc.SIZES)} (writes profile_<setup>.txt/.json beside --out)")
+    ap.add_argument("--profile-overrides", default="", help="with --profile: more key=value overrides, "
+                    "space-separated (e.g. actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false)")
+    ap.add_argument("--tag", default="", help="with --profile: appended to the output names, profile_<setup><tag>")
     ap.add_argument("--png", type=Path, default=None, help="plot (default: step_growth.png beside --out)")
     return ap.parse_args(argv)
 
@@ -208,8 +222,73 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
+PROFILED_STEP = 2  # the first step pays one-time costs; the third runs unprofiled, for clean timers
+
+
+def profile_overrides(setup: str, args: argparse.Namespace, data: dict[str, Path], out_dir: Path,
+                      world: int) -> list[str]:
+    common = [f"data.train_files={data['train']}", f"data.val_files={data['val']}",
+              f"trainer.total_training_steps={PROFILED_STEP + 1}", "trainer.val_before_train=false",
+              "trainer.test_freq=-1", "trainer.save_freq=-1", f"trainer.n_gpus_per_node={world}",
+              f"trainer.default_local_dir={out_dir}"]
+    if setup == "demo":
+        sft = args.assets / "tiny-qwen2-sft"
+        model = sft if (sft / "config.json").exists() else bc.resolve_model("tiny", args.assets)
+        return [f"actor_rollout_ref.model.path={model}", *common]
+    prompts, n = 16, 4  # the side-by-side with TRL (bench/RESULTS.md)
+    return [f"actor_rollout_ref.model.path={bc.resolve_model(setup, args.assets)}", *common,
+            f"data.train_batch_size={prompts}", "data.max_prompt_length=64", "data.max_response_length=128",
+            f"actor_rollout_ref.rollout.n={n}", f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16"]
+
+
+def profile_setup(setup: str, args: argparse.Namespace, data: dict[str, Path]) -> dict:
+    """One run of `setup` with step PROFILED_STEP profiled; writes profile_<setup>.txt / .json."""
+    world = bc.fit_world(WORLD)
+    name = f"{setup}{args.tag}"
+    out_dir = args.out.parent / "profile" / name
+    shutil.rmtree(out_dir, ignore_errors=True)
+    prefix = out_dir / "profile"
+    wall = bc.torchrun(bc.ROOT / "bench" / "profile_step.py", world,
+                       ["--step", PROFILED_STEP, "--out", prefix, "--",
+                        "--config", "configs/tiny_cpu.yaml", *profile_overrides(setup, args, data, out_dir, world),
+                        *args.profile_overrides.split()],
+                       args.out.parent / "logs" / f"profile_{name}.log")
+    rows = {r["step"]: r for r in read_metrics(out_dir / "metrics.jsonl")}
+
+    def timers(row: dict) -> dict[str, float]:
+        return {k.removeprefix("timing_s/"): v for k, v in row.items() if k.startswith("timing_s/")}
+
+    ranks = [json.loads(Path(f"{prefix}_rank{r}.json").read_text()) for r in range(world)]
+    report = {"benchmark": "profile", "setup": setup, "overrides": args.profile_overrides.split(), "world": world,
+              "profiled_step": PROFILED_STEP,
+              "timers_profiled_step": timers(rows[PROFILED_STEP]),
+              "timers_next_step": timers(rows[PROFILED_STEP + 1]),
+              "response_length_mean": rows[PROFILED_STEP + 1]["response_length/mean"],
+              "on_policy_shortcut": rows[PROFILED_STEP + 1].get("actor/on_policy_shortcut", 0.0),
+              "ranks": ranks, "wall_s": wall, "machine": bc.machine_info()}
+    base = args.out.parent / f"profile_{name}"
+    bc.write_json(base.with_suffix(".json"), report)
+    step_lines = "".join(f"  {k:<16} {report['timers_profiled_step'].get(k, 0.0):8.3f} {v:8.3f}\n"
+                         for k, v in report["timers_next_step"].items())
+    base.with_suffix(".txt").write_text(
+        f"setup {setup} {' '.join(report['overrides'])}: {world} ranks, mean response length {report['response_length_mean']:.1f}, "
+        f"on-policy shortcut {report['on_policy_shortcut']:.0f}\n"
+        f"the step's own timers, seconds (step {PROFILED_STEP} profiled, step {PROFILED_STEP + 1} not):\n"
+        f"{step_lines}\n" + Path(f"{prefix}_rank0.txt").read_text())
+    print(f"  {setup}: step {report['timers_next_step']['step']:.2f}s unprofiled -> {base}.txt", flush=True)
+    return report
+
+
 def main(argv: list[str] | None = None) -> None:
-    run(parse_args(argv))
+    args = parse_args(argv)
+    if args.profile:
+        data = bc.ensure_assets(args.assets)
+        for setup in bc.split_list(args.profile):
+            profile_setup(setup, args, data)
+        return
+    run(args)
 
 
 if __name__ == "__main__":

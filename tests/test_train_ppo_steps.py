@@ -181,3 +181,105 @@ def test_micro_batch_cut_does_not_change_the_update(mode, tiny_assets, tmp_path)
             torch.testing.assert_close(params[micro][name], whole, rtol=1e-5, atol=1e-6,
                                        msg=lambda m, n=name, k=micro: f"{mode}, micro {k}, {n}: {m}")
 
+
+
+def _on_policy_worker(rank: int, init_file: str, model_path: str, out: str) -> None:
+    """One actor update both ways, from the same weights: with the old log-probs of a separate no-grad
+    forward (what train_ppo.py does off policy), and with on_policy (the update's own forward)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import models
+    import train_ppo
+
+    _init(rank, init_file)
+    try:
+        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
+        g = torch.Generator().manual_seed(20 + rank)
+        prompt_len, response_len, samples = 6, 7, 8
+        ids = torch.randint(4, 100, (samples, prompt_len + response_len), generator=g)
+        lengths = torch.randint(1, response_len + 1, (samples,), generator=g)
+        response_mask = (torch.arange(response_len)[None, :] < lengths[:, None]).long()  # (8, 7) ragged
+        attention = torch.ones_like(ids)
+        attention[:, prompt_len:] = response_mask
+        attention[:3, :2] = 0  # left-padded prompts
+        batch = {"input_ids": ids, "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+                 "responses": ids[:, prompt_len:], "response_mask": response_mask,
+                 "advantages": torch.randn(samples, response_len, generator=g) * response_mask}
+        cfg = config.load_config(None, ["actor_rollout_ref.actor.grad_clip=1e9", "actor_rollout_ref.actor.shuffle=true",
+                                        "actor_rollout_ref.actor.entropy_coeff=0.01"]).actor_rollout_ref.actor
+        temperature, truncation = 0.7, (20, 0.9)
+        result: dict = {"response_mask": response_mask}
+        # (samples per micro batch, token budget, packed): shuffled rows in micro batches of 3, and packed ones
+        for case, (micro, max_token_len, packed) in {"padded": (3, None, False), "packed": (8, 40, True)}.items():
+            for mode in ("separate", "on_policy"):
+                actor = models.load_causal_lm(model_path, mesh, device=torch.device("cpu"), param_dtype=torch.float32,
+                                              reduce_dtype=torch.float32)
+                initial = {n: p.full_tensor() for n, p in actor.named_parameters()}
+                mine, forward = dict(batch), None
+                if mode == "separate":
+                    actor.eval()
+                    with torch.no_grad():
+                        mine["old_log_probs"], entropy, cut = models.compute_log_probs(
+                            actor, batch, temperature, 4, calc_entropy=True, truncation=truncation,
+                            max_token_len=max_token_len and 2 * max_token_len, use_remove_padding=packed)
+                    seen = {"old_log_probs": mine["old_log_probs"], "entropy": entropy, "sampling_log_probs": cut}
+                else:
+                    forward = {}
+                metrics = train_ppo.update_actor(
+                    actor, torch.optim.SGD(actor.parameters(), lr=1.0), mine, cfg, temperature=temperature,
+                    mini_batch_size=samples, micro_batch_size=micro, dp_size=WORLD, loss_scale_factor=response_len,
+                    generator=torch.Generator().manual_seed(0), max_token_len=max_token_len,
+                    use_remove_padding=packed, on_policy=forward, truncation=truncation)
+                result[case, mode] = {"params": {n: p.full_tensor() for n, p in actor.named_parameters()},
+                                      "initial": initial, "metrics": metrics, "forward": forward or seen}
+        torch.save(result, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_on_policy_update_equals_the_update_after_a_separate_forward(sft_model, tmp_path):
+    """The on-policy shortcut (old log-probs from the update's own forward) changes nothing: the same
+    weights after the step, the same losses, and the old log-probs, entropies and cut log-probs it hands
+    back (for the sync check and actor/entropy) equal the separate forward's, in batch order."""
+    run_gloo(_on_policy_worker, WORLD, str(tmp_path / "pg"), str(sft_model), str(tmp_path / "op"), timeout_s=180)
+    for rank in range(WORLD):
+        result = torch.load(tmp_path / f"op.{rank}")
+        for case in ("padded", "packed"):
+            want, got = result[case, "separate"], result[case, "on_policy"]
+            moved = max((want["params"][n] - want["initial"][n]).abs().max().item() for n in want["params"])
+            assert moved > 1e-4, "the update did not move the weights: the test would pass vacuously"
+            for name, value in want["params"].items():
+                # SGD with lr 1 moves weights by up to ~5: float noise in the forwards shows at ~1e-5
+                torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-5, msg=f"{case} {name}")
+            assert set(got["metrics"]) == set(want["metrics"])
+            for key, value in want["metrics"].items():
+                assert got["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (case, key)
+            assert want["metrics"]["actor/grad_norm"] > 0 and want["metrics"]["actor/pg_loss"] != 0
+            # past a response's end packed forwards give 0, padded ones the model's; tokens outside the cut -inf
+            mask = result["response_mask"].bool()
+            for key in ("old_log_probs", "entropy", "sampling_log_probs"):
+                torch.testing.assert_close(got["forward"][key][mask], want["forward"][key][mask], rtol=1e-5,
+                                           atol=1e-5, msg=f"{case} {key}")
+
+
+def test_on_policy_shortcut_applies_only_where_it_is_exact():
+    import train_ppo
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+
+    def why(*overrides: str, samples: int = 64, mini: int = 64, actor: torch.nn.Module = model) -> str | None:
+        cfg = config.load_config(None, list(overrides))
+        return train_ppo.on_policy_shortcut(actor, cfg.actor_rollout_ref.actor, cfg.algorithm, samples, mini)
+
+    assert why() is None
+    assert "ppo_epochs=2" in why("actor_rollout_ref.actor.ppo_epochs=2")
+    assert "mini batches of 32" in why(mini=32)
+    assert "use_kl_in_reward" in why("algorithm.use_kl_in_reward=true")
+    assert "rollout_is" in why("algorithm.rollout_correction.rollout_is=token")
+    assert "rollout_rs" in why("algorithm.rollout_correction.rollout_rs=token_k1",
+                               "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0")
+    assert "bypass_mode" in why("algorithm.rollout_correction.bypass_mode=true")
+    assert "dropout" in why(actor=torch.nn.Sequential(torch.nn.Dropout(0.1)))
+    # the critic (GAE), the KL loss and dynamic sampling need no old log-probs before the update
+    assert why("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
+               "algorithm.filter_groups.enable=true") is None
