@@ -66,6 +66,7 @@ def _one_step(path: str, sp: int, rank: int) -> dict[str, dict[str, torch.Tensor
                   attn_implementation=ulysses.register_ulysses_attention())
     actor = models.load_causal_lm(path, world, **kwargs)
     critic = models.load_value_model(path, world, **kwargs)
+    torch.manual_seed(0)  # the adapter's A starts random (rank 0's, broadcast): the same one at sp=1 and sp=2
     lora_actor = models.load_causal_lm(path, world, wrap=LoraSpec(4, 8.0, "all-linear", None, path).add_adapter,
                                        **kwargs)
     with torch.no_grad():  # the value head starts at zero; give the body's gradients something to carry
