@@ -9,7 +9,9 @@ Two plans, both pure arithmetic, both used before (and while) anything touches a
               executes exactly that list (models.apply_moves), so the table in the README, this
               function and the trainer cannot drift apart.
   memory      per rank and phase, the estimated bytes of each of those, plus the activations of one
-              micro batch and the log-prob chunk, and a verdict against the device's memory
+              micro batch (its layout: padded rows, one packed row, or a token budget's packed row;
+              1/sp of its positions per rank under Ulysses) and the log-prob chunk, and a verdict
+              against the device's memory
               (`python mesh_utils.py --config X --gpu-memory-gb 80` prints it).
 
 One offload mechanism per model, as verl does it:
@@ -30,7 +32,7 @@ One offload mechanism per model, as verl does it:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 PHASES = ("sync", "generate", "log_prob", "update")
@@ -203,10 +205,13 @@ def adam_state_bytes(shape: ModelShape, fsdp: int, fsdp_rank: int) -> int:
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype_bytes: int,
-                     checkpointing: bool) -> int:
-    """Bytes autograd saves for backward in one training forward of (micro_batch, seq_len) tokens
-    through an HF Llama/Qwen2-style decoder (sdpa attention, RMSNorm, SwiGLU), up to the LM head's
-    input. Per token and layer, with e = dtype_bytes, h hidden, q = heads x head_dim,
+                     checkpointing: bool, sp: int = 1) -> int:
+    """Bytes autograd saves for backward on one rank in one training forward of (micro_batch, seq_len)
+    tokens (rows of the micro batch: padded, its samples; packed, one row of their valid tokens; see
+    forward_layout) through an HF Llama/Qwen2-style decoder (sdpa attention, RMSNorm, SwiGLU), up to
+    the LM head's input. With Ulysses (sp > 1) each rank runs ceil(seq_len / sp) positions of every row
+    (attention's all-to-all trades them for 1/sp of the heads over all positions: the same bytes) but
+    builds the whole row's mask. Per token and layer, with e = dtype_bytes, h hidden, q = heads x head_dim,
     kv = kv_heads x head_dim, i = intermediate:
       2 RMSNorms      each its float32 input (4h) and its normalised output (e h)
       attention       q, k, v projections; q and k rotated and embedded; sdpa's output and o_proj's
@@ -214,34 +219,60 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype_by
       SwiGLU          gate, silu(gate), up, their product: 4 e i
     With gradient checkpointing a block keeps only its input (e h); backward then recomputes one
     block at a time, which `peak_recompute_bytes` adds. Shared by all blocks: the final norm
-    (4h + e h), the rotary cos and sin (2 e head_dim) and, with padding, the boolean (seq_len, seq_len)
-    attention mask of each row."""
+    (4h + e h), the rotary cos and sin (2 e head_dim) and the boolean (seq_len, seq_len) attention mask
+    of each row (sdpa's: padding, or the packed row's block-diagonal one)."""
     h, i = shape.hidden, shape.intermediate
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     e = dtype_bytes
-    tokens = micro_batch * seq_len
+    tokens = micro_batch * -(-seq_len // sp)  # this rank's positions
     per_layer = 2 * (4 * h + e * h) + e * (5 * q + 4 * kv) + 4 * e * i
     kept = e * h if checkpointing else per_layer
-    shared = 4 * h + e * h + 2 * e * shape.head_dim + seq_len
-    return tokens * (shape.layers * kept + shared)
+    shared = 4 * h + e * h + 2 * e * shape.head_dim
+    return tokens * (shape.layers * kept + shared) + micro_batch * seq_len * seq_len
 
 
 def peak_recompute_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype_bytes: int,
-                         checkpointing: bool) -> int:
+                         checkpointing: bool, sp: int = 1) -> int:
     """With gradient checkpointing, one block's recomputed activations exist during its backward."""
     if not checkpointing:
         return 0
-    one = activation_bytes(shape, micro_batch, seq_len, dtype_bytes, False)
-    base = activation_bytes(shape, micro_batch, seq_len, dtype_bytes, True)
-    return (one - base) // max(shape.layers, 1) + micro_batch * seq_len * dtype_bytes * shape.hidden
+    one = activation_bytes(shape, micro_batch, seq_len, dtype_bytes, False, sp)
+    base = activation_bytes(shape, micro_batch, seq_len, dtype_bytes, True, sp)
+    return (one - base) // max(shape.layers, 1) + micro_batch * -(-seq_len // sp) * dtype_bytes * shape.hidden
 
 
-def logprob_chunk_bytes(shape: ModelShape, micro_batch: int, response_len: int, dtype_bytes: int,
-                        chunk_rows: int = 1024) -> int:
-    """The LM head's logits for the response positions (micro_batch, R+1, V) in the compute dtype,
-    plus one float32 chunk of rows that logprobs_from_logits upcasts at a time."""
-    rows = micro_batch * (response_len + 1)
-    return rows * shape.vocab * dtype_bytes + min(chunk_rows, rows) * shape.vocab * 4
+def forward_layout(micro: int, seq_len: int, packed: bool, max_tokens: int | None,
+                   samples_per_rank: int | None = None) -> tuple[int, int]:
+    """(rows, row length) of one training micro batch as models.compute_log_probs runs it:
+      padded            `micro` rows of P+R positions
+      packed            one row of their valid tokens, at most micro x (P+R)
+      token budget      (use_dynamic_bsz; max_tokens valid tokens, the sp group's) packed: one row of at
+                        most max_tokens, however many samples it holds; padded: as many P+R rows as
+                        the budget admits samples of 2 valid tokens, at most the rank's samples
+    """
+    if max_tokens is None:
+        return (1, micro * seq_len) if packed else (micro, seq_len)
+    if packed:
+        return 1, max_tokens
+    return max(1, min(max_tokens // 2, samples_per_rank or max_tokens)), seq_len
+
+
+def head_positions(rows: int, row_len: int, packed: bool, micro: int, response_len: int, sp: int,
+                   dynamic: bool) -> int:
+    """Positions one rank runs through the LM head in a micro batch: with Ulysses, every position of
+    its slice; packed, the response tokens (at most micro x R, or the token budget); padded, the
+    R+1 last positions of each row."""
+    if sp > 1:
+        return rows * -(-row_len // sp)
+    if packed:
+        return row_len if dynamic else micro * response_len
+    return rows * (response_len + 1)
+
+
+def logprob_chunk_bytes(shape: ModelShape, positions: int, dtype_bytes: int, chunk_rows: int = 1024) -> int:
+    """The LM head's logits for `positions` (head_positions) in the compute dtype, plus one float32
+    chunk of rows that logprobs_from_logits upcasts at a time."""
+    return positions * shape.vocab * dtype_bytes + min(chunk_rows, positions) * shape.vocab * 4
 
 
 GIB = 2**30
@@ -269,11 +300,19 @@ class MemoryInputs:
     gpu_memory_utilization: float
     gpu_memory_bytes: int
     adapter: list[tuple[int, ...]] | None = None  # LoRA: the adapter's parameter shapes (None: full fine-tuning)
+    sp: int = 1  # actor_rollout_ref.actor.ulysses_sequence_parallel_size
+    actor_packed: bool = False  # actor_rollout_ref.model.use_remove_padding
+    critic_packed: bool = False  # critic.model.use_remove_padding
+    # use_dynamic_bsz: the valid tokens of one micro batch (mesh_utils.BatchPlan's, the per-gpu budget x sp);
+    # None: micro batches of a fixed number of samples
+    ppo_max_tokens: int | None = None
+    log_prob_max_tokens: int | None = None
+    critic_max_tokens: int | None = None
+    samples_per_rank: int | None = None  # what bounds a padded token-budget micro batch
 
 
 def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
     """Estimated device bytes per phase and item on one rank (rank `fsdp_rank` of its FSDP group)."""
-    seq = m.prompt_len + m.response_len
     actor_shard = param_shard_bytes(m.actor, m.fsdp, fsdp_rank)
     trained_shard, actor_adam = actor_shard, adam_state_bytes(m.actor, m.fsdp, fsdp_rank)
     if m.adapter is not None:  # LoRA: the frozen base plus the adapter, which alone has gradients and Adam state
@@ -306,19 +345,36 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
         if phase == "sync":  # iter_full_params: one bucket (<= 16 MiB) of full tensors in the engine's dtype
             b["gathered_blocks"] = min(16 * 2**20, engine_weights * m.infer_tp)
         if phase == "log_prob":
-            b["log_prob_chunk"] = logprob_chunk_bytes(m.actor, m.log_prob_micro, m.response_len, m.compute_bytes)
+            b["log_prob_chunk"] = _head_bytes(m, m.log_prob_micro, m.log_prob_max_tokens)
         if phase == "update":
-            actor_act = (activation_bytes(m.actor, m.ppo_micro, seq, m.compute_bytes, m.actor_checkpointing)
-                         + peak_recompute_bytes(m.actor, m.ppo_micro, seq, m.compute_bytes, m.actor_checkpointing))
-            critic_act = 0
-            if m.critic and m.critic_micro:
-                critic_act = (activation_bytes(m.critic, m.critic_micro, seq, m.compute_bytes, m.critic_checkpointing)
-                              + peak_recompute_bytes(m.critic, m.critic_micro, seq, m.compute_bytes,
-                                                     m.critic_checkpointing))
-            b["activations"] = max(actor_act, critic_act)  # the critic updates first, then the actor
-            b["log_prob_chunk"] = logprob_chunk_bytes(m.actor, m.ppo_micro, m.response_len, m.compute_bytes)
+            b["activations"] = max(_update_activations(m, critic=False), _update_activations(m, critic=True))
+            b["log_prob_chunk"] = _head_bytes(m, m.ppo_micro, m.ppo_max_tokens)
         out[phase] = b
     return out
+
+
+def _update_activations(m: MemoryInputs, critic: bool, checkpointing: bool | None = None,
+                        recompute: bool = True) -> int:
+    """One update micro batch's activations (and, with recompute, a checkpointed block's recompute) on
+    one rank, of the actor or the critic (0 without one); checkpointing overrides the config's."""
+    shape = m.critic if critic else m.actor
+    micro = m.critic_micro if critic else m.ppo_micro
+    if shape is None or not micro:
+        return 0
+    if checkpointing is None:
+        checkpointing = m.critic_checkpointing if critic else m.actor_checkpointing
+    rows, row_len = forward_layout(micro, m.prompt_len + m.response_len, m.critic_packed if critic else m.actor_packed,
+                                   m.critic_max_tokens if critic else m.ppo_max_tokens, m.samples_per_rank)
+    return (activation_bytes(shape, rows, row_len, m.compute_bytes, checkpointing, m.sp)
+            + (peak_recompute_bytes(shape, rows, row_len, m.compute_bytes, checkpointing, m.sp) if recompute else 0))
+
+
+def _head_bytes(m: MemoryInputs, micro: int, max_tokens: int | None) -> int:
+    """The actor's LM-head logits (and one float32 chunk) of one micro batch on one rank."""
+    rows, row_len = forward_layout(micro, m.prompt_len + m.response_len, m.actor_packed, max_tokens,
+                                   m.samples_per_rank)
+    positions = head_positions(rows, row_len, m.actor_packed, micro, m.response_len, m.sp, max_tokens is not None)
+    return logprob_chunk_bytes(m.actor, positions, m.compute_bytes)
 
 
 def _remedies(m: MemoryInputs, phase: str, items: dict[str, int], over: int,
@@ -335,12 +391,25 @@ def _remedies(m: MemoryInputs, phase: str, items: dict[str, int], over: int,
             out.append((f"actor_rollout_ref.rollout.gpu_memory_utilization={util:.2f}", over))
     if phase == "update":
         if not m.actor_checkpointing:
-            saved = items["activations"] - activation_bytes(m.actor, m.ppo_micro, m.prompt_len + m.response_len,
-                                                            m.compute_bytes, True)
+            saved = items["activations"] - max(_update_activations(m, critic=False, checkpointing=True, recompute=False),
+                                               _update_activations(m, critic=True))
             out.append(("actor_rollout_ref.model.enable_gradient_checkpointing=true", saved))
         per_sample = (items["activations"] + items["log_prob_chunk"]) / m.ppo_micro
         smaller = [d for d in range(m.ppo_micro - 1, 0, -1) if ppo_mini_per_rank % d == 0]
         fitting = [d for d in smaller if per_sample * (m.ppo_micro - d) >= over]
+        if m.ppo_max_tokens is not None:  # token budgets: the budget, not the micro batch size, sets the bytes
+            smaller = []
+            per_gpu, least = m.ppo_max_tokens // m.sp, -(-(m.prompt_len + m.response_len) // m.sp)
+            used = items["activations"] + items["log_prob_chunk"]
+            budget = max(least, math.floor(per_gpu * (1 - over / used)))
+            if m.actor_packed and budget < per_gpu:
+                out.append((f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
+                            int(used * (1 - budget / per_gpu))))
+            elif not m.actor_packed:  # padded, a budget admits many short samples, each P+R positions long
+                packed = replace(m, actor_packed=True)
+                freed = used - max(_update_activations(packed, critic=False), _update_activations(m, critic=True)) \
+                    - _head_bytes(packed, m.ppo_micro, m.ppo_max_tokens)
+                out.append(("actor_rollout_ref.model.use_remove_padding=true", int(freed)))
         if smaller:
             d = fitting[0] if fitting else smaller[-1]
             out.append((f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={d}",
@@ -417,7 +486,10 @@ def memory_inputs(cfg: Any, dims: Any, plan: Any, gpu_memory_gb: float) -> Memor
         actor_checkpointing=arr.model.enable_gradient_checkpointing,
         critic_checkpointing=cfg.critic.model.enable_gradient_checkpointing,
         gpu_memory_utilization=arr.rollout.gpu_memory_utilization, gpu_memory_bytes=int(gpu_memory_gb * GIB),
-        adapter=adapter_shapes(arr.model.path, spec, trust) if spec else None)
+        adapter=adapter_shapes(arr.model.path, spec, trust) if spec else None, sp=dims.sp,
+        actor_packed=arr.model.use_remove_padding, critic_packed=cfg.critic.model.use_remove_padding,
+        ppo_max_tokens=plan.ppo_max_token_len_per_gpu, log_prob_max_tokens=plan.log_prob_max_token_len_per_gpu,
+        critic_max_tokens=plan.critic_ppo_max_token_len_per_gpu, samples_per_rank=plan.samples_per_rank)
 
 
 def adapter_shapes(path: str, spec: Any, trust_remote_code: bool = False) -> list[tuple[int, ...]]:

@@ -4,6 +4,8 @@ same 2 ranks, and where the extra time goes (the all-to-alls).
     python bench/bench_ulysses.py                          # 30m model; outputs/bench/ulysses.json
     python bench/bench_ulysses.py --model 5m --samples 4 --max-response-length 64   # a quick look
 
+Part of `make bench` (bench/run_all.py), which reports its ratios.
+
 Spawns 2 ranks (gloo on the CPU, NCCL on 2 GPUs). Each rank runs a plain transformers model (no FSDP:
 its gathers are the same with and without sp, and would only add noise) with the Ulysses attention,
 through models.compute_log_probs, packed (use_remove_padding), one micro batch per rank:
@@ -128,18 +130,36 @@ def _worker(rank: int, args: argparse.Namespace, path: str, init_file: str, out:
         dist.destroy_process_group()
 
 
-COLUMNS = [("variant", "variant", ""), ("tokens_per_rank", "tokens/rank", "d"), ("log_prob_s", "log-prob s", ".2f"),
-           ("log_prob_all_to_all_s", "a2a s", ".3f"), ("update_s", "update s", ".2f"),
-           ("update_all_to_all_s", "update a2a s", ".3f"), ("update_gather_s", "gather s", ".3f"),
-           ("update_peak_gb", "update GB", ".2f")]
+COLUMNS = [("model", "model", ""), ("variant", "variant", ""), ("tokens_per_rank", "tokens/rank", "d"),
+           ("log_prob_s", "log-prob s", ".2f"), ("log_prob_all_to_all_s", "a2a s", ".3f"),
+           ("update_s", "update s", ".2f"), ("update_vs_sp1", "vs sp1", ".2f"),
+           ("update_all_to_all_s", "update a2a s", ".3f"), ("update_all_to_all_share_of_extra", "a2a/extra", ".2f"),
+           ("update_gather_s", "gather s", ".3f"), ("update_peak_gb", "update GB", ".2f")]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def tables(report: dict) -> list[tuple[str, list[dict], list]]:
+    """(title, rows, columns) of what this benchmark shows, for the console and results.md."""
+    if report.get("skipped"):
+        return []
+    s = report["settings"]
+    title = (f"Ulysses sp=2 vs sp=1 on the same {WORLD} ranks: {s['model']}, {s['samples']} samples, "
+             f"P={s['max_prompt_length']}, R={s['max_response_length']} (long-tailed), packed; medians of "
+             f"{s['repeats']}, the slower rank; sp2 |dlogp| vs sp1 {report['max_abs_diff_vs_sp1']:.1e} "
+             f"({report['wall_s']:.0f}s)")
+    return [(title, report["rows"], COLUMNS)]
+
+
+def run(args: argparse.Namespace) -> dict:
+    start = time.perf_counter()
+    settings = {k: v for k, v in vars(args).items() if k not in ("assets", "out")}
     if args.samples % WORLD:
         raise SystemExit(f"--samples={args.samples} must be a multiple of {WORLD} (sp=1 gives each rank half)")
     if torch.cuda.is_available() and torch.cuda.device_count() < WORLD:
-        raise SystemExit(f"needs {WORLD} GPUs, or none (CPU)")
+        report = {"benchmark": "ulysses", "machine": bc.machine_info(), "wall_s": 0.0, "settings": settings,
+                  "skipped": f"needs {WORLD} GPUs, or none (CPU)", "rows": []}
+        bc.write_json(args.out, report)
+        print(f"skipped: {report['skipped']}")
+        return report
     path = bc.resolve_model(args.model, args.assets)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     init_file, out = args.out.with_suffix(f".pg{time.time_ns()}"), args.out.with_suffix(".rank")
@@ -159,13 +179,27 @@ def main(argv: list[str] | None = None) -> int:
             if key != "log_probs":  # the slower rank: the step waits for it
                 row[key] = max(rank_row[key] for rank_row in ranks)
         rows.append(row)
-    rows[1]["max_abs_diff_vs_sp1"] = diff
-    bc.print_tables([(f"{args.model}: {args.samples} samples, P={args.max_prompt_length}, "
-                      f"R={args.max_response_length}, 2 ranks; sp2 |dlogp| vs sp1 {diff:.1e}", rows, COLUMNS)])
-    bc.write_json(args.out, {"machine": bc.machine_info(), "args": {k: str(v) for k, v in vars(args).items()},
-                             "rows": rows})
+    sp1, sp2 = rows
+    sp2["max_abs_diff_vs_sp1"] = diff
+    for phase in ("log_prob", "update"):
+        sp2[f"{phase}_vs_sp1"] = sp2[f"{phase}_s"] / sp1[f"{phase}_s"]
+        # where sp=2's time goes: the all-to-alls' share of its time, and of what it adds to sp=1's
+        sp2[f"{phase}_all_to_all_share"] = sp2[f"{phase}_all_to_all_s"] / sp2[f"{phase}_s"]
+        extra = sp2[f"{phase}_s"] - sp1[f"{phase}_s"]
+        sp2[f"{phase}_all_to_all_share_of_extra"] = sp2[f"{phase}_all_to_all_s"] / extra if extra > 0 else None
+    report = {"benchmark": "ulysses", "machine": bc.machine_info(), "wall_s": time.perf_counter() - start,
+              "settings": settings, "args": {k: str(v) for k, v in vars(args).items()},
+              "max_abs_diff_vs_sp1": diff, "rows": rows}
+    bc.write_json(args.out, report)
+    bc.print_tables(tables(report))
+    print(f"-> {args.out}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(parse_args(argv))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -1,14 +1,16 @@
 """The whole benchmark suite (what `make bench` runs): rollout, weight sync, step breakdown and growth,
-memory. Prints each table, then the targets, and writes outputs/bench/results.json (every number),
+memory, padding (packed / token-budget forwards) and Ulysses sequence parallelism. Prints each table, then the targets, and writes outputs/bench/results.json (every number),
 outputs/bench/results.md (the same tables in Markdown, with the machine, date and command) and
 outputs/bench/step_growth.png. On a GPU machine the same scripts use CUDA and bf16.
 
-    python bench/run_all.py                                  # ~10-15 min on 2 CPU cores
+    python bench/run_all.py                                  # ~20 min on 2 CPU cores
     python bench/run_all.py --rollout-sizes 5m,30m --step-sizes 5m,15m --only rollout,step
     python bench/run_all.py --quick                          # every script at the smallest sizes (~3 min)
 
 Targets: collocated rollout >= 0.9 x standalone; sync <= 2 x the copy floor; step time growing no
-worse than linearly in samples per step (exponent <= 1 over the rollout.n sweep).
+worse than linearly in samples per step (exponent <= 1 over the rollout.n sweep); packed + token-budget
+update time <= 0.6 x padded, and its activations within the token budget (bench_packing.py); Ulysses
+sp=2 / sp=1 step time and the all-to-alls' share of it, reported.
 """
 
 from __future__ import annotations
@@ -20,15 +22,19 @@ from pathlib import Path
 
 import bench_common as bc
 import bench_memory
+import bench_packing
 import bench_rollout
 import bench_step
 import bench_sync
+import bench_ulysses
 
-BENCHMARKS = ("rollout", "sync", "step", "memory")
-MODULES = {"rollout": bench_rollout, "sync": bench_sync, "step": bench_step, "memory": bench_memory}
+BENCHMARKS = ("rollout", "sync", "step", "memory", "packing", "ulysses")
+MODULES = {"rollout": bench_rollout, "sync": bench_sync, "step": bench_step, "memory": bench_memory,
+           "packing": bench_packing, "ulysses": bench_ulysses}
 TARGET_COLUMNS = [("target", "target", ""), ("where", "where", ""), ("value", "value", ".2f"),
                   ("limit", "limit", ".1f"), ("met", "", "")]
 COLLOCATED_MIN, SYNC_MAX, GROWTH_MAX = 0.9, 2.0, 1.0
+PACKED_DYNAMIC_MAX, ACTIVATIONS_VS_BUDGET_MAX = 0.6, 1.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,6 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--n-values", default="2,4,8")
     ap.add_argument("--response-lengths", default="32,64,128")
     ap.add_argument("--memory-sizes", default="30m")
+    ap.add_argument("--packing-sizes", default="30m")
+    ap.add_argument("--packing-response-length", default="256", help="max response length of bench_packing")
+    ap.add_argument("--ulysses-size", default="30m")
+    ap.add_argument("--ulysses-response-length", default="512", help="max response length of bench_ulysses")
     ap.add_argument("--quick", action="store_true", help="smallest sizes and sweeps: a smoke run of everything")
     ap.add_argument("--assets", type=Path, default=bc.DEFAULT_ASSETS)
     ap.add_argument("--out-dir", type=Path, default=bc.DEFAULT_OUT)
@@ -75,6 +85,30 @@ def targets(reports: dict[str, dict]) -> list[dict]:
                          "where": f"{sweep} sweep, vs {g['x']}", "value": g["exponent"],
                          "limit": GROWTH_MAX if gated else None,
                          "met": g["exponent"] <= GROWTH_MAX if gated else None})
+    rows += long_sequence_targets(reports)
+    return rows
+
+
+def long_sequence_targets(reports: dict[str, dict]) -> list[dict]:
+    """bench_packing: packed + token-budget update time against padded (<= 0.6), and its largest micro
+    batch's activations against the token budget x the padded forward's activation bytes per token (<= 1:
+    bounded by the budget, not by micro batch x max length). bench_ulysses: sp=2 / sp=1 update time and
+    the all-to-alls' share of sp=2's, reported."""
+    rows = []
+    for r in (reports.get("packing") or {}).get("rows", []):
+        if r["variant"] == "packed_dynamic":
+            rows.append({"target": "packed + dynamic / padded update time <= 0.6", "where": r["model"],
+                         "value": r["update_vs_padded"], "limit": PACKED_DYNAMIC_MAX,
+                         "met": r["update_vs_padded"] <= PACKED_DYNAMIC_MAX})
+            rows.append({"target": "packed + dynamic activations / token budget <= 1", "where": r["model"],
+                         "value": r["act_vs_budget"], "limit": ACTIVATIONS_VS_BUDGET_MAX,
+                         "met": r["act_vs_budget"] <= ACTIVATIONS_VS_BUDGET_MAX})
+    for r in (reports.get("ulysses") or {}).get("rows", []):
+        if r["variant"] == "sp2":
+            rows.append({"target": "sp=2 / sp=1 update time (reported)", "where": r["model"],
+                         "value": r["update_vs_sp1"], "limit": None, "met": None})
+            rows.append({"target": "all-to-all share of the sp=2 update (reported)", "where": r["model"],
+                         "value": r["update_all_to_all_share"], "limit": None, "met": None})
     return rows
 
 
@@ -98,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.rollout_sizes = args.sync_sizes = args.step_sizes = args.memory_sizes = "5m"
         args.n_values, args.response_lengths, args.sync_layouts = "2,4", "32", "2x2"
+        # packing keeps its long tail (responses up to 256 tokens, most far shorter): its target is about that
+        args.packing_sizes, args.ulysses_size, args.ulysses_response_length = "5m", "5m", "64"
     out = args.out_dir
     common = ["--assets", str(args.assets)]
     start = time.perf_counter()
@@ -114,6 +150,12 @@ def main(argv: list[str] | None = None) -> None:
              "--out", str(out / "step.json"), *common])),
         "memory": lambda: bench_memory.run(bench_memory.parse_args(
             ["--models", args.memory_sizes, "--out", str(out / "memory.json"), *common])),
+        "packing": lambda: bench_packing.run(bench_packing.parse_args(
+            ["--models", args.packing_sizes, "--max-response-length", args.packing_response_length,
+             "--out", str(out / "packing.json"), *common])),
+        "ulysses": lambda: bench_ulysses.run(bench_ulysses.parse_args(
+            ["--model", args.ulysses_size, "--max-response-length", args.ulysses_response_length,
+             "--out", str(out / "ulysses.json"), *common])),
     }
     for name in BENCHMARKS:
         if name in only:

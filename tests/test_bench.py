@@ -47,6 +47,10 @@ def test_bench_packing_smoke(tiny_assets, tmp_path):
     assert rows["padded"]["padding_fraction"] > 0 == rows["packed"]["padding_fraction"]
     assert rows["packed"]["tokens_processed"] < rows["padded"]["tokens_processed"]
     assert rows["packed_dynamic"]["micro_batches"] <= rows["packed"]["micro_batches"]
+    # activations follow the tokens a micro batch runs: the token-budget ones stay within the budget
+    assert rows["packed_dynamic"]["max_tokens_per_micro"] <= rows["packed_dynamic"]["token_budget"]
+    assert 0 < rows["packed_dynamic"]["act_vs_budget"] <= 1
+    assert rows["packed"]["act_peak_gb"] < rows["padded"]["act_peak_gb"]
 
 
 @pytest.mark.slow
@@ -61,6 +65,8 @@ def test_bench_ulysses_smoke(tiny_assets, tmp_path):
     assert_positive(sp2, "update_all_to_all_s", "update_gather_s")
     assert sp1["update_all_to_all_s"] == 0  # no sp group: plain sdpa
     assert sp2["max_abs_diff_vs_sp1"] < 1e-5  # sp=2 computes sp=1's log-probs
+    assert sp2["update_vs_sp1"] == pytest.approx(sp2["update_s"] / sp1["update_s"])
+    assert 0 < sp2["update_all_to_all_share"] < 1
 
 
 @pytest.mark.slow
@@ -187,6 +193,28 @@ def test_targets_table():
     assert rows[("step time growth exponent <= 1", "n sweep, vs samples_per_step")]["met"] is True
     assert rows[("step time growth (reported)", "size sweep, vs params_m")]["met"] is None
     assert run_all.targets({}) == []
+
+
+def test_long_sequence_targets():
+    """bench_packing's and bench_ulysses's rows in run_all's target table, on made-up numbers."""
+    reports = {
+        "packing": {"rows": [{"model": "30m", "variant": "padded", "update_vs_padded": 1.0},
+                             {"model": "30m", "variant": "packed_dynamic", "update_vs_padded": 0.46,
+                              "act_vs_budget": 0.7},
+                             {"model": "5m", "variant": "packed_dynamic", "update_vs_padded": 0.8,
+                              "act_vs_budget": 1.2}]},
+        "ulysses": {"rows": [{"model": "30m", "variant": "sp1", "update_vs_sp1": None},
+                             {"model": "30m", "variant": "sp2", "update_vs_sp1": 1.4, "update_all_to_all_share": 0.2}]},
+    }
+    rows = {(r["target"], r["where"]): r for r in run_all.targets(reports)}
+    assert len(rows) == 6
+    assert rows[("packed + dynamic / padded update time <= 0.6", "30m")]["met"] is True
+    assert rows[("packed + dynamic / padded update time <= 0.6", "5m")]["met"] is False
+    assert rows[("packed + dynamic activations / token budget <= 1", "30m")]["met"] is True
+    assert rows[("packed + dynamic activations / token budget <= 1", "5m")]["met"] is False
+    sp = rows[("sp=2 / sp=1 update time (reported)", "30m")]
+    assert (sp["value"], sp["limit"], sp["met"]) == (1.4, None, None)
+    assert rows[("all-to-all share of the sp=2 update (reported)", "30m")]["value"] == 0.2
 
 
 def test_device_check_smoke(tiny_assets, tmp_path):

@@ -192,11 +192,129 @@ def test_activation_estimate_within_30_percent(arch, tied, dtype, tmp_path):
           f"{errors[True]:+.1%} (checkpointing)")
 
 
+PACKED_LENGTHS = [100, 37, 200, 63, 111]  # one packed row of 511 tokens: 2 does not divide it
+
+
+def _sp_activation_worker(rank: int, path: str, init_file: str, out_dir: str) -> None:
+    """Bytes autograd saves on this rank in the Ulysses forward of one packed row, sp=2, without and
+    with checkpointing; rank 0 also the whole row's forward without sp."""
+    from transformers import AutoModelForCausalLM
+
+    import ulysses
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     attn_implementation=ulysses.register_ulysses_attention()).train()
+        ids = torch.randint(3, model.config.vocab_size, (1, sum(PACKED_LENGTHS)),
+                            generator=torch.Generator().manual_seed(0))
+        row = {"input_ids": ids, "position_ids": torch.cat([torch.arange(n) for n in PACKED_LENGTHS])[None]}
+        result = {}
+        for checkpointing in (False, True):
+            if checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            result[f"sp2/{checkpointing}"] = saved_bytes_of(
+                model, lambda: ulysses.sequence_parallel_log_probs(model, row, 1.0, dist.group.WORLD), checkpointing)
+            result[f"sp1/{checkpointing}"] = saved_bytes_of(model, lambda: model(**row, use_cache=False, logits_to_keep=1),
+                                                            checkpointing)
+        (Path(out_dir) / f"sp_rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def saved_bytes_of(model: torch.nn.Module, forward, checkpointing: bool) -> int:
+    """saved_for_backward_bytes for any forward call (the Ulysses one takes no batch dict)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def block_input(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        kept[hidden.untyped_storage().data_ptr()] = hidden.untyped_storage().nbytes()
+
+    hooks = ([layer.register_forward_pre_hook(block_input, with_kwargs=True) for layer in model.model.layers]
+             if checkpointing else [])
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    for hook in hooks:
+        hook.remove()
+    del out
+    return sum(kept.values())
+
+
+def test_activation_estimate_under_ulysses_sp2(tmp_path):
+    """Ulysses: each rank of 2 saves for backward what the estimate says for its half of a packed row
+    (the per-token bytes divided by sp, the row's whole mask), within the same 30% as unsplit; and
+    measured, that is about half of the unsplit forward's."""
+    import make_assets
+
+    path = tmp_path / "qwen2"
+    make_assets.build_model(path, make_assets.model_config("qwen2", hidden=256, layers=4, heads=8, kv_heads=2,
+                                                           intermediate=704, tied=False), seed=0)
+    run_gloo(_sp_activation_worker, 2, str(path), str(tmp_path / "init"), str(tmp_path), timeout_s=300)
+    shape, tokens = mp.model_shape(str(path)), sum(PACKED_LENGTHS)
+    for rank in range(2):
+        measured = json.loads((tmp_path / f"sp_rank{rank}.json").read_text())
+        for checkpointing in (False, True):
+            got, whole = measured[f"sp2/{checkpointing}"], measured[f"sp1/{checkpointing}"]
+            estimate = mp.activation_bytes(shape, 1, tokens, 4, checkpointing, sp=2)
+            assert abs(estimate - got) / got <= 0.30, (rank, checkpointing, estimate, got)
+            assert 0.4 < got / whole < 0.6, (rank, checkpointing, got, whole)  # the sp split is real
+            # by hand: the per-token part for ceil(511 / 2) = 256 positions, plus the 511 x 511 boolean mask
+            per_token = mp.activation_bytes(shape, 1, 1, 4, checkpointing) - 1
+            assert estimate == 256 * per_token + tokens * tokens
+
+
+def _inputs(shape: mp.ModelShape, **fields) -> mp.MemoryInputs:
+    base = dict(actor=shape, critic=None, use_ref=False, flags=mp.OffloadFlags(), fsdp=1, infer_tp=1, compute_bytes=2,
+                engine_bytes=2, prompt_len=512, response_len=3584, ppo_micro=4, log_prob_micro=8, critic_micro=None,
+                actor_checkpointing=False, critic_checkpointing=False, gpu_memory_utilization=0.5,
+                gpu_memory_bytes=80 * mp.GIB, actor_packed=True, samples_per_rank=64)
+    return mp.MemoryInputs(**(base | fields))
+
+
+def test_update_activations_follow_the_token_budget_and_sp():
+    """The update's activations, by hand: padded, micro rows of P+R; packed, one row of micro x (P+R)
+    tokens (its mask quadratic in them); with a token budget, one row of the budget whatever the
+    micro batch size; Ulysses divides the per-token part by sp, not the mask."""
+    shape = mp.ModelShape(param_shapes=[(128, 256)], hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32,
+                          intermediate=704, vocab=128, largest_block_numel=1000)
+    seq = 512 + 3584
+    per_token = mp.activation_bytes(shape, 1, 1, 2, False) - 1  # a 1-token row's mask is 1 byte
+
+    def update_activations(**fields) -> int:
+        return mp.phase_bytes(_inputs(shape, **fields), 0)["update"]["activations"]
+
+    assert update_activations(actor_packed=False) == 4 * seq * per_token + 4 * seq * seq
+    assert update_activations() == 4 * seq * per_token + (4 * seq) ** 2
+    budget = 6000  # the plan's, the sp group's tokens per micro batch
+    for micro in (1, 4, 16):
+        assert update_activations(ppo_micro=micro, ppo_max_tokens=budget) == budget * per_token + budget**2
+        assert update_activations(ppo_micro=micro, ppo_max_tokens=budget, sp=2) == budget // 2 * per_token + budget**2
+    # padded, a budget admits up to budget / 2 samples of 2 valid tokens, each P+R long (at most the rank's 64)
+    assert update_activations(actor_packed=False, ppo_max_tokens=budget) == 64 * seq * (per_token + seq)
+    # a token budget too large (checkpointing already on): the verdict names the budget key, smaller
+    m = _inputs(shape, ppo_max_tokens=budget, sp=2, actor_checkpointing=True)
+    update = mp.phase_bytes(m, 0)["update"]
+    m = _inputs(shape, ppo_max_tokens=budget, sp=2, actor_checkpointing=True,
+                gpu_memory_bytes=sum(update.values()) - update["activations"] // 3)
+    fits, line = mp.verdict(m, mp.phase_bytes(m, 0), 64)
+    assert not fits and "set actor_rollout_ref.actor.ppo_max_token_len_per_gpu=" in line, line
+    smaller = int(line.split("ppo_max_token_len_per_gpu=")[1].split()[0])
+    assert -(-seq // 2) <= smaller < budget // 2  # still holds one sample's half, below the per-gpu 3000
+
+
 # --- the planner ------------------------------------------------------------------------------------
 
 
 def test_planner_prints_the_memory_plan(tiny_assets, tmp_path):
-    common = ["--config", "configs/tiny_cpu.yaml", f"actor_rollout_ref.model.path={tiny_assets['tiny-qwen2']}"]
+    # padded forwards: their activations are linear in the tokens, which checkpointing cuts most
+    common = ["--config", "configs/tiny_cpu.yaml", f"actor_rollout_ref.model.path={tiny_assets['tiny-qwen2']}",
+              "actor_rollout_ref.model.use_remove_padding=false"]
     proc = run([sys.executable, "mesh_utils.py", "--json", *common])
     memory = json.loads(proc.stdout)["memory"]
     shape = mp.model_shape(str(tiny_assets["tiny-qwen2"]))

@@ -7,7 +7,8 @@ On 2 real gloo ranks, FSDP2 over both, the tiny Llama (GQA: 4 query heads, 2 KV 
 Both run train_ppo.update_actor (policy loss, entropy bonus, KL loss) and update_critic with plain
 SGD at lr 1 and a clip no gradient reaches, so each parameter's change is minus its gradient; micro
 batches are cut differently (fixed sizes against token budgets). The changes must agree, and the
-update must be a real one (not zero)."""
+update must be a real one (not zero). The same for a LoRA actor (peft adapter on every linear layer
+of the blocks, the base frozen): only the adapter moves, as at sp=1."""
 
 import pytest
 import torch
@@ -51,6 +52,7 @@ def _one_step(path: str, sp: int, rank: int) -> dict[str, dict[str, torch.Tensor
     import train_ppo
     import ulysses
     from config import load_config
+    from lora import LoraSpec
     from mesh_utils import Meshes, train_dp_group
 
     cfg = load_config(None, ["actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.actor.use_kl_loss=true",
@@ -64,10 +66,16 @@ def _one_step(path: str, sp: int, rank: int) -> dict[str, dict[str, torch.Tensor
                   attn_implementation=ulysses.register_ulysses_attention())
     actor = models.load_causal_lm(path, world, **kwargs)
     critic = models.load_value_model(path, world, **kwargs)
+    torch.manual_seed(0)  # the adapter's A starts random (rank 0's, broadcast): the same one at sp=1 and sp=2
+    lora_actor = models.load_causal_lm(path, world, wrap=LoraSpec(4, 8.0, "all-linear", None, path).add_adapter,
+                                       **kwargs)
     with torch.no_grad():  # the value head starts at zero; give the body's gradients something to carry
         g = torch.Generator().manual_seed(100 + rank)
         for p in critic.parameters():
             p.to_local().add_(torch.randn(p.to_local().shape, generator=g) * 0.02)
+        for name, p in lora_actor.named_parameters():  # LoRA's B starts at zero: A's gradient would be zero
+            if "lora_B" in name:
+                p.to_local().add_(torch.randn(p.to_local().shape, generator=g) * 0.02)
     full = _batch(actor.config.vocab_size)
     half = NUM_SAMPLES // WORLD
     batch = {k: v[rank * half:(rank + 1) * half] for k, v in full.items()}  # as split_for_training
@@ -81,16 +89,16 @@ def _one_step(path: str, sp: int, rank: int) -> dict[str, dict[str, torch.Tensor
                   generator=torch.Generator().manual_seed(0), use_remove_padding=True, dp_group=dp_group,
                   sp_group=sp_group, **cut)
     changes = {}
-    for name, model in (("actor", actor), ("critic", critic)):
+    for name, model in (("actor", actor), ("critic", critic), ("lora_actor", lora_actor)):
         before = _full_params(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        if name == "actor":
-            metrics = train_ppo.update_actor(actor, optimizer, batch, cfg.actor_rollout_ref.actor, temperature=0.7,
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+        if name != "critic":
+            metrics = train_ppo.update_actor(model, optimizer, batch, cfg.actor_rollout_ref.actor, temperature=0.7,
                                              **common)
         else:
             metrics = train_ppo.update_critic(critic, optimizer, batch, cfg.critic, epochs=1, shuffle=False,
                                               loss_agg_mode="token-mean", **common)
-        assert metrics[f"{name}/grad_norm"] > 0, metrics
+        assert metrics[f"{name.removeprefix('lora_')}/grad_norm"] > 0, metrics
         changes[name] = {k: after - before[k] for k, after in _full_params(model).items()}
     return changes
 
@@ -106,15 +114,19 @@ def _worker(rank: int, path: str, init_file: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def changes(tiny_assets, tmp_path_factory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("ulysses_step")
-    run_gloo(_worker, WORLD, str(tiny_assets["tiny-llama-tied"]), str(tmp / "pg"), str(tmp / "result"), timeout_s=300)
+    run_gloo(_worker, WORLD, str(tiny_assets["tiny-llama-tied"]), str(tmp / "pg"), str(tmp / "result"), timeout_s=900)
     return [torch.load(tmp / f"result.{r}") for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("model", ["actor", "critic"])
+@pytest.mark.parametrize("model", ["actor", "critic", "lora_actor"])
 def test_sp2_update_equals_sp1_update(changes, model):
     for rank, result in enumerate(changes):
         want, got = result[1][model], result[2][model]
         assert sum(c.abs().sum().item() for c in want.values()) > 0, "the reference update moved nothing"
+        if model == "lora_actor":  # the adapter, A and B, moves; the base does not
+            moved = {name for name, c in want.items() if c.abs().max() > 0}
+            assert moved and all("lora_A" in n or "lora_B" in n for n in moved), sorted(moved)[:4]
+            assert any("lora_A" in n for n in moved) and any("lora_B" in n for n in moved)
         for name, change in want.items():
             if change.abs().max() == 0:  # (the critic's untouched LM head rows, say)
                 assert got[name].abs().max() == 0, (rank, name)
