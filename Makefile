@@ -54,8 +54,8 @@ clean:
 	rm -rf outputs assets .pytest_cache .ruff_cache
 
 # The benchmark suite (bench/): rollout, weight sync, step breakdown and growth, memory, and the same GRPO
-# step under TRL's GRPOTrainer (installed once into outputs/bench/trl-venv, not into .venv). About 30 min
-# on 2 CPU cores; the same scripts use CUDA and bf16 on a GPU. Tables on the console, every number in
+# step under TRL's GRPOTrainer (installed once into outputs/bench/trl-venv, not into .venv). About 15 min
+# on 2 CPU cores plus the TRL comparison (40 min when the cores were shared); the same scripts use CUDA and bf16 on a GPU. Tables on the console, every number in
 # outputs/bench/results.json (tables also in results.md), the growth plot in outputs/bench/step_growth.png.
 # See bench/RESULTS.md.
 .PHONY: bench

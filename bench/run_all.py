@@ -6,7 +6,7 @@ outputs/bench/step_growth.png. On a GPU machine the same scripts use CUDA and bf
     python bench/run_all.py                                  # ~10-15 min on 2 CPU cores
     python bench/run_all.py --rollout-sizes 5m,30m --step-sizes 5m,15m --only rollout,step
     python bench/run_all.py --quick                          # every script at the smallest sizes (~3 min)
-    python bench/run_all.py --only peer_trl                  # against TRL only (~15 min; installs TRL once)
+    python bench/run_all.py --only peer_trl                  # against TRL only (40 min on 2 busy cores; installs TRL once)
 
 Targets: collocated rollout >= 0.9 x standalone; sync <= 2 x the copy floor; step time growing no
 worse than linearly in samples per step (exponent <= 1 over the rollout.n sweep); against TRL's
