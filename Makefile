@@ -54,8 +54,9 @@ clean:
 	rm -rf outputs assets .pytest_cache .ruff_cache
 
 # The benchmark suite (bench/): rollout, weight sync, step breakdown and growth, memory, padding (packed
-# and token-budget forwards) and Ulysses sequence parallelism. About 20 min on 2 quiet CPU cores (far more
-# when other jobs share them); the same scripts use CUDA and bf16 on a GPU. Tables on the console, every number in
+# and token-budget forwards), Ulysses sequence parallelism, and the same GRPO step under TRL's GRPOTrainer
+# (installed once into outputs/bench/trl-venv, never into .venv). See bench/RESULTS.md for its duration on
+# 2 CPU cores; the same scripts use CUDA and bf16 on a GPU. Tables on the console, every number in
 # outputs/bench/results.json (tables also in results.md), the growth plot in outputs/bench/step_growth.png.
 # See bench/RESULTS.md.
 .PHONY: bench

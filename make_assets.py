@@ -3,6 +3,7 @@
     python make_assets.py                       # ./assets/{tokenizer,tiny-qwen2,tiny-llama-tied}
     python make_assets.py --out /tmp/assets --force
     python make_assets.py --preset 50m          # also ./assets/qwen2-50m, for benchmarks
+    python make_assets.py --preset 25m --arch llama   # ./assets/llama-25m (bench/peer_trl.py's larger model)
     python make_assets.py --preset tiny --hidden 256 --layers 4 --name my-qwen2
 
 The tokenizer is character level: every printable ASCII character and "\\n" is one token, so
@@ -49,6 +50,9 @@ CHAT_TEMPLATE = (
 PRESETS = {
     "tiny": dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256),  # ~0.3 M parameters
     "50m": dict(hidden=768, layers=8, heads=12, kv_heads=4, intermediate=2048),  # ~50 M parameters
+    # the peer comparison's two sizes (bench/peer_trl.py builds them as Llamas)
+    "1m": dict(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=512),  # ~1.0 M parameters
+    "25m": dict(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1408),  # ~24 M parameters
 }
 
 
@@ -176,7 +180,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("ASSETS_DIR", "assets")))
     parser.add_argument("--force", action="store_true", help="rebuild even if the files exist")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="also build one Qwen2 of this size")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="also build one model of this size")
+    parser.add_argument("--arch", choices=("qwen2", "llama"), default="qwen2", help="the --preset model's architecture")
     parser.add_argument("--hidden", type=int, help="override the preset's hidden size (head_dim kept)")
     parser.add_argument("--layers", type=int, help="override the preset's number of layers")
     parser.add_argument("--name", help="directory name for --preset (default qwen2-<preset>)")
@@ -198,8 +203,8 @@ def main() -> None:
         dims["hidden"] = args.hidden
     if args.layers:
         dims["layers"] = args.layers
-    name = args.name or f"qwen2-{args.preset}"
-    build_model(args.out / name, model_config("qwen2", **dims, tied=False), args.seed, args.force)
+    name = args.name or f"{args.arch}-{args.preset}"
+    build_model(args.out / name, model_config(args.arch, **dims, tied=False), args.seed, args.force)
 
 
 if __name__ == "__main__":

@@ -530,10 +530,13 @@ def padding_fraction(attention_mask: torch.Tensor, use_remove_padding: bool) -> 
     smaller; packed (use_remove_padding), only valid tokens run: 0."""
     if use_remove_padding:
         return 0.0
-    columns = attention_mask.bool().any(0)  # (P+R,) the batch's trimmed span: its first to last real column
-    span = columns.nonzero()
-    width = int(span.max() - span.min()) + 1 if len(span) else attention_mask.shape[1]
-    return 1.0 - attention_mask.sum().item() / (attention_mask.shape[0] * width)
+    return 1.0 - attention_mask.sum().item() / (attention_mask.shape[0] * trimmed_width(attention_mask))
+
+
+def trimmed_width(attention_mask: torch.Tensor) -> int:
+    """The columns a padded forward of these rows runs over (_trim): first to last real column."""
+    span = attention_mask.bool().any(0).nonzero()
+    return int(span.max() - span.min()) + 1 if len(span) else attention_mask.shape[1]
 
 
 # Buckets of at most this many bytes are gathered in one collective. Per-parameter gathers pay a fixed

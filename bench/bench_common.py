@@ -200,10 +200,12 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def torchrun(script: Path | str, nproc: int, args: Sequence[str], log_file: Path, timeout: int = 1800) -> float:
-    """Run `script` on nproc ranks (torchrun --standalone picks a free port); its output goes to
-    log_file. Returns wall seconds; raises with the log's tail if it fails."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+def torchrun(script: Path | str, nproc: int, args: Sequence[str], log_file: Path, timeout: int = 1800,
+             python: Path | str = sys.executable) -> float:
+    """Run `script` on nproc ranks (torchrun --standalone picks a free port) with `python` (another
+    venv's, for a peer framework); its output goes to log_file. Returns wall seconds; raises with the
+    log's tail if it fails."""
+    cmd = [str(python), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), *map(str, args)]
     log_file.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

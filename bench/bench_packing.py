@@ -157,10 +157,10 @@ def bench_model(spec: str, args: argparse.Namespace) -> list[dict]:
     for name, (packed, _) in VARIANTS.items():
         activations: list[int] = []
         fns[name]["update"](record=activations)
-        # tokens each micro batch's forward runs: padded rows are P+R long whatever their content
-        cut_tokens = [int(batch["attention_mask"][r].sum()) if packed else len(r) * sequence_len for r in cuts[name]]
-        processed = (batch["attention_mask"][torch.cat(cuts[name])].sum() if packed
-                     else batch["attention_mask"].numel())
+        # tokens each micro batch's forward runs: padded rows as long as the micro batch's longest sample
+        mask = batch["attention_mask"]
+        cut_tokens = [int(mask[r].sum()) if packed else len(r) * models.trimmed_width(mask[r]) for r in cuts[name]]
+        processed = sum(cut_tokens)
         rows.append({"model": bc.model_label(spec), "variant": name, "micro_batches": len(cuts[name]),
                      "max_samples_per_micro": max(len(r) for r in cuts[name]), "max_tokens_per_micro": max(cut_tokens),
                      "token_budget": budgets[name], "act_peak_gb": max(activations) / 1e9,

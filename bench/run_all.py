@@ -1,16 +1,20 @@
 """The whole benchmark suite (what `make bench` runs): rollout, weight sync, step breakdown and growth,
-memory, padding (packed / token-budget forwards) and Ulysses sequence parallelism. Prints each table, then the targets, and writes outputs/bench/results.json (every number),
+memory, padding (packed / token-budget forwards), Ulysses sequence parallelism, and this project against
+TRL's GRPOTrainer on the same work (peer_trl). Prints each table, then the targets, and writes outputs/bench/results.json (every number),
 outputs/bench/results.md (the same tables in Markdown, with the machine, date and command) and
 outputs/bench/step_growth.png. On a GPU machine the same scripts use CUDA and bf16.
 
     python bench/run_all.py                                  # ~20 min on 2 CPU cores
     python bench/run_all.py --rollout-sizes 5m,30m --step-sizes 5m,15m --only rollout,step
     python bench/run_all.py --quick                          # every script at the smallest sizes (~3 min)
+    python bench/run_all.py --only peer_trl                  # against TRL only (40 min on 2 busy cores; installs TRL once)
 
 Targets: collocated rollout >= 0.9 x standalone; sync <= 2 x the copy floor; step time growing no
 worse than linearly in samples per step (exponent <= 1 over the rollout.n sweep); packed + token-budget
 update time <= 0.6 x padded, and its activations within the token budget (bench_packing.py); Ulysses
-sp=2 / sp=1 step time and the all-to-alls' share of it, reported.
+sp=2 / sp=1 step time and the all-to-alls' share of it, reported; against TRL's GRPOTrainer, s/step
+<= 0.5 x TRL's and generated tokens/s per rank >= 2 x on the 25m model, s/step <= 0.8 x on the 1m
+model, and peak RSS per rank at most the engine's KV cache above TRL's.
 """
 
 from __future__ import annotations
@@ -27,14 +31,17 @@ import bench_rollout
 import bench_step
 import bench_sync
 import bench_ulysses
+import peer_trl
 
-BENCHMARKS = ("rollout", "sync", "step", "memory", "packing", "ulysses")
+BENCHMARKS = ("rollout", "sync", "step", "memory", "packing", "ulysses", "peer_trl")
 MODULES = {"rollout": bench_rollout, "sync": bench_sync, "step": bench_step, "memory": bench_memory,
-           "packing": bench_packing, "ulysses": bench_ulysses}
+           "packing": bench_packing, "ulysses": bench_ulysses, "peer_trl": peer_trl}
 TARGET_COLUMNS = [("target", "target", ""), ("where", "where", ""), ("value", "value", ".2f"),
                   ("limit", "limit", ".1f"), ("met", "", "")]
 COLLOCATED_MIN, SYNC_MAX, GROWTH_MAX = 0.9, 2.0, 1.0
 PACKED_DYNAMIC_MAX, ACTIVATIONS_VS_BUDGET_MAX = 0.6, 1.0
+# against TRL, per model size: our s/step at most this x TRL's; our generated tokens/s at least this x
+PEER_STEP_RATIO_MAX, PEER_GEN_RATIO_MIN = {"1m": 0.8, "25m": 0.5}, {"25m": 2.0}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--packing-response-length", default="256", help="max response length of bench_packing")
     ap.add_argument("--ulysses-size", default="30m")
     ap.add_argument("--ulysses-response-length", default="512", help="max response length of bench_ulysses")
+    ap.add_argument("--peer-sizes", default="1m,25m", help="peer_trl's Llamas (1m: 32-token, 25m: 128-token responses)")
+    ap.add_argument("--peer-steps", type=int, default=5)
+    ap.add_argument("--peer-reps", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="smallest sizes and sweeps: a smoke run of everything")
     ap.add_argument("--assets", type=Path, default=bc.DEFAULT_ASSETS)
     ap.add_argument("--out-dir", type=Path, default=bc.DEFAULT_OUT)
@@ -85,6 +95,22 @@ def targets(reports: dict[str, dict]) -> list[dict]:
                          "where": f"{sweep} sweep, vs {g['x']}", "value": g["exponent"],
                          "limit": GROWTH_MAX if gated else None,
                          "met": g["exponent"] <= GROWTH_MAX if gated else None})
+    for r in (reports.get("peer_trl") or {}).get("results", []):
+        checks = [("s/step ours / TRL", "step_ratio", PEER_STEP_RATIO_MAX.get(r["size"]), False),
+                  ("generated tok/s per rank ours / TRL", "gen_tok_s_ratio", PEER_GEN_RATIO_MIN.get(r["size"]), True)]
+        for name, key, limit, at_least in checks:
+            if limit is None:
+                continue
+            # as for the rollout: a verdict only when every rep's ratio falls on the same side of the limit
+            reps = r.get(f"{key}_reps") or [r[key]]
+            passes = [v >= limit if at_least else v <= limit for v in reps]
+            met = True if all(passes) else False if not any(passes) else None
+            spread = "" if met is not None else f" (reps {min(reps):.2f}-{max(reps):.2f}: within noise)"
+            rows.append({"target": f"{name} {'>=' if at_least else '<='} {limit}", "where": r["model"] + spread,
+                         "value": r[key], "limit": limit, "met": met})
+        rows.append({"target": "peak RSS/rank over TRL <= KV cache (GB)", "where": r["model"],
+                     "value": r["rss_excess_gb"], "limit": r["kv_cache_gb"],
+                     "met": r["rss_excess_gb"] <= r["kv_cache_gb"]})
     rows += long_sequence_targets(reports)
     return rows
 
@@ -134,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         args.n_values, args.response_lengths, args.sync_layouts = "2,4", "32", "2x2"
         # packing keeps its long tail (responses up to 256 tokens, most far shorter): its target is about that
         args.packing_sizes, args.ulysses_size, args.ulysses_response_length = "5m", "5m", "64"
+        args.peer_sizes, args.peer_steps, args.peer_reps = "1m", 3, 1
     out = args.out_dir
     common = ["--assets", str(args.assets)]
     start = time.perf_counter()
@@ -156,6 +183,9 @@ def main(argv: list[str] | None = None) -> None:
         "ulysses": lambda: bench_ulysses.run(bench_ulysses.parse_args(
             ["--model", args.ulysses_size, "--max-response-length", args.ulysses_response_length,
              "--out", str(out / "ulysses.json"), *common])),
+        "peer_trl": lambda: peer_trl.run(peer_trl.parse_args(
+            ["--sizes", args.peer_sizes, "--steps", str(args.peer_steps), "--reps", str(args.peer_reps),
+             "--venv", str(out / "trl-venv"), "--out", str(out / "peer_trl.json"), *common])),
     }
     for name in BENCHMARKS:
         if name in only:

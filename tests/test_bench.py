@@ -181,6 +181,11 @@ def test_targets_table():
         "sync": {"results": [{"model": "30m", "layout": "2x2", "sync_vs_floor": 7.5}]},
         "step": {"growth": {"n": {"x": "samples_per_step", "exponent": 0.8},
                             "size": {"x": "params_m", "exponent": 1.3}, "response_length": None}},
+        "peer_trl": {"results": [
+            {"size": "25m", "model": "llama-25m", "step_ratio": 0.45, "step_ratio_reps": [0.4, 0.5],
+             "gen_tok_s_ratio": 2.1, "gen_tok_s_ratio_reps": [1.9, 2.3], "rss_excess_gb": 1.5, "kv_cache_gb": 1.07},
+            {"size": "1m", "model": "llama-1m", "step_ratio": 0.9, "step_ratio_reps": [0.85, 0.95],
+             "gen_tok_s_ratio": 1.2, "rss_excess_gb": 0.5, "kv_cache_gb": 1.07}]},
     }
     rows = {(r["target"], r["where"]): r for r in run_all.targets(reports)}
     assert rows[("collocated / standalone rollout >= 0.9", "30m")]["met"] is False
@@ -192,6 +197,12 @@ def test_targets_table():
     assert rows[("sync <= 2 x copy floor", "30m 2x2")]["met"] is False
     assert rows[("step time growth exponent <= 1", "n sweep, vs samples_per_step")]["met"] is True
     assert rows[("step time growth (reported)", "size sweep, vs params_m")]["met"] is None
+    assert rows[("s/step ours / TRL <= 0.5", "llama-25m")]["met"] is True  # 0.5 itself passes
+    assert rows[("generated tok/s per rank ours / TRL >= 2.0", "llama-25m (reps 1.90-2.30: within noise)")]["met"] is None
+    assert rows[("s/step ours / TRL <= 0.8", "llama-1m")]["met"] is False
+    assert ("generated tok/s per rank ours / TRL >= 2.0", "llama-1m") not in rows  # no such target on 1m
+    assert rows[("peak RSS/rank over TRL <= KV cache (GB)", "llama-25m")]["met"] is False
+    assert rows[("peak RSS/rank over TRL <= KV cache (GB)", "llama-1m")]["met"] is True
     assert run_all.targets({}) == []
 
 
