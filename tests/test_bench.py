@@ -147,7 +147,9 @@ def test_bench_step_smoke(tiny_assets, tmp_path):
     assert (base["n"], base["max_response_length"], base["samples_per_step"], base["steps_measured"]) == (2, 8, 4, 1)
     assert_positive(base, "step_s", "params_m", "tokens_per_s_per_rank", "gen_tokens_per_s_per_rank",
                     "max_memory_gb", "response_length_mean", *(f"phases_s.{p}" for p in
-                    ("sync_weights", "gen", "old_log_prob", "ref", "values", "update_critic", "update_actor")))
+                    ("sync_weights", "gen", "ref", "values", "update_critic", "update_actor")))
+    # one mini batch of one epoch: the old log-probs come from the update's forward, no phase of their own
+    assert base["on_policy_shortcut"] == 1 and base["phases_s"]["old_log_prob"] == 0
     assert base["response_length_mean"] <= 8
     assert report["points"] == [base]  # one point: no sweep, no plot
     assert report["png"] is None
@@ -228,6 +230,7 @@ def test_long_sequence_targets():
     assert rows[("all-to-all share of the sp=2 update (reported)", "30m")]["value"] == 0.2
 
 
+@pytest.mark.slow
 def test_device_check_smoke(tiny_assets, tmp_path):
     """bench/device_check.py (the GPU machine's first check, no vLLM) runs its checks on 2 CPU ranks."""
     torchrun(2, ROOT / "bench" / "device_check.py", "--model", str(tiny_assets["tiny-qwen2"]), "--batch", "4",

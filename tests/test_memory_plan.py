@@ -108,7 +108,7 @@ def _shard_worker(rank: int, world: int, paths: dict[str, str], init_file: str, 
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_shard_bytes_equal_real_fsdp2_shards(world, tiny_assets, tmp_path):
     """Parameter, gradient and AdamW state bytes per rank, from config.json alone, equal what each
     rank of a real FSDP2 model holds: two architectures (one tied), actor and critic, and a model
@@ -311,6 +311,7 @@ def test_update_activations_follow_the_token_budget_and_sp():
 # --- the planner ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_planner_prints_the_memory_plan(tiny_assets, tmp_path):
     # padded forwards: their activations are linear in the tokens, which checkpointing cuts most
     common = ["--config", "configs/tiny_cpu.yaml", f"actor_rollout_ref.model.path={tiny_assets['tiny-qwen2']}",

@@ -61,7 +61,8 @@ def run_ranks(world: int, mesh_shape: tuple[int, ...], tmp_path) -> list[dict]:
     return [torch.load(f"{out}.{r}") for r in range(world)]
 
 
-@pytest.mark.parametrize("mesh_shape", [(1,), (3,), (2, 2)], ids=["fsdp1", "fsdp3", "hsdp2x2"])
+@pytest.mark.parametrize("mesh_shape", [(1,), pytest.param((3,), marks=pytest.mark.slow),
+                                        pytest.param((2, 2), marks=pytest.mark.slow)], ids=["fsdp1", "fsdp3", "hsdp2x2"])
 def test_bucketed_gather_equals_full_tensor(mesh_shape, tmp_path):
     world = 1
     for size in mesh_shape:

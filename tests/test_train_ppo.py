@@ -100,6 +100,7 @@ def gae_kl(tiny_assets, sft_model, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_grpo_tp2(grpo_tp2, sft_model):
     rows = step_rows(grpo_tp2)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -116,6 +117,7 @@ def test_grpo_tp2(grpo_tp2, sft_model):
     assert weights_moved(sft_model, grpo_tp2, lr=3e-4, steps=3) > 10
 
 
+@pytest.mark.slow
 def test_gae_with_kl(gae_kl):
     rows = step_rows(gae_kl)
     assert len(rows) == 2
@@ -139,6 +141,7 @@ def test_gae_with_kl(gae_kl):
         assert r["critic/score/mean"] == pytest.approx(r["reward_extra/acc"] + penalty)
 
 
+@pytest.mark.slow
 def test_every_config_key_is_read(grpo_tp2, gae_kl):
     """No key is accepted and ignored: between them, the two runs read every key of the schema
     (algorithm.rollout_correction's: tests/test_train_ppo_rollout_correction.py's two runs)."""
