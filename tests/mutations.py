@@ -80,7 +80,7 @@ MUTATIONS = (
         ('mine = ro.shard_for_dp(prompt_indices, meshes.rollout.get_local_rank("dp"), dims.rollout_dp)',
          'mine = prompt_indices'),
         ('train_sampling = dict(n=rollout_cfg.n,', 'train_sampling = dict(n=rollout_cfg.n // dims.rollout_dp,')),
-        "tests/test_train_ppo.py::test_gae_with_kl"),
+        "tests/test_train_ppo.py::test_seed_six_rank_job"),
     Mutation("packed forward lets attention cross sequences (one position run over the row)", "models.py", ((
         '"position_ids": inputs["position_ids"][valid][None]}',
         '"position_ids": torch.arange(int(valid.sum()), device=valid.device)[None]}'),),
