@@ -205,22 +205,22 @@ def adam_state_bytes(shape: ModelShape, fsdp: int, fsdp_rank: int) -> int:
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype_bytes: int,
-                     checkpointing: bool, sp: int = 1) -> int:
+                     checkpointing: bool, sp: int = 1, packed: bool = False) -> int:
     """Bytes autograd saves for backward on one rank in one training forward of (micro_batch, seq_len)
     tokens (rows of the micro batch: padded, its samples; packed, one row of their valid tokens; see
     forward_layout) through an HF Llama/Qwen2-style decoder (sdpa attention, RMSNorm, SwiGLU), up to
     the LM head's input. With Ulysses (sp > 1) each rank runs ceil(seq_len / sp) positions of every row
     (attention's all-to-all trades them for 1/sp of the heads over all positions: the same bytes) but
-    builds the whole row's mask. Per token and layer, with e = dtype_bytes, h hidden, q = heads x head_dim,
-    kv = kv_heads x head_dim, i = intermediate:
+    builds the whole row's mask, if it has one. Per token and layer, with e = dtype_bytes, h hidden,
+    q = heads x head_dim, kv = kv_heads x head_dim, i = intermediate:
       2 RMSNorms      each its float32 input (4h) and its normalised output (e h)
       attention       q, k, v projections; q and k rotated and embedded; sdpa's output and o_proj's
                       input: e (5 q + 4 kv)
       SwiGLU          gate, silu(gate), up, their product: 4 e i
     With gradient checkpointing a block keeps only its input (e h); backward then recomputes one
     block at a time, which `peak_recompute_bytes` adds. Shared by all blocks: the final norm
-    (4h + e h), the rotary cos and sin (2 e head_dim) and the boolean (seq_len, seq_len) attention mask
-    of each row (sdpa's: padding, or the packed row's block-diagonal one)."""
+    (4h + e h), the rotary cos and sin (2 e head_dim) and, for padded rows, the boolean (seq_len,
+    seq_len) attention mask of each; a packed row has none (attention.py runs sdpa per sequence)."""
     h, i = shape.hidden, shape.intermediate
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     e = dtype_bytes
@@ -228,7 +228,7 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype_by
     per_layer = 2 * (4 * h + e * h) + e * (5 * q + 4 * kv) + 4 * e * i
     kept = e * h if checkpointing else per_layer
     shared = 4 * h + e * h + 2 * e * shape.head_dim
-    return tokens * (shape.layers * kept + shared) + micro_batch * seq_len * seq_len
+    return tokens * (shape.layers * kept + shared) + (0 if packed else micro_batch * seq_len * seq_len)
 
 
 def peak_recompute_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype_bytes: int,
@@ -236,8 +236,8 @@ def peak_recompute_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtyp
     """With gradient checkpointing, one block's recomputed activations exist during its backward."""
     if not checkpointing:
         return 0
-    one = activation_bytes(shape, micro_batch, seq_len, dtype_bytes, False, sp)
-    base = activation_bytes(shape, micro_batch, seq_len, dtype_bytes, True, sp)
+    one = activation_bytes(shape, micro_batch, seq_len, dtype_bytes, False, sp, packed=True)
+    base = activation_bytes(shape, micro_batch, seq_len, dtype_bytes, True, sp, packed=True)
     return (one - base) // max(shape.layers, 1) + micro_batch * -(-seq_len // sp) * dtype_bytes * shape.hidden
 
 
@@ -363,9 +363,10 @@ def _update_activations(m: MemoryInputs, critic: bool, checkpointing: bool | Non
         return 0
     if checkpointing is None:
         checkpointing = m.critic_checkpointing if critic else m.actor_checkpointing
-    rows, row_len = forward_layout(micro, m.prompt_len + m.response_len, m.critic_packed if critic else m.actor_packed,
+    packed = m.critic_packed if critic else m.actor_packed
+    rows, row_len = forward_layout(micro, m.prompt_len + m.response_len, packed,
                                    m.critic_max_tokens if critic else m.ppo_max_tokens, m.samples_per_rank)
-    return (activation_bytes(shape, rows, row_len, m.compute_bytes, checkpointing, m.sp)
+    return (activation_bytes(shape, rows, row_len, m.compute_bytes, checkpointing, m.sp, packed)
             + (peak_recompute_bytes(shape, rows, row_len, m.compute_bytes, checkpointing, m.sp) if recompute else 0))
 
 

@@ -34,6 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 import ppo_core as core
 import ulysses
+from attention import register_packed_attention
 from config import ConfigError
 from mesh_utils import all_gather_single
 from rollout_correction import truncated_log_probs
@@ -123,7 +124,9 @@ class ShardingOptions(TypedDict, total=False):
     reshard_after_forward: bool  # [True] free the gathered parameters after each block's forward
     cpu_offload: bool  # [False] FSDP2's CPUOffloadPolicy, for the reference model only (see apply_fsdp)
     activation_checkpointing: bool  # [False] recompute each decoder block in backward
-    attn_implementation: str  # ["sdpa"] transformers' attention kernel
+    # [attention.ATTENTION_NAME] transformers' attention kernel: "packed_sdpa" is sdpa that runs a packed
+    # row one sequence at a time (no (N, N) mask); "ulysses_sdpa" adds sequence parallelism
+    attn_implementation: str
     trust_remote_code: bool  # [False] allow the checkpoint's own modelling code
     # [None] applied to the model before sharding, and to rank 0's loaded copy before its weights are
     # broadcast (lora.LoraSpec.add_adapter: a peft adapter, its weights loaded or initialised on rank 0)
@@ -160,7 +163,7 @@ def _load_sharded(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     activation_checkpointing: bool = False,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     config_overrides: dict | None = None,
     zero_init_head: bool = False,
@@ -175,7 +178,7 @@ def _load_sharded(
     # source of the non-persistent ones (rotary inv_freq, ...), which no checkpoint holds.
     with init_empty_weights(include_buffers=False):
         model = auto_cls.from_config(
-            config, dtype=torch.float32, attn_implementation=attn_implementation,
+            config, dtype=torch.float32, attn_implementation=attn_implementation or register_packed_attention(),
             trust_remote_code=trust_remote_code,
         )
     model.tie_weights()  # init_empty_weights re-creates every parameter it moves, which unties them

@@ -20,7 +20,8 @@ parameters get sp x its slice's part of dL/dparams, so the *mean* over the sp gr
 model's gradient. That is what FSDP's average over a mesh holding the sp ranks computes, so the loss
 normalisation needs no sp factor (verl's gather scales the gradient by sp for the same reason).
 
-A model loaded with this attention and run without sp_group behaves exactly as "sdpa".
+A model loaded with this attention and run without sp_group behaves exactly as "packed_sdpa"
+(attention.py: sdpa, run per sequence on a packed row).
 """
 
 from dataclasses import dataclass
@@ -34,9 +35,10 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, create_causal_mask, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, create_causal_mask
 
 import ppo_core as core
+from attention import packed_mask, packed_sdpa_attention
 from rollout_correction import truncated_log_probs
 
 ATTENTION_NAME = "ulysses_sdpa"
@@ -145,14 +147,17 @@ def ulysses_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     sp_group: ProcessGroup | None = None,
+    position_ids: torch.Tensor | None = None,
+    packed_position_ids: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature. query (B, H, T/sp, D), key/value (B, KV, T/sp, D):
     this rank's slice of the sequence. Returns (B, T/sp, H, D). With no sp_group (or a group of one)
-    this is plain sdpa. attention_mask must be the full sequence's (see shard_batch)."""
+    this is attention.packed_sdpa_attention. attention_mask must be the full sequence's, or None with
+    packed_position_ids, the whole packed row's (see shard_batch)."""
     if sp_group is None or dist.get_world_size(sp_group) == 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return packed_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     position_ids=position_ids, **kwargs)
     sp = dist.get_world_size(sp_group)
     num_heads, num_kv_heads = query.shape[1], key.shape[1]
     check_heads(num_heads, num_kv_heads, sp)
@@ -172,17 +177,21 @@ def ulysses_attention(
     # ratio of the local heads, which replication may have changed, so hand it a stand-in.
     local = SimpleNamespace(num_key_value_groups=query.shape[1] // key.shape[1],
                             is_causal=getattr(module, "is_causal", True), layer_idx=getattr(module, "layer_idx", None))
-    out, _ = sdpa_attention_forward(local, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                    **kwargs)  # (B, T, H/sp, D)
+    if attention_mask is None and packed_position_ids is not None:  # one sdpa per packed sequence
+        out, _ = packed_sdpa_attention(local, query, key, value, None, dropout=dropout, scaling=scaling,
+                                       position_ids=packed_position_ids, **kwargs)  # (B, T, H/sp, D)
+    else:
+        out, _ = sdpa_attention_forward(local, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                        **kwargs)  # (B, T, H/sp, D)
     return heads_to_seq(out, sp_group), None  # (B, T/sp, H, D)
 
 
 def register_ulysses_attention() -> str:
-    """Register the attention under ATTENTION_NAME (and sdpa's mask builder, so that without sp the
-    model masks exactly as "sdpa" does); returns the name for attn_implementation. The registry is
-    per process: call it on every rank before loading. Idempotent."""
+    """Register the attention under ATTENTION_NAME (and packed_sdpa's mask builder, so that without sp
+    the model masks exactly as "packed_sdpa" does); returns the name for attn_implementation. The
+    registry is per process: call it on every rank before loading. Idempotent."""
     AttentionInterface.register(ATTENTION_NAME, ulysses_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, packed_mask)
     return ATTENTION_NAME
 
 
@@ -194,7 +203,8 @@ def register_ulysses_attention() -> str:
 class ShardedBatch:
     input_ids: torch.Tensor  # (B, T_pad/sp) this rank's slice
     position_ids: torch.Tensor  # (B, T_pad/sp) the full sequence's positions of that slice (rotary)
-    attention_mask: torch.Tensor | None  # (B, 1, T_pad, T_pad) bool, or None for a plain causal mask
+    attention_mask: torch.Tensor | None  # (B, 1, T_pad, T_pad) bool, or None: causal (per sequence if packed)
+    packed_position_ids: torch.Tensor | None  # (1, T_pad) the whole packed row's positions, else None
     labels: torch.Tensor  # (B, T_pad/sp) the next token of each position of the slice
     length: int  # T, before padding to a multiple of sp
 
@@ -214,9 +224,10 @@ def shard_batch(config: Any, batch: dict[str, torch.Tensor], sp_group: ProcessGr
     this rank's slice of input_ids, position_ids and next-token labels.
 
     batch: input_ids and position_ids (B, T), and attention_mask (B, T), or None / absent for packed
-    rows, where the mask comes from where position_ids restart (as transformers does). The padding is
-    a run of masked tokens (padded layout) or a sequence of its own (packed layout) at the end, which
-    no real token attends to because attention is causal.
+    rows. A packed row (B = 1) keeps no mask: its whole position_ids go to the attention, which runs
+    sdpa per sequence where they restart (attention.py). The padding is a run of masked tokens
+    (padded layout) or a sequence of its own (packed layout) at the end, which no real token attends
+    to because attention is causal.
     """
     sp, rank = dist.get_world_size(sp_group), dist.get_rank(sp_group)
     input_ids, position_ids = batch["input_ids"], batch["position_ids"]
@@ -232,11 +243,15 @@ def shard_batch(config: Any, batch: dict[str, torch.Tensor], sp_group: ProcessGr
     input_ids = pad_to_multiple(input_ids, sp, 0)
     # The mask transformers would build for the whole sequence; the model's own builder only sees
     # the slice. inputs_embeds is read for its batch size, length, dtype and device alone.
-    shape_only = torch.empty(batch_size, input_ids.shape[1], 0, device=input_ids.device)
-    full_mask = create_causal_mask(config=config, inputs_embeds=shape_only, attention_mask=attention_mask,
-                                   past_key_values=None, position_ids=position_ids)  # (B, 1, T_pad, T_pad) | None
+    if attention_mask is None and batch_size == 1:
+        full_mask, packed_position_ids = None, position_ids
+    else:
+        shape_only = torch.empty(batch_size, input_ids.shape[1], 0, device=input_ids.device)
+        full_mask = create_causal_mask(config=config, inputs_embeds=shape_only, attention_mask=attention_mask,
+                                       past_key_values=None, position_ids=position_ids)  # (B, 1, T_pad, T_pad) | None
+        packed_position_ids = None
     return ShardedBatch(shard_sequence(input_ids, rank, sp), shard_sequence(position_ids, rank, sp), full_mask,
-                        shard_sequence(labels, rank, sp), length)
+                        packed_position_ids, shard_sequence(labels, rank, sp), length)
 
 
 def _sliced_forward(model: nn.Module, sharded: ShardedBatch, sp_group: ProcessGroup) -> torch.Tensor:
@@ -245,7 +260,8 @@ def _sliced_forward(model: nn.Module, sharded: ShardedBatch, sp_group: ProcessGr
         raise ValueError("sequence parallelism here supports full-attention layers only; this model has "
                          f"{sorted(set(model.config.layer_types))}.")
     return model(input_ids=sharded.input_ids, position_ids=sharded.position_ids,
-                 attention_mask=sharded.attention_mask, use_cache=False, sp_group=sp_group).logits
+                 attention_mask=sharded.attention_mask, use_cache=False, sp_group=sp_group,
+                 packed_position_ids=sharded.packed_position_ids).logits
 
 
 def sequence_parallel_log_probs(

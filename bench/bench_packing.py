@@ -45,6 +45,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import models
+from attention import register_packed_attention
 
 VARIANTS = {"padded": (False, False), "packed": (True, False), "packed_dynamic": (True, True)}
 
@@ -105,7 +106,7 @@ def bench_model(spec: str, args: argparse.Namespace) -> list[dict]:
     device_type, dtype = bc.device_and_dtype()
     device = torch.device(device_type)
     path = bc.resolve_model(spec, args.assets)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=register_packed_attention())
     model.to(device)
     batch = {k: v.to(device) for k, v in long_tailed_batch(
         args.samples, args.max_prompt_length, args.max_response_length, model.config.vocab_size, args.seed).items()}

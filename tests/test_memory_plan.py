@@ -248,7 +248,7 @@ def saved_bytes_of(model: torch.nn.Module, forward, checkpointing: bool) -> int:
 
 def test_activation_estimate_under_ulysses_sp2(tmp_path):
     """Ulysses: each rank of 2 saves for backward what the estimate says for its half of a packed row
-    (the per-token bytes divided by sp, the row's whole mask), within the same 30% as unsplit; and
+    (the per-token bytes divided by sp, no mask), within the same 30% as unsplit; and
     measured, that is about half of the unsplit forward's."""
     import make_assets
 
@@ -261,12 +261,12 @@ def test_activation_estimate_under_ulysses_sp2(tmp_path):
         measured = json.loads((tmp_path / f"sp_rank{rank}.json").read_text())
         for checkpointing in (False, True):
             got, whole = measured[f"sp2/{checkpointing}"], measured[f"sp1/{checkpointing}"]
-            estimate = mp.activation_bytes(shape, 1, tokens, 4, checkpointing, sp=2)
+            estimate = mp.activation_bytes(shape, 1, tokens, 4, checkpointing, sp=2, packed=True)
             assert abs(estimate - got) / got <= 0.30, (rank, checkpointing, estimate, got)
             assert 0.4 < got / whole < 0.6, (rank, checkpointing, got, whole)  # the sp split is real
-            # by hand: the per-token part for ceil(511 / 2) = 256 positions, plus the 511 x 511 boolean mask
-            per_token = mp.activation_bytes(shape, 1, 1, 4, checkpointing) - 1
-            assert estimate == 256 * per_token + tokens * tokens
+            # by hand: the per-token part for ceil(511 / 2) = 256 positions (a packed row keeps no mask)
+            per_token = mp.activation_bytes(shape, 1, 1, 4, checkpointing, packed=True)
+            assert estimate == 256 * per_token
 
 
 def _inputs(shape: mp.ModelShape, **fields) -> mp.MemoryInputs:
@@ -279,22 +279,22 @@ def _inputs(shape: mp.ModelShape, **fields) -> mp.MemoryInputs:
 
 def test_update_activations_follow_the_token_budget_and_sp():
     """The update's activations, by hand: padded, micro rows of P+R; packed, one row of micro x (P+R)
-    tokens (its mask quadratic in them); with a token budget, one row of the budget whatever the
-    micro batch size; Ulysses divides the per-token part by sp, not the mask."""
+    tokens (no mask: attention runs per sequence); with a token budget, one row of the budget whatever
+    the micro batch size; Ulysses divides the per-token part by sp."""
     shape = mp.ModelShape(param_shapes=[(128, 256)], hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32,
                           intermediate=704, vocab=128, largest_block_numel=1000)
     seq = 512 + 3584
-    per_token = mp.activation_bytes(shape, 1, 1, 2, False) - 1  # a 1-token row's mask is 1 byte
+    per_token = mp.activation_bytes(shape, 1, 1, 2, False, packed=True)
 
     def update_activations(**fields) -> int:
         return mp.phase_bytes(_inputs(shape, **fields), 0)["update"]["activations"]
 
     assert update_activations(actor_packed=False) == 4 * seq * per_token + 4 * seq * seq
-    assert update_activations() == 4 * seq * per_token + (4 * seq) ** 2
+    assert update_activations() == 4 * seq * per_token
     budget = 6000  # the plan's, the sp group's tokens per micro batch
     for micro in (1, 4, 16):
-        assert update_activations(ppo_micro=micro, ppo_max_tokens=budget) == budget * per_token + budget**2
-        assert update_activations(ppo_micro=micro, ppo_max_tokens=budget, sp=2) == budget // 2 * per_token + budget**2
+        assert update_activations(ppo_micro=micro, ppo_max_tokens=budget) == budget * per_token
+        assert update_activations(ppo_micro=micro, ppo_max_tokens=budget, sp=2) == budget // 2 * per_token
     # padded, a budget admits up to budget / 2 samples of 2 valid tokens, each P+R long (at most the rank's 64)
     assert update_activations(actor_packed=False, ppo_max_tokens=budget) == 64 * seq * (per_token + seq)
     # a token budget too large (checkpointing already on): the verdict names the budget key, smaller
