@@ -38,6 +38,22 @@ def sequence_bounds(position_ids: torch.Tensor) -> list[int]:
     return [0, *restarts.tolist(), position_ids.numel()]
 
 
+_last_bounds: tuple[torch.Tensor, int, int, list[int]] | None = None  # (position_ids, version, length, bounds)
+
+
+def _row_bounds(position_ids: torch.Tensor, length: int) -> list[int]:
+    """sequence_bounds of the row's last `length` positions, computed once per forward: every layer
+    gets the same position_ids tensor, and on an accelerator each computation is a host sync. The
+    cache holds the tensor itself, so its memory cannot be reused by another while it is cached."""
+    global _last_bounds
+    key = (position_ids._version, length)
+    if _last_bounds is not None and _last_bounds[0] is position_ids and _last_bounds[1:3] == key:
+        return _last_bounds[3]
+    bounds = sequence_bounds(position_ids.reshape(-1)[-length:])
+    _last_bounds = (position_ids, *key, bounds)
+    return bounds
+
+
 def packed_mask(**kwargs: Any) -> torch.Tensor | None:
     """The mask builder registered with the attention: no mask for a row without an attention mask,
     cache offset or sliding window (the attention splits it by position ids), else sdpa's own."""
@@ -69,7 +85,7 @@ def packed_sdpa_attention(
             f"{type(module).__name__} calls attention '{ATTENTION_NAME}' without position_ids, so a packed row's "
             f"sequences cannot be told apart. Load this architecture with attn_implementation='sdpa' instead."
         )
-    bounds = sequence_bounds(position_ids.reshape(-1)[-length:])
+    bounds = _row_bounds(position_ids, length)
     if len(bounds) == 2:
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
     outputs = [

@@ -138,6 +138,8 @@ def build_rollout_engine(
     if current_platform.is_cpu():
         # The CPU backend sizes its KV cache from this (GiB), not from gpu_memory_utilization.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
+        if rollout_mesh.size(1) > 1:
+            clear_stale_cpu_shm()
     return LLM(
         model=model_path,
         tensor_parallel_size=rollout_mesh.size(1),
@@ -157,6 +159,61 @@ def build_rollout_engine(
         logprobs_mode="processed_logprobs",
         **engine_kwargs,
     )
+
+
+SHM_DIR = "/dev/shm"
+
+
+def _mapped_by(path: str) -> list[int]:
+    """Pids of the live processes that have `path` mapped (from /proc/<pid>/maps)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as maps:
+                if any(line.rstrip("\n").endswith(path) for line in maps):
+                    pids.append(int(entry))
+        except OSError:  # gone, or not ours to read
+            continue
+    return pids
+
+
+def clear_stale_cpu_shm(shm_dir: str = SHM_DIR) -> list[str]:
+    """vLLM's CPU backend names the shared-memory segments of its TP all-reduce after the group's
+    ranks and VLLM_DIST_IDENT, which it derives from the init method: under torchrun ("env://") that
+    is the same for every job, so a segment left by a killed TP job makes the next one fail with
+    'create shm in SHMManager failed. errno: 17'. Before the engine starts, local rank 0 of each
+    node removes the segments no live process maps (returned), and every rank raises a clear error
+    if one is mapped by a process outside this job: a second TP job on this node, which would collide."""
+    job = [None] * dist.get_world_size()
+    dist.all_gather_object(job, os.getpid())
+    removed, busy = [], {}
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and os.path.isdir(shm_dir):
+        for name in sorted(os.listdir(shm_dir)):
+            if "cpushm" not in name:
+                continue
+            path = os.path.join(shm_dir, name)
+            users = [pid for pid in _mapped_by(path) if pid not in job]
+            if users:
+                busy[path] = users
+            elif not _mapped_by(path):
+                os.unlink(path)
+                removed.append(path)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, busy)
+    busy = {path: pids for found in everyone for path, pids in found.items()}
+    if busy:
+        raise RuntimeError(
+            f"vLLM CPU tensor-parallel segments in {shm_dir} are in use by another job's processes "
+            f"({', '.join(f'{p} by pid {pids}' for p, pids in busy.items())}). The CPU backend gives every TP "
+            f"job under torchrun the same segment names, so two TP>1 jobs cannot share a node: wait for that "
+            f"job, or run this one with {TP_KEY}=1."
+        )
+    if removed:
+        logger.warning("removed %d stale vLLM CPU shared-memory segments left by a killed job: %s",
+                       len(removed), ", ".join(removed))
+    return removed
 
 
 # ---------------------------------------------------------------------------------------------

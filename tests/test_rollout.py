@@ -9,6 +9,7 @@ start-up (the expensive part), cached for the whole module:
 """
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,74 @@ def test_stale_weights_check_tells_a_lost_update_from_no_update():
     check.check(moved_engine.clone(), actor + 0.1 + 4e-4)
     with pytest.raises(RuntimeError, match="not reaching vLLM"):
         check.check(moved_engine.clone(), actor + 0.1 + 2e-3)  # drift since the engine last changed
+
+
+def _shm_worker(rank: int, init_file: str, shm_dir: str, out_dir: str) -> None:
+    import mmap
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["LOCAL_RANK"] = str(rank)  # one node: rank 0 is the one that clears
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        with open(Path(shm_dir) / "ours-cpushm_1", "r+b") as f:  # a segment this job maps
+            held = mmap.mmap(f.fileno(), 8)
+        dist.barrier()
+        result = {"removed": [Path(p).name for p in rollout.clear_stale_cpu_shm(shm_dir)]}
+        (Path(shm_dir) / "other-cpushm_0").write_bytes(b"\0" * 8)
+        dist.barrier()
+        if rank == 0:
+            (Path(out_dir) / "ready").touch()
+        while not (Path(out_dir) / "other_mapped").exists():
+            time.sleep(0.05)
+        try:
+            rollout.clear_stale_cpu_shm(shm_dir)
+        except RuntimeError as e:
+            result["error"] = str(e)
+        (Path(out_dir) / f"shm_rank{rank}.json").write_text(json.dumps(result))
+        held.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_stale_cpu_shm_segments_are_cleared_and_a_live_one_is_named(tmp_path):
+    """A killed TP job's segments (mapped by nobody) are removed before the engine starts; one this job
+    maps is kept; one another process maps is an error on every rank naming it and the pid."""
+    import subprocess
+    import sys
+
+    from conftest import run_gloo
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    for name in ("-tp:0-[0-1]-cpushm_0", "ours-cpushm_1", "unrelated"):
+        (shm / name).write_bytes(b"\0" * 8)
+    holder = None
+    import threading
+
+    def start_other_job() -> None:
+        nonlocal holder
+        while not (tmp_path / "ready").exists():
+            time.sleep(0.05)
+        holder = subprocess.Popen([sys.executable, "-c", (
+            "import mmap, sys, time\n"
+            f"f = open({str(shm / 'other-cpushm_0')!r}, 'r+b')\nm = mmap.mmap(f.fileno(), 8)\n"
+            "print('mapped', flush=True)\ntime.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
+        holder.stdout.readline()
+        (tmp_path / "other_mapped").touch()
+
+    thread = threading.Thread(target=start_other_job)
+    thread.start()
+    try:
+        run_gloo(_shm_worker, 2, str(tmp_path / "init"), str(shm), str(tmp_path))
+    finally:
+        thread.join(timeout=30)
+        if holder is not None:
+            holder.kill()
+    for rank in range(2):
+        result = json.loads((tmp_path / f"shm_rank{rank}.json").read_text())
+        assert result["removed"] == (["-tp:0-[0-1]-cpushm_0"] if rank == 0 else []), result
+        assert f"other-cpushm_0 by pid [{holder.pid}]" in result["error"], result
+        assert "tensor_model_parallel_size=1" in result["error"]
+    assert sorted(p.name for p in shm.iterdir()) == ["other-cpushm_0", "ours-cpushm_1", "unrelated"]
