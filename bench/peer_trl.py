@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -258,6 +259,12 @@ def trl_worker(args: argparse.Namespace) -> None:
         "step_s": clock.step_s, "gen_s": gen_s, "mean_len": clock.mean_len,
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,  # KiB on Linux
         "world": trainer.accelerator.num_processes, "distributed_type": str(trainer.accelerator.distributed_type)})
+    # The report is written: leave without the interpreter's teardown, where a TRL 1.16 worker sometimes
+    # aborts ("terminate called without an active exception") after a finished run.
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_trl(size: str, model: Path, train_file: Path, python: Path, rep: int, args: argparse.Namespace) -> dict:

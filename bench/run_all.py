@@ -8,6 +8,7 @@ outputs/bench/step_growth.png. On a GPU machine the same scripts use CUDA and bf
     python bench/run_all.py --rollout-sizes 5m,30m --step-sizes 5m,15m --only rollout,step
     python bench/run_all.py --quick                          # every script at the smallest sizes (~3 min)
     python bench/run_all.py --only peer_trl                  # against TRL only (40 min on 2 busy cores; installs TRL once)
+    python bench/run_all.py --reuse rollout,sync,step        # those three from their saved reports, the rest run
 
 Targets: collocated rollout >= 0.9 x standalone; sync <= 2 x the copy floor; step time growing no
 worse than linearly in samples per step (exponent <= 1 over the rollout.n sweep); packed + token-budget
@@ -20,6 +21,7 @@ model, and peak RSS per rank at most the engine's KV cache above TRL's.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -61,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--peer-sizes", default="1m,25m", help="peer_trl's Llamas (1m: 32-token, 25m: 128-token responses)")
     ap.add_argument("--peer-steps", type=int, default=5)
     ap.add_argument("--peer-reps", type=int, default=2)
+    ap.add_argument("--reuse", default="", help="comma list of benchmarks not to run again: their reports come from "
+                    "<out-dir>/<name>.json of an earlier run (e.g. all but one that failed)")
     ap.add_argument("--quick", action="store_true", help="smallest sizes and sweeps: a smoke run of everything")
     ap.add_argument("--assets", type=Path, default=bc.DEFAULT_ASSETS)
     ap.add_argument("--out-dir", type=Path, default=bc.DEFAULT_OUT)
@@ -187,8 +191,12 @@ def main(argv: list[str] | None = None) -> None:
             ["--sizes", args.peer_sizes, "--steps", str(args.peer_steps), "--reps", str(args.peer_reps),
              "--venv", str(out / "trl-venv"), "--out", str(out / "peer_trl.json"), *common])),
     }
+    reuse = set(bc.split_list(args.reuse))
     for name in BENCHMARKS:
-        if name in only:
+        if name in reuse:
+            reports[name] = json.loads((out / f"{name}.json").read_text())
+            print(f"\n=== {name}: reused {out / f'{name}.json'} ===", flush=True)
+        elif name in only:
             print(f"\n=== {name} ===", flush=True)
             t = time.perf_counter()
             reports[name] = runs[name]()
