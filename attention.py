@@ -6,9 +6,13 @@ and builds the row's block-diagonal (N, N) boolean mask, and sdpa then computes 
 every key of the row, most of them masked out: for a row of k sequences of length L that is k times
 the attention work of the sequences alone, and N^2 bytes of mask per forward.
 
-"packed_sdpa" runs sdpa once per sequence with is_causal instead (the same numbers: each sequence
-attends only to its own past either way). It is plugged in through transformers' attention
-registry, like ulysses.py, so no model file changes:
+"packed_sdpa" keeps each sequence to itself without a mask: it cuts the row at the position-id
+restarts, right-pads the sequences into small batches of similar lengths (a bucket holds the
+sequences longer than half its longest), and runs sdpa on each batch with is_causal. Right padding
+needs no mask under a causal attention (a real token never sees a later pad), the pads' outputs are
+dropped, and the numbers are those of each sequence run alone. One sdpa call per bucket (a handful
+per layer), not one per sequence, keeps the attention batched like a padded batch's. It is plugged
+in through transformers' attention registry, like ulysses.py, so no model file changes:
 
     name = register_packed_attention()                       # in every process, before loading
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name)
@@ -20,6 +24,7 @@ Mistral, ...) hand their attention; a packed row reaching an attention without t
 never a silent full-row causal attention.
 """
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,20 +43,57 @@ def sequence_bounds(position_ids: torch.Tensor) -> list[int]:
     return [0, *restarts.tolist(), position_ids.numel()]
 
 
-_last_bounds: tuple[torch.Tensor, int, int, list[int]] | None = None  # (position_ids, version, length, bounds)
+@dataclass
+class RowPlan:
+    """How packed_sdpa batches one row of N positions: per bucket, the row positions gathered into its
+    (n, width) right-padded batch (pads repeat their sequence's last position), and `take`, where each
+    row position's output sits in the buckets' flattened outputs, concatenated."""
+
+    buckets: list[tuple[torch.Tensor, int, int]]  # (gather index (n * width,), n, width)
+    take: torch.Tensor  # (N,)
 
 
-def _row_bounds(position_ids: torch.Tensor, length: int) -> list[int]:
-    """sequence_bounds of the row's last `length` positions, computed once per forward: every layer
-    gets the same position_ids tensor, and on an accelerator each computation is a host sync. The
-    cache holds the tensor itself, so its memory cannot be reused by another while it is cached."""
-    global _last_bounds
+def plan_row(bounds: list[int], device: torch.device) -> RowPlan:
+    """Sequences sorted by length, longest first; a bucket takes them while they are longer than half
+    its first (so padding at most doubles a bucket's tokens)."""
+    starts, lengths = bounds[:-1], [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    take = [0] * bounds[-1]
+    buckets, offset, first = [], 0, 0
+    while first < len(order):
+        width = lengths[order[first]]
+        last = first
+        while last + 1 < len(order) and 2 * lengths[order[last + 1]] > width:
+            last += 1
+        gather = []
+        for slot, i in enumerate(order[first:last + 1]):
+            start, length = starts[i], lengths[i]
+            gather += [start + min(j, length - 1) for j in range(width)]
+            for j in range(length):
+                take[start + j] = offset + slot * width + j
+        n = last - first + 1
+        buckets.append((torch.tensor(gather, device=device), n, width))
+        offset += n * width
+        first = last + 1
+    return RowPlan(buckets, torch.tensor(take, device=device))
+
+
+_last_plan: tuple[torch.Tensor, int, int, RowPlan] | None = None  # (position_ids, version, length, plan)
+
+
+def _row_plan(position_ids: torch.Tensor, length: int, device: torch.device) -> RowPlan | None:
+    """plan_row of the row's last `length` positions (None for a single sequence), computed once per
+    forward: every layer gets the same position_ids tensor, and on an accelerator each computation is
+    a host sync. The cache holds the tensor itself, so its memory cannot be reused by another while it
+    is cached."""
+    global _last_plan
     key = (position_ids._version, length)
-    if _last_bounds is not None and _last_bounds[0] is position_ids and _last_bounds[1:3] == key:
-        return _last_bounds[3]
+    if _last_plan is not None and _last_plan[0] is position_ids and _last_plan[1:3] == key:
+        return _last_plan[3]
     bounds = sequence_bounds(position_ids.reshape(-1)[-length:])
-    _last_bounds = (position_ids, *key, bounds)
-    return bounds
+    plan = plan_row(bounds, device) if len(bounds) > 2 else None
+    _last_plan = (position_ids, *key, plan)
+    return plan
 
 
 def packed_mask(**kwargs: Any) -> torch.Tensor | None:
@@ -85,15 +127,16 @@ def packed_sdpa_attention(
             f"{type(module).__name__} calls attention '{ATTENTION_NAME}' without position_ids, so a packed row's "
             f"sequences cannot be told apart. Load this architecture with attn_implementation='sdpa' instead."
         )
-    bounds = _row_bounds(position_ids, length)
-    if len(bounds) == 2:
+    plan = _row_plan(position_ids, length, query.device)
+    if plan is None:
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
-    outputs = [
-        sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], None,
-                               dropout=dropout, scaling=scaling, **kwargs)[0]
-        for start, end in zip(bounds[:-1], bounds[1:], strict=False)
-    ]
-    return torch.cat(outputs, dim=1), None
+    outputs = []
+    for gather, n, width in plan.buckets:
+        # (1, heads, N, D) -> (n, heads, width, D): the bucket's sequences, right-padded
+        q, k, v = (x[0][:, gather].unflatten(1, (n, width)).transpose(0, 1) for x in (query, key, value))
+        out, _ = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, **kwargs)
+        outputs.append(out.flatten(0, 1))  # (n * width, heads, D)
+    return torch.cat(outputs).index_select(0, plan.take)[None], None  # (1, N, heads, D)
 
 
 def register_packed_attention() -> str:

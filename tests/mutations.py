@@ -86,7 +86,7 @@ MUTATIONS = (
         '"position_ids": torch.arange(int(valid.sum()), device=valid.device)[None]}'),),
         "tests/test_models_packing.py -k packed-tiny-qwen2"),
     Mutation("packed attention runs the whole row as one sequence", "attention.py", ((
-        'bounds = _row_bounds(position_ids, length)', 'bounds = [0, length]'),),
+        'bounds = sequence_bounds(position_ids.reshape(-1)[-length:])', 'bounds = [0, length]'),),
         "tests/test_attention.py -k each_sequence_alone"),
     Mutation("token-budget micro batches' results left in micro-batch order", "models.py", ((
         'return out[torch.argsort(rows)]', 'return out'),),

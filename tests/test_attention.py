@@ -109,3 +109,19 @@ def test_a_packed_row_without_position_ids_is_refused():
     q = torch.randn(1, 2, 9, 32)
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
         attention.packed_sdpa_attention(torch.nn.Module(), q, q, q, None)
+
+
+def test_buckets_cover_every_position_once_and_at_most_double_the_tokens():
+    """plan_row on long-tailed lengths: each position's output is read from exactly one real slot of
+    its own sequence, and a bucket's padded tokens are at most twice its real ones."""
+    lengths = [1, 2, 3, 5, 8, 9, 17, 100, 33, 64, 65, 7, 1, 250]
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    plan = attention.plan_row(bounds, torch.device("cpu"))
+    gathered = torch.cat([gather for gather, _, _ in plan.buckets])
+    assert torch.equal(gathered[plan.take], torch.arange(bounds[-1]))  # every position reads itself back
+    assert len(set(plan.take.tolist())) == bounds[-1]
+    for gather, n, width in plan.buckets:
+        rows = gather.view(n, width)
+        real = int((rows[:, 1:] != rows[:, :-1]).sum()) + n  # a pad repeats its row's last position
+        assert n * width <= 2 * real, (n, width, real)
+    assert len(plan.buckets) <= 9  # about log2 of the longest over the shortest, not one per sequence
