@@ -40,10 +40,12 @@ def _packed_row(lengths: tuple[int, ...], vocab: int) -> tuple[torch.Tensor, tor
     return ids, torch.cat([torch.arange(n) for n in lengths])[None]
 
 
+@pytest.mark.parametrize("path", ["per_sequence", "buckets"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_packed_row_equals_each_sequence_alone(arch):
+def test_packed_row_equals_each_sequence_alone(arch, path, monkeypatch):
     """Logits of the packed row = each sequence's own forward; the gradient of a loss over the row =
-    the sum of the per-sequence losses' gradients."""
+    the sum of the per-sequence losses' gradients; by both of packed_sdpa's paths."""
+    monkeypatch.setattr(attention, "PER_SEQUENCE_MAX", len(LENGTHS) if path == "per_sequence" else 0)
     model = _model(arch, attention.register_packed_attention())
     ids, positions = _packed_row(LENGTHS, model.config.vocab_size)
     weights = torch.randn(ids.shape[1], model.config.vocab_size, generator=torch.Generator().manual_seed(2))
