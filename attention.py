@@ -99,7 +99,12 @@ def _row_plan(position_ids: torch.Tensor, length: int, device: torch.device) -> 
     if _last_plan is not None and _last_plan[0] is position_ids and _last_plan[1:3] == key:
         return _last_plan[3]
     bounds = sequence_bounds(position_ids.reshape(-1)[-length:])
-    plan = plan_row(bounds, device) if len(bounds) > 2 else None
+    if len(bounds) == 2:
+        plan = None
+    elif len(bounds) - 1 <= PER_SEQUENCE_MAX:  # run per sequence: no buckets to build
+        plan = RowPlan([], torch.empty(0, dtype=torch.long, device=device), bounds)
+    else:
+        plan = plan_row(bounds, device)
     _last_plan = (position_ids, *key, plan)
     return plan
 
