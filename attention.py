@@ -143,8 +143,8 @@ def packed_sdpa_attention(
     plan = _row_plan(position_ids, length, query.device)
     if plan is None:
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
-    bounds = plan.bounds
-    if len(bounds) - 1 <= PER_SEQUENCE_MAX:
+    if not plan.buckets:  # a row of few sequences (_row_plan): sdpa on each one's slice
+        bounds = plan.bounds
         outputs = [
             sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], None,
                                    dropout=dropout, scaling=scaling, **kwargs)[0]
