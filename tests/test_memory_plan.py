@@ -46,7 +46,7 @@ def test_placement_is_the_table_and_the_readme_shows_it():
             # its shards stay on the host through sync too (only the actor's are gathered into the engine)
             assert where["critic.optimizer"] == where["actor.optimizer"]
             assert where["critic.grads"] == where["actor.grads"]
-    assert mp.placement_table() in (ROOT / "README.md").read_text()
+    assert mp.placement_table() in (ROOT / "docs" / "memory-and-offload.md").read_text()
 
 
 @pytest.mark.parametrize("label", list(EXPECTED))
