@@ -538,6 +538,21 @@ def gather_in_group(x: Any, group: Any) -> Any:
     return out
 
 
+def gather_rows(x: Any, group: Any) -> Any:
+    """Every rank's rows of x (the same shape on each), in group-rank order: (B, ...) -> (B * size, ...).
+    With my_rows, the one way to compute on the step's whole batch and keep this rank's part. Collective."""
+    return gather_in_group(x.flatten(), group).view(-1, *x.shape[1:])
+
+
+def my_rows(x: Any, group: Any) -> Any:
+    """This rank's rows of a tensor gather_rows made: (B * size, ...) -> (B, ...)."""
+    import torch.distributed as dist
+
+    rows = len(x) // dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    return x[rank * rows:(rank + 1) * rows]
+
+
 def _dynamic_sampling_lines(cfg: Config, dims: ParallelDims) -> list[str]:
     """The planner's account of algorithm.filter_groups (DAPO's dynamic sampling), if enabled."""
     filter_groups = cfg.algorithm.filter_groups

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from config import ConfigError
+from config import Config, ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -360,3 +360,56 @@ def _describe(reward_fn: RewardFn, what: str, prompt: Prompt, response: str) -> 
     return (f"reward function {getattr(reward_fn, '__name__', reward_fn)} {what}\n"
             f"  data_source={prompt.data_source!r}\n  prompt={prompt.text!r}\n  response={response!r}\n"
             f"  ground_truth={prompt.ground_truth!r}\n  extra_info={prompt.extra_info!r}")
+
+
+# -----------------------------------------------------------------------------
+# The reward managers of a training step: naive (the score) and dapo (acc, the overlong buffer)
+
+
+def score_samples(reward_fn: RewardFn, tokenizer: Any, rows: dict[str, torch.Tensor], prompts: list[Prompt],
+                  reward_cfg: Config, max_response_length: int) -> tuple[torch.Tensor, list[dict[str, float]]]:
+    """A score per sample of `rows` (responses, attention_mask, response_mask, prompt_index), (B,), and the
+    reward function's extras. With reward_model.reward_manager=dapo, as verl's DAPO manager: each score
+    is also an `acc` extra (unless the function returned one), and reward_model.overlong_buffer adds its
+    penalty on the response's length."""
+    import torch
+
+    import ppo_core
+
+    width = rows["responses"].shape[1]
+    response_tokens = rows["attention_mask"][:, -width:]  # (B, R) every real response token
+    samples = [prompts[i] for i in rows["prompt_index"].tolist()]
+    _, scores, extras = score_batch(reward_fn, tokenizer, rows["responses"], response_tokens, samples)
+    scores = torch.tensor(scores, dtype=torch.float32)  # (B,)
+    if reward_cfg.reward_manager == "dapo":
+        for sample_extras, score in zip(extras, scores.tolist(), strict=True):
+            sample_extras.setdefault("acc", score)
+        buffer = reward_cfg.overlong_buffer
+        if buffer.enable:
+            penalty = ppo_core.overlong_penalty(response_tokens.sum(-1), max_response_length, buffer.len,
+                                                buffer.penalty_factor)  # (B,) <= 0
+            scores = scores + penalty
+            if buffer.log:
+                for sample_extras, value in zip(extras, penalty.tolist(), strict=True):
+                    sample_extras.update(overlong_reward=value, overlong=float(value < 0))
+    return scores, extras
+
+
+SCORE_METRICS = ("reward", "score", "seq_reward", "seq_final_reward")  # verl's names for the sample's score
+
+
+def filter_metric(scores: torch.Tensor, extras: list[dict[str, float]], metric: str) -> torch.Tensor:
+    """algorithm.filter_groups.metric per sample, (B,): the score (SCORE_METRICS; the KL penalty comes
+    later, so seq_final_reward is the score too, and config refuses it with KL in reward), or the
+    reward function's extra output of that name (acc)."""
+    import torch
+
+    if metric in SCORE_METRICS:
+        return scores
+    missing = [e for e in extras if metric not in e]
+    if missing:
+        raise ConfigError(
+            f"algorithm.filter_groups.metric={metric!r}: the reward function returned no {metric!r} for some "
+            f"samples (one returned {sorted(missing[0]) or 'no extras'}). Use metric=reward, or "
+            f"reward_model.reward_manager=dapo, which records each score as `acc`.")
+    return torch.tensor([e[metric] for e in extras], dtype=torch.float64)

@@ -321,9 +321,9 @@ class RolloutBatch:
 
     prompts: torch.Tensor  # (B*n, P) left-padded with pad_token_id
     responses: torch.Tensor  # (B*n, R) right-padded with pad_token_id, R = max_tokens
-    response_mask: torch.Tensor  # (B*n, R) 1 for generated tokens, EOS included
+    response_mask: torch.Tensor  # (B*n, R) the loss mask: 1 on tokens the policy sampled, EOS included
     input_ids: torch.Tensor  # (B*n, P+R) prompts then responses
-    attention_mask: torch.Tensor  # (B*n, P+R)
+    attention_mask: torch.Tensor  # (B*n, P+R) 1 on every real token (a response's own and any it was given)
     position_ids: torch.Tensor  # (B*n, P+R)
     rollout_log_probs: torch.Tensor  # (B*n, R) vLLM's logprob of each sampled token, 0 where masked
     prompt_index: torch.Tensor  # (B*n,) global index of the prompt each sample came from
@@ -396,8 +396,11 @@ def pad_rollout(
     max_tokens: int,
     pad_token_id: int,
     max_prompt_length: int | None = None,
+    loss_masks: list[list[int]] | None = None,
 ) -> RolloutBatch:
-    """Pack ragged prompts/responses into the padded tensors that training consumes."""
+    """Pack ragged prompts/responses into the padded tensors that training consumes. loss_masks, per
+    response token, say which tokens the policy sampled (default: all of them); the attention mask
+    covers every token either way."""
     longest = max(len(p) for p in prompts)
     prompt_len = longest if max_prompt_length is None else max_prompt_length
     if longest > prompt_len:
@@ -408,12 +411,20 @@ def pad_rollout(
     response_ids = torch.full((num, max_tokens), pad_token_id, dtype=torch.long)
     response_mask = torch.zeros((num, max_tokens), dtype=torch.long)
     response_log_probs = torch.zeros((num, max_tokens), dtype=torch.float32)
+    response_attention = torch.zeros((num, max_tokens), dtype=torch.long)
     for row, (prompt, response, lp) in enumerate(zip(prompts, responses, log_probs, strict=True)):
         if len(prompt) > 0:
             prompt_ids[row, -len(prompt):] = torch.tensor(prompt)
             prompt_mask[row, -len(prompt):] = 1
         response_ids[row, :len(response)] = torch.tensor(response, dtype=torch.long)
-        response_mask[row, :len(response)] = 1
+        response_attention[row, :len(response)] = 1
+        if loss_masks is None:
+            response_mask[row, :len(response)] = 1
+        else:
+            if len(loss_masks[row]) != len(response):
+                raise ValueError(f"sample {row}: a loss mask of {len(loss_masks[row])} tokens for a response of "
+                                 f"{len(response)}")
+            response_mask[row, :len(response)] = torch.tensor(loss_masks[row], dtype=torch.long)
         response_log_probs[row, :len(response)] = torch.tensor(lp, dtype=torch.float32)
     # Positions count real prompt tokens from 0 and continue through the response (as verl does).
     prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # (N, P)
@@ -423,7 +434,7 @@ def pad_rollout(
         responses=response_ids,
         response_mask=response_mask,
         input_ids=torch.cat([prompt_ids, response_ids], dim=1),
-        attention_mask=torch.cat([prompt_mask, response_mask], dim=1),
+        attention_mask=torch.cat([prompt_mask, response_attention], dim=1),
         position_ids=torch.cat([prompt_positions, response_positions], dim=1),
         rollout_log_probs=response_log_probs,
         prompt_index=torch.tensor(prompt_indices, dtype=torch.long),

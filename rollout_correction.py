@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from config import parse_is_threshold, parse_rs_thresholds
-from mesh_utils import gather_in_group
+from mesh_utils import gather_rows, my_rows
 from ppo_core import agg_loss, masked_mean, masked_sum
 
 SAFETY_BOUND = 20.0  # log-ratios are clamped to +-20 before exp (e^20 ~ 5e8), as verl does
@@ -307,14 +307,9 @@ def correct_batch(actor_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tens
     of `group` hold between them in equal, distinct (B, T) shares (verl's driver holds it all), so the metrics
     and the batch normalisation are those of the whole batch on every rank. Returns this rank's rows.
     Collective."""
-    def gather(x: Tensor) -> Tensor:  # (B, T) -> (world * B, T), in group-rank order
-        return gather_in_group(x.flatten(), group).view(-1, x.shape[-1])
-
-    weights, kept, metrics = rollout_correction(gather(actor_log_probs), gather(rollout_log_probs),
-                                                gather(mask), rc_cfg)
-    rank = dist.get_rank(group)
-    mine = slice(rank * len(mask), (rank + 1) * len(mask))
-    return None if weights is None else weights[mine], kept[mine], metrics
+    weights, kept, metrics = rollout_correction(gather_rows(actor_log_probs, group), gather_rows(rollout_log_probs, group),
+                                                gather_rows(mask, group), rc_cfg)
+    return None if weights is None else my_rows(weights, group), my_rows(kept, group), metrics
 
 
 def correct_micro_batch(log_prob: Tensor, rollout_log_probs: Tensor, mask: Tensor, rc_cfg: Any,

@@ -240,3 +240,49 @@ def plot_metrics(metrics_file: str | Path, out_png: str | Path) -> Path:
     fig.savefig(out_png, dpi=100)
     plt.close(fig)
     return Path(out_png)
+
+
+# -----------------------------------------------------------------------------
+# A training step's statistics, verl's names (reduce_metrics then combines the ranks)
+
+
+def batch_metrics(batch: dict[str, torch.Tensor], max_prompt_length: int, dp_group: dist.ProcessGroup) -> dict[str, float]:
+    """Scores, rewards, advantages, lengths (and values, returns) of this rank's samples. Collective over
+    dp_group when the batch has values (the explained variance spans every rank's share)."""
+    from ppo_core import masked_mean_var
+
+    mask = batch["response_mask"].bool()  # (B, R) less the tokens rollout correction rejected
+    lengths = batch["attention_mask"][:, max_prompt_length:].sum(-1)  # (B,) as generated
+    prompt_lengths = batch["attention_mask"][:, :max_prompt_length].sum(-1)  # (B,)
+    metrics = {**stats("critic/score", batch["token_level_scores"].sum(-1)),
+               **stats("critic/rewards", (batch["token_level_rewards"] * mask).sum(-1)),
+               **stats("critic/advantages", batch["advantages"][mask]),
+               **stats("response_length", lengths), **stats("prompt_length", prompt_lengths),
+               "response_length/clip_ratio": (lengths == batch["responses"].shape[1]).float().mean().item(),
+               "prompt_length/clip_ratio": (prompt_lengths == max_prompt_length).float().mean().item()}
+    if "values" in batch:
+        metrics.update(stats("critic/values", batch["values"][mask]))
+        metrics.update(stats("critic/returns", batch["returns"][mask]))
+        # 1 - Var(returns - values) / Var(returns) over the step's whole batch (every rank's share)
+        _, residual_var = masked_mean_var(batch["returns"] - batch["values"], mask, dp_group)
+        _, returns_var = masked_mean_var(batch["returns"], mask, dp_group)
+        metrics["critic/vf_explained_var"] = (1.0 - residual_var / (returns_var + 1e-5)).item()
+    return metrics
+
+
+def values_by_key(per_sample: list[dict[str, float]]) -> dict[str, list[float]]:
+    """[{key: value} per sample] -> {key: [values of the samples that have it]}."""
+    out: dict[str, list[float]] = {}
+    for sample in per_sample:
+        for key, value in sample.items():
+            out.setdefault(key, []).append(value)
+    return out
+
+
+def count_batch(prompt_index: torch.Tensor, dp_group: dist.ProcessGroup) -> dict[str, float]:
+    """batch/num_prompts and batch/num_samples of the step's data, over dp_group's ranks (each sample
+    lives on one of them; a prompt's samples may be spread over several). Collective."""
+    indices: list[list[int]] = [[] for _ in range(dist.get_world_size(dp_group))]
+    dist.all_gather_object(indices, prompt_index.tolist(), group=dp_group)
+    return {"batch/num_prompts": len({i for rank_indices in indices for i in rank_indices}),
+            "batch/num_samples": sum(len(rank_indices) for rank_indices in indices)}

@@ -1,9 +1,9 @@
 """PPO / GRPO post-training of an LLM: one SPMD program, FSDP2 actor + collocated vLLM, no Ray.
 
-Every rank runs this file top to bottom. It holds an FSDP2 shard of the actor (and critic and
-reference model when the algorithm needs them) *and* a shard of a vLLM engine on its rollout
-tensor-parallel group, and alternates: sync weights -> generate -> score -> recompute log-probs and
-values -> advantages -> update. The device map is verl's (see `python mesh_utils.py --config X`).
+Every rank runs this file. It holds an FSDP2 shard of the actor (and critic and reference model when
+the algorithm needs them) *and* a shard of a vLLM engine on its rollout tensor-parallel group, and
+alternates: sync weights -> generate -> score -> log-probs and values -> advantages -> update.
+The device map is verl's (`python mesh_utils.py --config X`; with memory: `python memory_plan.py`).
 
     # one CPU box, the tiny embedded demo (what `make demo` runs, after building its assets)
     torchrun --standalone --nproc_per_node=2 train_ppo.py --config configs/tiny_cpu.yaml
@@ -12,21 +12,20 @@ values -> advantages -> update. The device map is verl's (see `python mesh_utils
     # 2 nodes (SLURM): sbatch launch/slurm_multinode.sbatch configs/gsm8k_grpo_2node_6gpu.yaml
     # any key can be overridden: ... actor_rollout_ref.rollout.n=8 trainer.total_training_steps=100
 
-The step's batch is a dict of tensors, one row per sample this rank trains on; it is built in step 2
-and grows through the step (B samples on this rank, P = max_prompt_length, R = max_response_length):
+Reading order: `main` (the loop) -> `train_step` (steps 1-8) -> the functions each step calls.
+`build_run` makes the `Run`, every piece of state a run holds, listed once.
+
+The step's batch is a dict of tensors, one row per sample this rank trains on (B samples on this
+rank, P = max_prompt_length, R = max_response_length):
     prompts (B, P) left-padded; responses, response_mask, rollout_log_probs (B, R);
     input_ids, attention_mask, position_ids (B, P+R); prompt_index (B,)      <- step 2, generate
     token_level_scores (B, R); reward_baselines (B,) for ReMax               <- step 3, reward
     old_log_probs, ref_log_probs, values (B, R)                              <- step 4
     token_level_rewards, advantages, returns (B, R)                          <- step 5
     rollout_is_weights (B, R); response_mask less rejected tokens            <- step 5b (rollout correction)
-The forwards of steps 4 and 6 run on each micro batch's valid tokens only when
-actor_rollout_ref.model.use_remove_padding (models.compute_log_probs packs them into one row), and
-cut micro batches by token count when actor.use_dynamic_bsz; the tensors above stay padded.
-With Ulysses sequence parallelism (actor.ulysses_sequence_parallel_size = sp > 1) the sp ranks of a
-group hold the same samples (the group's slices, gathered in step 2) and each runs 1/sp of every
-packed sequence; sums over the step's batch then run over the train dp group (mesh_utils.train_dp_group)
-so no sample counts twice.
+attention_mask marks every real token; response_mask (the loss mask) the tokens the policy sampled.
+With Ulysses (actor.ulysses_sequence_parallel_size = sp > 1) the sp ranks of a group hold the same
+samples, and sums over the step's batch run over the train dp group, so no sample counts twice.
 
 Deliberate simplification: rewards are rule functions (no reward model).
 """
@@ -42,38 +41,33 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 import ppo_core as core
-import rollout_correction as rc
+import rollout_correction
 import ulysses
 from checkpoint import find_resume_path, load_checkpoint, save_checkpoint, step_seed
-from config import (
-    CRITIC_ESTIMATORS,
-    GROUP_ESTIMATORS,
-    Config,
-    ConfigError,
-    load_config,
-    non_defaults,
-    sampling_truncates,
-    to_yaml,
-    unread_keys,
-)
+from config import Config, ConfigError, load_config, non_defaults, sampling_truncates, to_yaml, unread_keys
 from data import Prompt, PromptSampler, load_prompts
 from lora import LoraSpec, iter_sync_params, lora_config, sync_modules
 from memory_plan import LOADED, OffloadFlags, plan_moves
 from mesh_utils import (
+    BatchPlan,
+    DistEnv,
+    Meshes,
+    ParallelDims,
+    UpdateSpec,
     build_meshes,
     check_launch,
     describe,
-    gather_in_group,
+    gather_rows,
     init_distributed,
-    print0,
+    my_rows,
     train_dp_group,
     validate,
     write_rank_layout,
@@ -93,23 +87,28 @@ from models import (
     padding_fraction,
     token_budget_micro_batches,
 )
-from rewards import RewardFn, check_data_sources, load_reward_fn, score_batch
+from rewards import RewardFn, check_data_sources, filter_metric, load_reward_fn, score_batch, score_samples
 from tracking import (
     Tracker,
+    batch_metrics,
+    count_batch,
     machine,
     mean_over_ranks,
     peak_memory_gb,
     plot_metrics,
+    print0,
     reduce_metrics,
     route_library_logs,
-    stats,
     summary,
     timed,
     truncate_metrics,
+    values_by_key,
 )
 
 if TYPE_CHECKING:
     from vllm import LLM
+
+    from rollout import RolloutBatch
 
 Batch = dict[str, torch.Tensor]
 
@@ -117,8 +116,8 @@ Batch = dict[str, torch.Tensor]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description="PPO / GRPO with an FSDP2 actor and a collocated vLLM engine. Launch with torchrun.",
-        epilog="Plan the layout first, without GPUs: python mesh_utils.py --config CONFIG [key=value ...]. "
-        "List every key: python config.py --keys.",
+        epilog="Plan the layout first, without GPUs: python mesh_utils.py --config CONFIG [key=value ...] "
+        "(with the memory plan: python memory_plan.py ...). List every key: python config.py --keys.",
     )
     ap.add_argument("--config", help="YAML file under configs/ (verl key names)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor_rollout_ref.rollout.n=8")
@@ -126,24 +125,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # -----------------------------------------------------------------------------
-# Advantages: the step a researcher edits most
+# The algorithm of one step: pure functions of tensors, plus the collectives named in their arguments
+
+
+def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) scores -> (B, R) token-level scores: each at its response's last loss-mask token."""
+    length = response_mask.shape[-1]
+    last = length - 1 - response_mask.flip(-1).argmax(-1)  # (B,) the last 1 of each row
+    last = torch.where(response_mask.any(-1), last, 0)
+    token_level_scores = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    token_level_scores[torch.arange(len(scores)), last] = scores.to(token_level_scores)
+    return token_level_scores  # (B, R)
 
 
 def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLController,
                        dp_group: dist.ProcessGroup, total_samples: int, samples_per_prompt: int) -> dict[str, float]:
-    """Token-level rewards, advantages (and returns) of this rank's samples, written into `batch`.
+    """Token-level rewards, advantages and returns of this rank's samples, written into `batch`.
 
-    Where each sample's group lives: the ranks of dp_group (mesh_utils.train_dp_group: all ranks, or
-    with Ulysses one rank of each sp group) hold the step's samples between them, each once: dp rank r
-    holds slice r of them in prompt-major order (a rollout dp group generated a prompt's n samples;
-    split_for_training, or dynamic sampling, gave each rank a contiguous slice), so a prompt's samples
-    may span neighbouring ranks. Estimators that compare the samples of a prompt
-    (config.GROUP_ESTIMATORS: GRPO, RLOO, REINFORCE++-baseline, OPO, GPG) all-gather the token rewards,
-    masks and prompt indices over dp_group, compute on the step's whole batch as verl's driver does
-    (some also use batch-wide statistics: whitening, GPG's scale), and keep this rank's rows. The
-    others (GAE, REINFORCE++, ReMax) work per sample; GAE and REINFORCE++ whiten over the whole batch
-    through dp_group. The adaptive KL controller also sees the whole batch's KL.
-    """
+    The ranks of dp_group hold the step's samples between them, each once, in prompt-major order (a
+    prompt's samples may span neighbouring ranks). Estimators that compare a prompt's samples gather
+    the step's whole batch, compute on it as verl's driver does, and keep this rank's rows; the others
+    work per sample (GAE and REINFORCE++ whiten over dp_group). The adaptive KL controller sees the
+    whole batch's KL."""
     mask = batch["response_mask"].float()  # (B, R)
     metrics: dict[str, float] = {}
     rewards = batch["token_level_scores"]  # (B, R)
@@ -158,83 +161,131 @@ def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLCont
         kl_ctrl.update(current_kl, n_steps=total_samples)  # the coefficient for the next batch
     batch["token_level_rewards"] = rewards
 
-    estimator = algo_cfg.adv_estimator
-    if estimator in GROUP_ESTIMATORS:
-        num_rows, length = mask.shape
-        all_rewards = gather_in_group(rewards.flatten(), dp_group).view(-1, length)  # (B * dp, R), dp rank order
-        all_mask = gather_in_group(mask.flatten(), dp_group).view(-1, length)  # (B * dp, R)
-        all_index = gather_in_group(batch["prompt_index"], dp_group)  # (B * dp,)
+    estimator = core.ADV_ESTIMATORS[algo_cfg.adv_estimator]
+    if estimator.compares_group:
+        all_rewards, all_mask = gather_rows(rewards, dp_group), gather_rows(mask, dp_group)  # (B * dp, R)
+        all_index = gather_rows(batch["prompt_index"], dp_group)  # (B * dp,), dp rank order
         # the layout generation promises, checked: a baseline from part of a group is silently wrong
         runs = all_index.view(-1, samples_per_prompt) if len(all_index) % samples_per_prompt == 0 else None
         if runs is None or not bool((runs == runs[:, :1]).all()) or len(set(all_index.tolist())) != len(runs):
-            raise RuntimeError(f"{estimator} needs the step's samples in prompt-major order, rollout.n="
+            raise RuntimeError(f"{estimator.name} needs the step's samples in prompt-major order, rollout.n="
                                f"{samples_per_prompt} per prompt; got prompt indices {all_index.tolist()[:24]}...")
         all_adv, _ = core.compute_advantage(
-            estimator, token_level_rewards=all_rewards, response_mask=all_mask, index=all_index.tolist(),
+            estimator.name, token_level_rewards=all_rewards, response_mask=all_mask, index=all_index.tolist(),
             norm_adv_by_std_in_grpo=algo_cfg.norm_adv_by_std_in_grpo)  # (B * dp, R)
-        dp_rank = dist.get_rank(dp_group)
-        mine = slice(dp_rank * num_rows, (dp_rank + 1) * num_rows)
-        batch["advantages"] = batch["returns"] = all_adv[mine]  # (B, R)
+        batch["advantages"] = batch["returns"] = my_rows(all_adv, dp_group)  # (B, R)
     else:
         batch["advantages"], batch["returns"] = core.compute_advantage(
-            estimator, token_level_rewards=rewards, response_mask=mask, values=batch.get("values"),
+            estimator.name, token_level_rewards=rewards, response_mask=mask, values=batch.get("values"),
             gamma=algo_cfg.gamma, lam=algo_cfg.lam, whiten_group=dp_group,
             reward_baselines=batch.get("reward_baselines"))  # (B, R) each
     return metrics
+
+
+@dataclass(frozen=True)
+class ActorLoss:
+    """What the actor's loss reads, resolved from the config once (ActorLoss.from_config)."""
+
+    loss_mode: str  # actor.policy_loss.loss_mode (ppo_core.POLICY_LOSSES)
+    loss_params: dict[str, Any]  # the clip ratios, and the keys of actor.policy_loss that loss_mode reads
+    entropy_coeff: float
+    kl_loss_coef: float | None  # None: no KL loss (actor.use_kl_loss=false)
+    kl_loss_type: str
+    temperature: float  # rollout.temperature: the log-probs are of logits / temperature
+    loss_scale_factor: int  # data.max_response_length, for seq-mean-token-sum-norm
+    bypass: Config | None = None  # algorithm.rollout_correction in bypass mode: pi_theta against the engine
+    truncation: tuple[int, float] | None = None  # the engine's (top_k, top_p) cut, when it samples from one
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ActorLoss:
+        actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+        mode = actor.policy_loss.loss_mode
+        low, high = (actor.clip_ratio if c is None else c for c in (actor.clip_ratio_low, actor.clip_ratio_high))
+        params = dict(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=actor.clip_ratio_c,
+                      **{key: actor.policy_loss[key] for key in core.POLICY_LOSSES[mode].keys})
+        rc_cfg = cfg.algorithm.rollout_correction
+        return cls(mode, params, actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None,
+                   actor.kl_loss_type, rollout.temperature, cfg.data.max_response_length,
+                   rc_cfg if rc_cfg.bypass_mode else None,
+                   (rollout.top_k, rollout.top_p) if sampling_truncates(rollout) else None)
+
+
+def actor_loss(mb: Batch, log_prob: torch.Tensor, entropy: torch.Tensor | None, loss: ActorLoss, loss_agg_mode: str,
+               scale: dict[str, Any], generator: torch.Generator,
+               dp_group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro batch's policy loss (actor.policy_loss.loss_mode), minus the entropy bonus, plus the KL
+    loss to the reference model; `scale` goes to ppo_core's losses (its docstring). log_prob,
+    entropy: (b, R) of this forward. In bypass mode the correction runs here, pi_theta against the engine."""
+    mask = mb["response_mask"]  # (b, R)
+    pg_mask, is_weights, terms = mask, mb.get("rollout_is_weights"), {}  # (b, R) each
+    bypass = loss.bypass
+    if bypass is not None:  # old_log_probs are the engine's: weights and rejection of pi_theta against them
+        is_weights, pg_mask, terms = rollout_correction.correct_micro_batch(log_prob, mb["old_log_probs"], mask,
+                                                                            bypass, dp_group)
+    if bypass is not None and bypass.loss_type == "reinforce":  # no clipping: the weights do the correcting
+        pg_loss, ppo_kl = rollout_correction.reinforce_policy_loss(mb["old_log_probs"], log_prob, mb["advantages"],
+                                                                   pg_mask, is_weights, loss_agg_mode, **scale)
+        terms.update({"actor/pg_loss": pg_loss, "actor/ppo_kl": ppo_kl})
+    else:  # in bypass mode the ratio already is pi_theta / pi_engine: no weights on top (verl's ppo_clip)
+        pg_loss, pg_metrics = core.policy_loss(
+            loss.loss_mode, mb["old_log_probs"], log_prob, mb["advantages"], pg_mask, loss_agg_mode,
+            **loss.loss_params, generator=generator, **scale,
+            rollout_is_weights=None if bypass is not None else is_weights)
+        terms.update({"actor/pg_loss": pg_loss, **pg_metrics})
+    total = pg_loss
+    if entropy is not None and loss.entropy_coeff != 0:
+        terms["actor/entropy_loss"] = core.agg_loss(entropy, mask, loss_agg_mode, **scale)
+        total = total - loss.entropy_coeff * terms["actor/entropy_loss"]
+    if loss.kl_loss_coef is not None:
+        kl = core.kl_penalty(log_prob, mb["ref_log_probs"], loss.kl_loss_type)  # (b, R)
+        terms["actor/kl_loss"] = core.agg_loss(kl, mask, loss_agg_mode, **scale)
+        total = total + loss.kl_loss_coef * terms["actor/kl_loss"]
+    return total, terms
 
 
 # -----------------------------------------------------------------------------
 # Updates: ppo_epochs x mini batches x micro batches, one loop for the actor and the critic
 
 
-def mini_batches(batch: Batch, *, epochs: int, mini_batch_size: int, micro_batch_size: int, shuffle: bool,
-                 generator: torch.Generator, max_token_len: int | None = None) -> Iterator[list[Batch]]:
-    """Each optimizer step's mini batch, as its list of micro batches: `epochs` passes over this
-    rank's samples, in a fresh random order per pass when `shuffle`. Micro batches hold
-    micro_batch_size samples, or, with max_token_len (use_dynamic_bsz), at most that many valid
-    tokens, balanced, as many on every rank (models.token_budget_micro_batches; collective)."""
+def mini_batches(batch: Batch, spec: UpdateSpec, generator: torch.Generator) -> Iterator[list[Batch]]:
+    """Each optimizer step's mini batch as its list of micro batches: spec.epochs passes over this rank's
+    samples (a fresh order per pass when spec.shuffle), cut into runs of spec.micro_batch_size samples
+    or, with spec.max_token_len, balanced token budgets (as many on every rank; collective)."""
     num_samples = batch["responses"].shape[0]
-    for _ in range(epochs):
-        order = torch.randperm(num_samples, generator=generator) if shuffle else torch.arange(num_samples)
-        for start in range(0, num_samples, mini_batch_size):
-            rows = order[start:start + mini_batch_size]
-            if max_token_len is None:
-                cuts = [rows[i:i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
+    for _ in range(spec.epochs):
+        order = torch.randperm(num_samples, generator=generator) if spec.shuffle else torch.arange(num_samples)
+        for start in range(0, num_samples, spec.mini_batch_size):
+            rows = order[start:start + spec.mini_batch_size]
+            if spec.max_token_len is None:
+                size = spec.micro_batch_size
+                micro_rows = [rows[i:i + size] for i in range(0, len(rows), size)]
             else:
-                cuts = [rows[part.cpu()] for part in token_budget_micro_batches(batch["attention_mask"][rows],
-                                                                                 max_token_len)]
-            yield [{k: v[cut] for k, v in batch.items()} for cut in cuts]
+                micro_rows = [rows[part.cpu()] for part in token_budget_micro_batches(batch["attention_mask"][rows],
+                                                                                       spec.max_token_len)]
+            yield [{k: v[part] for k, v in batch.items()} for part in micro_rows]
 
 
 LossFn = Callable[[Batch, dict[str, Any]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss_fn: LossFn, *,
-                epochs: int, mini_batch_size: int, micro_batch_size: int, shuffle: bool, generator: torch.Generator,
-                grad_clip: float, prefix: str, dp_size: int, loss_scale_factor: int,
-                max_token_len: int | None = None, dp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """One optimizer step per mini batch (see mini_batches), gradients accumulated over its micro batches.
+def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss_fn: LossFn,
+                spec: UpdateSpec, generator: torch.Generator, dp_group: dist.ProcessGroup | None,
+                prefix: str) -> dict[str, float]:
+    """One optimizer step per mini batch (mini_batches), gradients accumulated over its micro batches.
 
-    `loss_fn(micro_batch, scale)` returns (loss, terms) and passes `scale` on to ppo_core's losses:
-    the mini batch's token and sequence counts summed over dp_group (the dp_size ranks holding distinct
-    samples; all ranks when None), so the gradient does not depend on how the mini batch is cut
-    (ppo_core's module docstring). With Ulysses, the sp ranks of a group compute the same loss on the
-    same samples; FSDP's average over all ranks then averages the sp group's gradients, whose mean is
-    the unsplit gradient (ulysses.py), so the scaling is the one of dp_size ranks without sp. Terms
-    named `*_loss` are such shares of the mini batch's loss and are summed over micro batches; the
-    others are averaged over them. Each is then averaged over the optimizer steps.
-    """
+    loss_fn(micro_batch, scale) -> (loss, terms), where scale holds the mini batch's token and sequence
+    counts over dp_group (the ranks holding distinct samples; all ranks when None) and its size, so the
+    gradient does not depend on the cut (ppo_core's docstring). Terms named `*_loss` are shares of the
+    mini batch's loss, summed over micro batches; others are averaged; then all over optimizer steps."""
     model.train()
+    dp_size = dist.get_world_size(dp_group)
     metrics: dict[str, float] = {}
     sums: dict[str, float] = {}
     num_steps = 0
-    for micro_batches in mini_batches(batch, epochs=epochs, mini_batch_size=mini_batch_size,
-                                      micro_batch_size=micro_batch_size, shuffle=shuffle, generator=generator,
-                                      max_token_len=max_token_len):
+    for micro_batches in mini_batches(batch, spec, generator):
         num_tokens, num_seqs = core.global_num_tokens_and_seqs([mb["response_mask"] for mb in micro_batches],
                                                                  group=dp_group)
-        scale = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, dp_size=dp_size,
-                     loss_scale_factor=loss_scale_factor)
+        scale = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, dp_size=dp_size)
         for i, mb in enumerate(micro_batches):
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce-scatter once per mini batch
             loss, terms = loss_fn(mb, scale)
@@ -244,247 +295,150 @@ def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
             for name, value in terms.items():
                 share = value.item() if name.endswith("_loss") else value.item() / len(micro_batches)
                 sums[name] = sums.get(name, 0.0) + share
-        optimizer_step(model, optimizer, grad_clip, prefix, metrics)
+        optimizer_step(model, optimizer, spec.grad_clip, prefix, metrics)
         num_steps += 1
     metrics.update({k: v / num_steps for k, v in sums.items()})
     return metrics
 
 
-def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, actor_cfg: Config, *,
-                 temperature: float, mini_batch_size: int, micro_batch_size: int, dp_size: int,
-                 loss_scale_factor: int, generator: torch.Generator, max_token_len: int | None = None,
-                 use_remove_padding: bool = False, dp_group: dist.ProcessGroup | None = None,
-                 sp_group: dist.ProcessGroup | None = None, bypass: Config | None = None,
-                 on_policy: Batch | None = None, truncation: tuple[int, float] | None = None) -> dict[str, float]:
-    """The policy loss of actor.policy_loss.loss_mode (ppo_core.POLICY_LOSSES), minus the entropy bonus,
-    plus the KL loss to the reference model.
-    max_token_len: token-budget micro batches (use_dynamic_bsz); use_remove_padding: packed forwards;
-    sp_group: Ulysses forwards; dp_group: see run_updates. The batch's rollout_is_weights (decoupled
-    rollout correction) weigh the policy loss; with bypass (algorithm.rollout_correction in bypass
-    mode) the correction runs here, pi_theta against the engine.
+@dataclass
+class PolicyForward:
+    """The actor's outputs on the step's batch under the weights that sampled it, (B, R) each."""
 
-    on_policy (a dict, filled here; see on_policy_shortcut): the update is one epoch of one mini batch,
-    so its forward runs on the weights that sampled the batch and the old log-probs are that forward's
-    own, detached (the ratio is exactly 1); the batch needs no old_log_probs. What the separate forward
-    would have given comes back in on_policy, (B, R) each in batch order: old_log_probs, entropy, and
-    with truncation=(top_k, top_p) sampling_log_probs, the log-probs under the engine's cut."""
+    old_log_probs: torch.Tensor
+    entropy: torch.Tensor
+    sampling_log_probs: torch.Tensor  # under the engine's top-k / top-p cut (old_log_probs without one)
+
+
+def _actor_micro_batch(actor: torch.nn.Module, loss: ActorLoss, loss_agg_mode: str, use_remove_padding: bool,
+                       groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None], generator: torch.Generator,
+                       forwards: list[tuple[torch.Tensor, ...]] | None, mb: Batch,
+                       scale: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The actor's forward and loss on one micro batch (run_updates' loss_fn, through functools.partial).
+    With `forwards` (a list) this forward is the old policy's: its log-probs, detached, are the old ones,
+    and (rows, log-probs, entropy, cut log-probs) are appended for the caller."""
+    dp_group, sp_group = groups
+    own_old = forwards is not None
+    log_prob, entropy, *cut = compute_log_probs(
+        actor, mb, loss.temperature, len(mb["responses"]), loss.entropy_coeff != 0 or own_old,
+        use_remove_padding=use_remove_padding, sp_group=sp_group,
+        truncation=loss.truncation if own_old else None)  # (b, R) each, one forward
+    if own_old:
+        mb = dict(mb, old_log_probs=log_prob.detach())
+        sampling_log_prob = cut[0] if cut else log_prob  # (b, R) under the engine's cut, when it has one
+        forwards.append((mb["row_index"], log_prob.detach(), entropy.detach(), sampling_log_prob.detach()))
+    return actor_loss(mb, log_prob, entropy, loss, loss_agg_mode, dict(scale, loss_scale_factor=loss.loss_scale_factor),
+                      generator, dp_group)
+
+
+def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss: ActorLoss,
+                 spec: UpdateSpec, generator: torch.Generator, dp_group: dist.ProcessGroup | None = None,
+                 sp_group: dist.ProcessGroup | None = None,
+                 own_old_log_probs: bool = False) -> tuple[dict[str, float], PolicyForward | None]:
+    """The actor's update (run_updates over actor_loss). The batch's rollout_is_weights (decoupled rollout
+    correction) weigh the policy loss. With own_old_log_probs (one epoch of one mini batch: the forward
+    runs on the weights that sampled the batch) the old log-probs are the update forward's own, and its
+    outputs come back as a PolicyForward in batch order; else the batch must carry old_log_probs."""
     num_samples = batch["responses"].shape[0]
-    if on_policy is not None and (actor_cfg.ppo_epochs != 1 or num_samples > mini_batch_size):
-        raise ValueError(f"update_actor(on_policy=...) needs one epoch of one mini batch; got ppo_epochs="
-                         f"{actor_cfg.ppo_epochs}, {num_samples} samples in mini batches of {mini_batch_size}")
-    calc_entropy = actor_cfg.entropy_coeff != 0
-    clip_low, clip_high = (actor_cfg.clip_ratio if c is None else c for c in (actor_cfg.clip_ratio_low,
-                                                                              actor_cfg.clip_ratio_high))
-    policy_cfg = actor_cfg.policy_loss
-    # every loss gets every parameter and uses its own (clip_cov draws its tokens with the step's generator)
-    loss_params = dict(clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=actor_cfg.clip_ratio_c,
-                       clip_cov_ratio=policy_cfg.clip_cov_ratio, clip_cov_lb=policy_cfg.clip_cov_lb,
-                       clip_cov_ub=policy_cfg.clip_cov_ub, kl_cov_ratio=policy_cfg.kl_cov_ratio,
-                       ppo_kl_coef=policy_cfg.ppo_kl_coef, generator=generator)
-
-    forward_outputs: list[tuple[torch.Tensor, ...]] = []  # on_policy: (rows, log-probs, entropy[, cut]) per micro batch
-
-    def loss_fn(mb: Batch, scale: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        log_prob, entropy, *cut = compute_log_probs(
-            actor, mb, temperature, len(mb["responses"]), calc_entropy or on_policy is not None,
-            use_remove_padding=use_remove_padding, sp_group=sp_group,
-            truncation=truncation if on_policy is not None else None)  # (b, R) each, one forward
-        if on_policy is not None:  # this forward is the old policy's: its log-probs are the old ones
-            mb = dict(mb, old_log_probs=log_prob.detach())
-            forward_outputs.append((mb["row_index"], log_prob.detach(), entropy.detach(), *(c.detach() for c in cut)))
-        mask = mb["response_mask"]  # (b, R)
-        pg_mask, is_weights, terms = mask, mb.get("rollout_is_weights"), {}  # (b, R) each
-        if bypass is not None:  # old_log_probs are the engine's: weights and rejection of pi_theta against them
-            is_weights, pg_mask, terms = rc.correct_micro_batch(log_prob, mb["old_log_probs"], mask, bypass,
-                                                                dp_group)
-        if bypass is not None and bypass.loss_type == "reinforce":  # no clipping: the weights do the correcting
-            pg_loss, ppo_kl = rc.reinforce_policy_loss(mb["old_log_probs"], log_prob, mb["advantages"], pg_mask,
-                                                       is_weights, actor_cfg.loss_agg_mode, **scale)
-            terms.update({"actor/pg_loss": pg_loss, "actor/ppo_kl": ppo_kl})
-        else:  # in bypass mode the ratio already is pi_theta / pi_engine: no weights on top (verl's ppo_clip)
-            pg_loss, pg_metrics = core.policy_loss(
-                policy_cfg.loss_mode, mb["old_log_probs"], log_prob, mb["advantages"], pg_mask,
-                actor_cfg.loss_agg_mode, **loss_params, **scale,
-                rollout_is_weights=None if bypass is not None else is_weights)
-            terms.update({"actor/pg_loss": pg_loss, **pg_metrics})
-        loss = pg_loss
-        if calc_entropy:
-            terms["actor/entropy_loss"] = core.agg_loss(entropy, mask, actor_cfg.loss_agg_mode, **scale)
-            loss = loss - actor_cfg.entropy_coeff * terms["actor/entropy_loss"]
-        if actor_cfg.use_kl_loss:
-            kl = core.kl_penalty(log_prob, mb["ref_log_probs"], actor_cfg.kl_loss_type)  # (b, R)
-            terms["actor/kl_loss"] = core.agg_loss(kl, mask, actor_cfg.loss_agg_mode, **scale)
-            loss = loss + actor_cfg.kl_loss_coef * terms["actor/kl_loss"]
-        return loss, terms
-
-    if on_policy is not None:
+    if own_old_log_probs and (spec.epochs != 1 or num_samples > spec.mini_batch_size):
+        raise ValueError(f"update_actor(own_old_log_probs=True) needs one epoch of one mini batch; got "
+                         f"{spec.epochs} epochs, {num_samples} samples in mini batches of {spec.mini_batch_size}")
+    forwards: list[tuple[torch.Tensor, ...]] | None = [] if own_old_log_probs else None
+    if own_old_log_probs:
         batch = dict(batch, row_index=torch.arange(num_samples, device=batch["responses"].device))  # (B,)
-    metrics = run_updates(actor, optimizer, batch, loss_fn, epochs=actor_cfg.ppo_epochs,
-                          mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size, shuffle=actor_cfg.shuffle,
-                          generator=generator, grad_clip=actor_cfg.grad_clip, prefix="actor", dp_size=dp_size,
-                          loss_scale_factor=loss_scale_factor, max_token_len=max_token_len, dp_group=dp_group)
-    if on_policy is not None:  # the micro batches' outputs, back in batch order
-        rows = torch.cat([out[0] for out in forward_outputs])
-        names = ("old_log_probs", "entropy", "sampling_log_probs")
-        for i, name in enumerate(names[:len(forward_outputs[0]) - 1], start=1):
-            on_policy[name] = torch.cat([out[i] for out in forward_outputs])[torch.argsort(rows)]  # (B, R)
-    return metrics
+    loss_fn = functools.partial(_actor_micro_batch, actor, loss, spec.loss_agg_mode, spec.use_remove_padding,
+                                (dp_group, sp_group), generator, forwards)
+    metrics = run_updates(actor, optimizer, batch, loss_fn, spec, generator, dp_group, "actor")
+    if forwards is None:
+        return metrics, None
+    order = torch.argsort(torch.cat([out[0] for out in forwards]))  # micro batch order -> batch order
+    outputs = [torch.cat([out[i] for out in forwards])[order] for i in (1, 2, 3)]  # (B, R) each
+    return metrics, PolicyForward(*outputs)
 
 
-def on_policy_shortcut(actor: torch.nn.Module, actor_cfg: Config, algo_cfg: Config, samples_per_rank: int,
-                       mini_batch_size_per_rank: int) -> str | None:
-    """None when the old log-probs can come from the actor update's own forward, else why they cannot.
-
-    With one epoch of one mini batch the update's forward runs on the weights that sampled the batch,
-    so a separate no-grad forward before it would give the same log-probs (verl and TRL take that
-    forward's own, detached; the PPO ratio is then exactly 1). Exact only if nothing needs them before
-    the update and the training forward equals the no-grad one: not with the KL penalty in the reward
-    (the advantages need it), rollout correction's weights or rejections (they change the losses),
-    bypass mode (the engine's log-probs are the old ones already), or dropout (train mode differs)."""
-    rc_cfg = algo_cfg.rollout_correction
-    if rc_cfg.bypass_mode:
-        return "algorithm.rollout_correction.bypass_mode: the engine's log-probs are the old ones"
-    if actor_cfg.ppo_epochs != 1:
-        return f"actor.ppo_epochs={actor_cfg.ppo_epochs}: later epochs train on updated weights"
-    if samples_per_rank > mini_batch_size_per_rank:
-        return (f"{samples_per_rank} samples per rank in mini batches of {mini_batch_size_per_rank} "
-                f"(actor.ppo_mini_batch_size): later mini batches train on updated weights")
-    if algo_cfg.use_kl_in_reward:
-        return "algorithm.use_kl_in_reward: the advantages need the old log-probs before the update"
-    if rc_cfg.rollout_is is not None or rc_cfg.rollout_rs is not None:
-        return "algorithm.rollout_correction.rollout_is / rollout_rs: the losses need the weights before the update"
-    dropout = [m.p for m in actor.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
-    if dropout or getattr(getattr(actor, "config", None), "attention_dropout", 0.0):
-        return "the actor has dropout: its training forward differs from a no-grad one"
-    return None
+def _critic_micro_batch(critic: torch.nn.Module, spec: UpdateSpec, cliprange_value: float, loss_scale_factor: int,
+                        sp_group: dist.ProcessGroup | None, mb: Batch,
+                        scale: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The critic's forward and clipped value loss against the returns on one micro batch."""
+    vpreds = compute_values(critic, mb, len(mb["responses"]), use_remove_padding=spec.use_remove_padding,
+                            sp_group=sp_group)  # (b, R)
+    vf_loss, vf_clipfrac = core.compute_value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
+                                                   cliprange_value, spec.loss_agg_mode,
+                                                   **scale, loss_scale_factor=loss_scale_factor)
+    return vf_loss, {"critic/vf_loss": vf_loss, "critic/vf_clipfrac": vf_clipfrac}
 
 
-def old_policy_metrics(batch: Batch, sampling_log_probs: torch.Tensor, entropy: torch.Tensor,
-                       loss_agg_mode: str) -> dict[str, float]:
-    """The sync check (the engine's log-probs of its samples against the actor's, under the same cut)
-    and the entropy of the policy that sampled the batch, from the old-log-prob forward's outputs."""
-    from rollout import logprob_diff
-
-    diff = logprob_diff(batch["rollout_log_probs"], sampling_log_probs, batch["response_mask"])
-    return {"rollout/logprob_diff_mean": diff["logprob_diff_mean"], "rollout/logprob_diff_max": diff["logprob_diff_max"],
-            "actor/entropy": core.agg_loss(entropy, batch["response_mask"].float(), loss_agg_mode).item()}
-
-
-def update_critic(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, critic_cfg: Config, *,
-                  epochs: int, shuffle: bool, loss_agg_mode: str, mini_batch_size: int, micro_batch_size: int,
-                  dp_size: int, loss_scale_factor: int, generator: torch.Generator, max_token_len: int | None = None,
-                  use_remove_padding: bool = False, dp_group: dist.ProcessGroup | None = None,
+def update_critic(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, spec: UpdateSpec,
+                  generator: torch.Generator, cliprange_value: float, loss_scale_factor: int,
+                  dp_group: dist.ProcessGroup | None = None,
                   sp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """Clipped value loss against the returns; the keywords as for update_actor."""
-
-    def loss_fn(mb: Batch, scale: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        vpreds = compute_values(critic, mb, len(mb["responses"]), use_remove_padding=use_remove_padding,
-                                sp_group=sp_group)  # (b, R)
-        vf_loss, vf_clipfrac = core.compute_value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
-                                                       critic_cfg.cliprange_value, loss_agg_mode, **scale)
-        return vf_loss, {"critic/vf_loss": vf_loss, "critic/vf_clipfrac": vf_clipfrac}
-
-    return run_updates(critic, optimizer, batch, loss_fn, epochs=epochs, mini_batch_size=mini_batch_size,
-                       micro_batch_size=micro_batch_size, shuffle=shuffle, generator=generator,
-                       grad_clip=critic_cfg.grad_clip, prefix="critic", dp_size=dp_size,
-                       loss_scale_factor=loss_scale_factor, max_token_len=max_token_len, dp_group=dp_group)
-
-
-def batch_metrics(batch: Batch, max_prompt_length: int, dp_group: dist.ProcessGroup) -> dict[str, float]:
-    """verl's per-step statistics of this rank's samples (reduce_metrics then combines the ranks).
-    Collective over dp_group when the batch has values (the explained variance spans every share)."""
-    mask = batch["response_mask"].bool()  # (B, R) less the tokens rollout correction rejected
-    lengths = batch["attention_mask"][:, max_prompt_length:].sum(-1)  # (B,) as generated
-    prompt_lengths = batch["attention_mask"][:, :max_prompt_length].sum(-1)  # (B,)
-    metrics = {**stats("critic/score", batch["token_level_scores"].sum(-1)),
-               **stats("critic/rewards", (batch["token_level_rewards"] * mask).sum(-1)),
-               **stats("critic/advantages", batch["advantages"][mask]),
-               **stats("response_length", lengths), **stats("prompt_length", prompt_lengths),
-               "response_length/clip_ratio": (lengths == batch["responses"].shape[1]).float().mean().item(),
-               "prompt_length/clip_ratio": (prompt_lengths == max_prompt_length).float().mean().item()}
-    if "values" in batch:
-        metrics.update(stats("critic/values", batch["values"][mask]))
-        metrics.update(stats("critic/returns", batch["returns"][mask]))
-        # 1 - Var(returns - values) / Var(returns) over the step's whole batch (every rank's share)
-        _, residual_var = core.masked_mean_var(batch["returns"] - batch["values"], mask, dp_group)
-        _, returns_var = core.masked_mean_var(batch["returns"], mask, dp_group)
-        metrics["critic/vf_explained_var"] = (1.0 - residual_var / (returns_var + 1e-5)).item()
-    return metrics
-
-
-def by_key(per_sample: list[dict[str, float]]) -> dict[str, list[float]]:
-    """[{key: value} per sample] -> {key: [values of the samples that have it]}."""
-    out: dict[str, list[float]] = {}
-    for sample in per_sample:
-        for key, value in sample.items():
-            out.setdefault(key, []).append(value)
-    return out
-
-
-def count_batch(prompt_index: torch.Tensor, dp_group: dist.ProcessGroup) -> dict[str, float]:
-    """batch/num_prompts and batch/num_samples of the data this step trained on, over dp_group's ranks
-    (each sample lives on one of them; a prompt's samples may be spread over several)."""
-    indices: list[list[int]] = [[] for _ in range(dist.get_world_size(dp_group))]
-    dist.all_gather_object(indices, prompt_index.tolist(), group=dp_group)
-    return {"batch/num_prompts": len({i for rank_indices in indices for i in rank_indices}),
-            "batch/num_samples": sum(len(rank_indices) for rank_indices in indices)}
+    """The critic's update: the clipped value loss (critic.cliprange_value), run_updates' loop."""
+    loss_fn = functools.partial(_critic_micro_batch, critic, spec, cliprange_value, loss_scale_factor, sp_group)
+    return run_updates(critic, optimizer, batch, loss_fn, spec, generator, dp_group, "critic")
 
 
 # -----------------------------------------------------------------------------
-# Scores and DAPO's dynamic sampling
+# Where the old log-probs come from, decided once
 
 
-def score_samples(reward_fn: RewardFn, tokenizer: Any, share: Batch, prompts: list[Prompt], reward_cfg: Config,
-                  max_response_length: int) -> tuple[torch.Tensor, list[dict[str, float]]]:
-    """A rule score per sample of `share` (responses, response_mask, prompt_index), (B,), and the reward
-    function's extras. With reward_model.reward_manager=dapo, as verl's DAPO manager: each score is also
-    an `acc` extra (unless the function returned one), and reward_model.overlong_buffer adds its penalty."""
-    rows = [prompts[i] for i in share["prompt_index"].tolist()]
-    _, scores, extras = score_batch(reward_fn, tokenizer, share["responses"], share["response_mask"], rows)
-    scores = torch.tensor(scores, dtype=torch.float32)  # (B,)
-    if reward_cfg.reward_manager == "dapo":
-        for sample_extras, score in zip(extras, scores.tolist(), strict=True):
-            sample_extras.setdefault("acc", score)
-        buffer = reward_cfg.overlong_buffer
-        if buffer.enable:
-            penalty = core.overlong_penalty(share["response_mask"].sum(-1), max_response_length, buffer.len,
-                                            buffer.penalty_factor)  # (B,) <= 0
-            scores = scores + penalty
-            if buffer.log:
-                for sample_extras, value in zip(extras, penalty.tolist(), strict=True):
-                    sample_extras.update(overlong_reward=value, overlong=float(value < 0))
-    return scores, extras
+def old_log_prob_source(actor: torch.nn.Module, algo_cfg: Config, spec: UpdateSpec,
+                        samples_per_rank: int) -> tuple[str, str]:
+    """("engine" | "update" | "forward", why). engine: bypass mode, the engine's log-probs are the old
+    ones. update: one epoch of one mini batch, so the update's forward runs on the weights that sampled
+    the batch and its detached log-probs are the old ones (verl and TRL do the same; the ratio is 1).
+    forward: a separate no-grad forward, needed when something uses them before the update (KL in
+    reward, rollout correction's weights or rejections), or when training forwards differ (dropout)."""
+    rc_cfg = algo_cfg.rollout_correction
+    if rc_cfg.bypass_mode:
+        return "engine", "algorithm.rollout_correction.bypass_mode: the engine's log-probs are the old ones"
+    if spec.epochs != 1:
+        return "forward", f"actor.ppo_epochs={spec.epochs}: later epochs train on updated weights"
+    if samples_per_rank > spec.mini_batch_size:
+        return "forward", (f"{samples_per_rank} samples per rank in mini batches of {spec.mini_batch_size} "
+                           f"(actor.ppo_mini_batch_size): later mini batches train on updated weights")
+    if algo_cfg.use_kl_in_reward:
+        return "forward", "algorithm.use_kl_in_reward: the advantages need the old log-probs before the update"
+    if rc_cfg.rollout_is is not None or rc_cfg.rollout_rs is not None:
+        return "forward", ("algorithm.rollout_correction.rollout_is / rollout_rs: the losses need the weights "
+                           "before the update")
+    dropout = [m.p for m in actor.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    if dropout or getattr(getattr(actor, "config", None), "attention_dropout", 0.0):
+        return "forward", "the actor has dropout: its training forward differs from a no-grad one"
+    return "update", "one epoch of one mini batch: the actor update's own forward"
 
 
-SCORE_METRICS = ("reward", "score", "seq_reward", "seq_final_reward")  # verl's names for the sample's score
+def check_old_policy(batch: Batch, old: PolicyForward, rc_cfg: Config, loss_agg_mode: str,
+                     dp_group: dist.ProcessGroup) -> dict[str, float]:
+    """After the old log-probs, wherever they came from: the sync check (the engine's log-probs of its
+    samples against the actor's under the same cut), the old policy's entropy, and decoupled rollout
+    correction over the whole step batch (IS weights and rejections into `batch`, its diagnostics)."""
+    from rollout import logprob_diff
+
+    mask = batch["response_mask"]  # (B, R)
+    diff = logprob_diff(batch["rollout_log_probs"], old.sampling_log_probs, mask)
+    metrics = {"rollout/logprob_diff_mean": diff["logprob_diff_mean"], "rollout/logprob_diff_max": diff["logprob_diff_max"],
+               "actor/entropy": core.agg_loss(old.entropy, mask.float(), loss_agg_mode).item()}
+    with timed(metrics, "rollout_corr"):
+        is_weights, batch["response_mask"], rc_metrics = rollout_correction.correct_batch(
+            old.sampling_log_probs, batch["rollout_log_probs"], mask, rc_cfg, dp_group)
+    metrics.update(rc_metrics)
+    if is_weights is not None:
+        batch["rollout_is_weights"] = is_weights  # (B, R)
+    return metrics
 
 
-def filter_metric(share: Batch, extras: list[dict[str, float]], metric: str) -> torch.Tensor:
-    """algorithm.filter_groups.metric per sample, (B,): the score (SCORE_METRICS; the KL penalty comes
-    later, so seq_final_reward is the score too, config.check_algorithm refuses it with KL in reward),
-    or the reward function's extra output of that name (acc)."""
-    if metric in SCORE_METRICS:
-        return share["scores"]
-    missing = [e for e in extras if metric not in e]
-    if missing:
-        raise ConfigError(
-            f"algorithm.filter_groups.metric={metric!r}: the reward function returned no {metric!r} for some "
-            f"samples (one returned {sorted(missing[0]) or 'no extras'}). Use metric=reward, or "
-            f"reward_model.reward_manager=dapo, which records each score as `acc`.")
-    return torch.tensor([e[metric] for e in extras], dtype=torch.float64)
+# -----------------------------------------------------------------------------
+# DAPO's dynamic sampling
 
 
 def dynamic_sampling(generate_and_score: Callable[[int], tuple[Batch, list[dict[str, float]]]], filter_cfg: Config,
                      *, train_batch_size: int) -> tuple[Batch, list[dict[str, float]], dict[str, float]]:
     """DAPO's dynamic sampling (algorithm.filter_groups): generation batches k = 0, 1, ...
-    (generate_and_score(k) returns this rank's share, scored) until train_batch_size prompts have groups
-    whose metric differs (ppo_core.group_has_spread); at most max_num_gen_batches of them (<= 0: no limit).
-
-    Every rank gathers every sample's metric, so all keep the same prompts: the first train_batch_size
-    such prompts, in generation order. Their samples are then all-gathered and rank r keeps slice r in
-    prompt-major order, the layout plain generation gives (whole groups when train_batch_size divides by
-    the world size). Returns (this rank's share, its extras, metrics train/num_gen_batches and
-    train/uniform_group_fraction, the fraction of groups generated this step that were dropped)."""
+    (generate_and_score(k) returns this rank's rows, scored) until train_batch_size prompts have groups
+    whose metric differs (ppo_core.group_has_spread); at most max_num_gen_batches (<= 0: no limit).
+    Every rank sees every sample's metric, so all keep the same prompts, the first train_batch_size in
+    generation order; rank r then keeps slice r of their samples, prompt-major (as plain generation).
+    Returns (this rank's rows, their extras, train/num_gen_batches and train/uniform_group_fraction)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     taken: set[int] = set()  # prompts kept this step
     kept: list[tuple[Batch, list[dict[str, float]]]] = []  # this rank's kept rows, per generation batch
@@ -496,122 +450,378 @@ def dynamic_sampling(generate_and_score: Callable[[int], tuple[Batch, list[dict[
                 f"gave {len(taken)} of the data.train_batch_size={train_batch_size} prompts whose samples differ in "
                 f"{filter_cfg.metric}; {num_uniform} of {num_groups} groups were uniform. Raise max_num_gen_batches "
                 f"or data.gen_batch_size (0: no limit), or use data the policy sometimes solves.")
-        share, extras = generate_and_score(gen_batch)
-        values = filter_metric(share, extras, filter_cfg.metric)  # (B,)
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, (share["prompt_index"].tolist(), values.tolist()))
-        index = [i for rank_index, _ in everyone for i in rank_index]  # the generation batch, prompt-major
-        spread = core.group_has_spread(torch.tensor([v for _, vs in everyone for v in vs], dtype=torch.float64), index)
+        rows, extras = generate_and_score(gen_batch)
+        values = filter_metric(rows["scores"], extras, filter_cfg.metric)  # (B,)
+        every_rank: list[Any] = [None] * world
+        dist.all_gather_object(every_rank, (rows["prompt_index"].tolist(), values.tolist()))
+        index = [i for rank_index, _ in every_rank for i in rank_index]  # the generation batch, prompt-major
+        spread = core.group_has_spread(torch.tensor([v for _, vs in every_rank for v in vs], dtype=torch.float64),
+                                       index)
         now: set[int] = set()
         for prompt, has_spread in dict(zip(index, spread.tolist(), strict=True)).items():  # each prompt once
             num_groups, num_uniform = num_groups + 1, num_uniform + (not has_spread)
             if has_spread and prompt not in taken and len(taken) < train_batch_size:
                 taken.add(prompt)
                 now.add(prompt)
-        rows = [i for i, prompt in enumerate(share["prompt_index"].tolist()) if prompt in now]
-        kept.append(({k: v[rows] for k, v in share.items()}, [extras[i] for i in rows]))
+        keep = [i for i, prompt in enumerate(rows["prompt_index"].tolist()) if prompt in now]
+        kept.append(({k: v[keep] for k, v in rows.items()}, [extras[i] for i in keep]))
         if len(taken) == train_batch_size:
             break
-    everyone = [None] * world
-    dist.all_gather_object(everyone, kept)
-    parts = [everyone[r][k] for k in range(len(kept)) for r in range(world)]  # prompt-major: batch by batch
+    every_rank = [None] * world
+    dist.all_gather_object(every_rank, kept)
+    parts = [every_rank[r][k] for k in range(len(kept)) for r in range(world)]  # prompt-major: batch by batch
     samples = {key: torch.cat([part[key] for part, _ in parts]) for key in kept[0][0]}
     all_extras = [e for _, part_extras in parts for e in part_extras]
     per_rank = len(all_extras) // world  # train_batch_size x n / world (mesh_utils.plan_batches)
-    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    my_slice = slice(rank * per_rank, (rank + 1) * per_rank)
     metrics = {"train/num_gen_batches": gen_batch + 1, "train/uniform_group_fraction": num_uniform / num_groups}
-    return {k: v[mine] for k, v in samples.items()}, all_extras[mine], metrics
+    return {k: v[my_slice] for k, v in samples.items()}, all_extras[my_slice], metrics
 
 
 # -----------------------------------------------------------------------------
-# Validation: each rollout dp group generates for its share of the held-out set
+# The run: every piece of state, listed once, and the orchestration that takes it
 
 
-def run_validation(llm: LLM, prompts: list[Prompt], tokenizer: Any, reward_fn: RewardFn, rollout_mesh: DeviceMesh,
-                   step: int, sampling: dict[str, Any], out_dir: Path, device: torch.device) -> dict[str, float]:
-    """Scores on the whole held-out set (greedy unless rollout.val_kwargs.do_sample), with verl's names:
-    val-core/<data_source>/reward/mean@<n> per source, val-aux/<data_source>/<extra>/mean@<n> for a
-    reward function's extra outputs, and val/score over everything. Each rollout dp group generates
-    for a contiguous share (sizes differ by at most one prompt); its generations go to
-    <out_dir>/val_generations/step<N>_dp<g>.jsonl for a person (or a test) to read."""
-    from rollout import generate
+@dataclass
+class Run:
+    """Everything a run holds between steps; build_run makes it, train_step and main use it."""
 
+    cfg: Config
+    env: DistEnv
+    dims: ParallelDims
+    plan: BatchPlan
+    meshes: Meshes
+    dp_group: dist.ProcessGroup  # the ranks holding distinct samples: sums over the step's batch run here
+    sp_group: dist.ProcessGroup | None  # Ulysses: the ranks sharing each sample's sequence
+    out_dir: Path
+    tokenizer: Any
+    train_prompts: list[Prompt]
+    val_prompts: list[Prompt]
+    reward_fn: RewardFn
+    sampler: PromptSampler
+    total_steps: int
+    actor: torch.nn.Module
+    actor_optim: torch.optim.Optimizer
+    actor_sched: Any
+    actor_loss: ActorLoss
+    ref: torch.nn.Module | None  # the reference model for a KL term; with LoRA the actor, adapter off
+    reference_mode: Callable[[], contextlib.AbstractContextManager]
+    critic: torch.nn.Module | None
+    critic_optim: torch.optim.Optimizer | None
+    critic_sched: Any
+    kl_ctrl: core.FixedKLController
+    lora_spec: LoraSpec | None
+    param_dtype: torch.dtype
+    offload: OffloadFlags
+    old_log_probs_from: str  # "engine" | "update" | "forward" (old_log_prob_source)
+    start_step: int = 0
+    llm: LLM | None = None
+    train_sampling: dict[str, Any] = field(default_factory=dict)
+    val_sampling: dict[str, Any] = field(default_factory=dict)
+    probe: list[int] = field(default_factory=list)  # a prompt whose greedy log-probs fingerprint the engine
+    actor_probe: Batch = field(default_factory=dict)  # its last tokens, for the actor's side of that check
+    stale_check: Any = None  # rollout.StaleWeightsCheck
+    lora_modules: set[str] | None = None  # with LoRA: what syncs after the first (full) sync
+    tracker: Tracker | None = None
+    placement: str = LOADED  # the memory phase the models and engine are placed for (memory_plan.placement)
+    synced_once: bool = False
+    consecutive_skips: int = 0
+
+    def checkpointed(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]]:
+        models = {"actor": (self.actor, self.actor_optim, self.actor_sched)}
+        if self.critic is not None:
+            models["critic"] = (self.critic, self.critic_optim, self.critic_sched)
+        return models
+
+
+def move_to(run: Run, phase: str) -> None:
+    """Place models, optimizer states and engine for `phase` (memory_plan.placement, from the offload flags)."""
+    import rollout
+
+    apply_moves(plan_moves(run.offload, run.placement, phase), {"actor": run.actor, "critic": run.critic},
+                {"actor": run.actor_optim, "critic": run.critic_optim}, run.env.device,
+                sleep_engine=functools.partial(rollout.sleep, run.llm))
+    run.placement = phase
+
+
+def sync_weights(run: Run) -> float:
+    """Actor -> engine, then check that it landed (rollout.StaleWeightsCheck); the sync's seconds.
+    With LoRA the first sync sends every weight (merged), later ones only the modules LoRA changes."""
+    import rollout
+
+    if run.lora_spec:
+        weights = iter_sync_params(run.actor, run.param_dtype, run.lora_modules if run.synced_once else None)
+    else:
+        weights = iter_full_params(run.actor, dtype=run.param_dtype)
+    seconds = rollout.sync_weights(run.llm, weights, partial=bool(run.lora_spec) and run.synced_once)
+    run.synced_once = True
+    run.actor.eval()
+    with torch.no_grad():
+        actor_log_probs, _ = compute_log_probs(run.actor, run.actor_probe, 1.0, 1)  # (1, 4)
+    run.stale_check.check(rollout.engine_fingerprint(run.llm, run.probe), actor_log_probs.double().cpu())
+    return seconds
+
+
+def generate(run: Run, prompts: list[Prompt], prompt_indices: list[int], step: int,
+             sampling: dict[str, Any]) -> RolloutBatch:
+    """The rollout seam, for training, ReMax's baseline and validation: this rollout dp group's prompts,
+    sampling["n"] responses each, prompt-major; every rank of the TP group makes the same call."""
+    import rollout
+
+    return rollout.generate(run.llm, [p.token_ids for p in prompts], step=step, prompt_indices=prompt_indices,
+                            **sampling)
+
+
+def rollout_step(run: Run, step: int, gen_batch: int, metrics: dict[str, float]) -> tuple[Batch, list[dict[str, float]]]:
+    """One generation batch for this rank, on the host: its rollout dp group's prompts, n samples each,
+    TP rank r's slice r of them, scored (`scores`, (B,)); for ReMax also `reward_baselines`, the score
+    of each prompt's greedy response."""
+    import rollout
+
+    cfg, rollout_mesh = run.cfg, run.meshes.rollout
+    sampling = dict(run.train_sampling, seed=run.train_sampling["seed"] + 1_000_003 * gen_batch)  # fresh per batch
+    baseline_rollout = core.ADV_ESTIMATORS[cfg.algorithm.adv_estimator].baseline_rollout
+    with timed(metrics, "gen"):
+        prompt_indices = run.sampler.next_batch()  # the same on every rank
+        group_indices = rollout.shard_for_dp(prompt_indices, rollout_mesh.get_local_rank("dp"), run.dims.rollout_dp)
+        group_prompts = [run.train_prompts[i] for i in group_indices]
+        generated = generate(run, group_prompts, group_indices, step, sampling)  # prompt-major
+        if baseline_rollout == "greedy":
+            greedy = generate(run, group_prompts, group_indices, step, dict(sampling, n=1, temperature=0.0))
+    rows = dict(vars(rollout.split_for_training(generated, rollout_mesh.get_local_rank("infer_tp"), run.dims.infer_tp)))
+    score = functools.partial(score_samples, run.reward_fn, run.tokenizer, prompts=run.train_prompts,
+                              reward_cfg=cfg.reward_model, max_response_length=cfg.data.max_response_length)
+    with timed(metrics, "reward"):
+        rows["scores"], extras = score(rows)  # (B,)
+        if baseline_rollout == "greedy":
+            greedy_scores, _ = score(vars(greedy))
+            baseline = dict(zip(greedy.prompt_index.tolist(), greedy_scores.tolist(), strict=True))
+            rows["reward_baselines"] = torch.tensor([baseline[i] for i in rows["prompt_index"].tolist()])  # (B,)
+    return rows, extras
+
+
+def run_validation(run: Run, step: int) -> dict[str, float]:
+    """Scores on the whole held-out set (greedy unless rollout.val_kwargs.do_sample), verl's names:
+    val-core/<data_source>/reward/mean@<n>, val-aux/<data_source>/<extra>/mean@<n>, and val/score.
+    Each rollout dp group generates for a contiguous share; its generations go to
+    <out_dir>/val_generations/step<N>_dp<g>.jsonl."""
+    rollout_mesh, prompts = run.meshes.rollout, run.val_prompts
     dp, dp_rank = rollout_mesh.size(0), rollout_mesh.get_local_rank("dp")
-    mine = list(range(len(prompts) * dp_rank // dp, len(prompts) * (dp_rank + 1) // dp))
-    generated = generate(llm, [prompts[i].token_ids for i in mine], step=step, prompt_indices=mine, **sampling)
+    indices = list(range(len(prompts) * dp_rank // dp, len(prompts) * (dp_rank + 1) // dp))
+    generated = generate(run, [prompts[i] for i in indices], indices, step, run.val_sampling)
     rows = [prompts[i] for i in generated.prompt_index.tolist()]
-    texts, scores, extras = score_batch(reward_fn, tokenizer, generated.responses, generated.response_mask, rows)
+    response_tokens = generated.attention_mask[:, -generated.responses.shape[1]:]  # (B, R)
+    texts, scores, extras = score_batch(run.reward_fn, run.tokenizer, generated.responses, response_tokens, rows)
     if rollout_mesh.get_local_rank("infer_tp") == 0:
-        (out_dir / "val_generations").mkdir(parents=True, exist_ok=True)
-        with open(out_dir / "val_generations" / f"step{step}_dp{dp_rank}.jsonl", "w") as f:
+        (run.out_dir / "val_generations").mkdir(parents=True, exist_ok=True)
+        with open(run.out_dir / "val_generations" / f"step{step}_dp{dp_rank}.jsonl", "w") as f:
             for prompt, text, score in zip(rows, texts, scores, strict=True):
                 f.write(json.dumps({"prompt": prompt.text, "response": text, "ground_truth": prompt.ground_truth,
                                     "score": score}) + "\n")
-    # Means over every rank's samples; the TP ranks of a group hold the same samples, which leaves means
-    # unchanged. mean@n: the mean over all n samples of every prompt.
-    n = sampling["n"]
+    # Means over every rank's samples (the TP ranks of a group hold the same ones, which leaves means
+    # unchanged); mean@n: over all n samples of every prompt.
+    n = run.val_sampling["n"]
     by_name: dict[str, list[float]] = {"val/score": scores}
-    for prompt, score in zip(rows, scores, strict=True):
+    for prompt, score, sample_extras in zip(rows, scores, extras, strict=True):
         by_name.setdefault(f"val-core/{prompt.data_source}/reward/mean@{n}", []).append(score)
-    for prompt, sample_extras in zip(rows, extras, strict=True):
         for key, value in sample_extras.items():
             by_name.setdefault(f"val-aux/{prompt.data_source}/{key}/mean@{n}", []).append(value)
-    metrics = mean_over_ranks(by_name, "", device)
-    count = torch.tensor([len(scores)], dtype=torch.float64, device=device)
+    metrics = mean_over_ranks(by_name, "", run.env.device)
+    count = torch.tensor([len(scores)], dtype=torch.float64, device=run.env.device)
     dist.all_reduce(count, group=rollout_mesh.get_group("dp"))  # each group's samples once
     metrics["val/num_samples"] = count.item()
     return metrics
 
 
 # -----------------------------------------------------------------------------
+# One step
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def train_step(run: Run, step: int) -> dict[str, float]:
+    """Steps 1-8 of one PPO / GRPO iteration; returns its metrics, reduced over ranks (verl's names)."""
+    cfg, plan = run.cfg, run.plan
+    algo_cfg, actor_cfg = cfg.algorithm, cfg.actor_rollout_ref.actor
+    metrics: dict[str, float] = {}
+    step_start = time.perf_counter()
+    # Everything random in this step derives from (seed, step, rank): a resumed step repeats exactly.
+    torch.manual_seed(step_seed(cfg.trainer.seed, step, run.env.rank))
+    # the shuffle of the update's mini batches: the same on the sp ranks sharing the samples
+    generator = torch.Generator().manual_seed(step_seed(cfg.trainer.seed, step, dist.get_rank(run.dp_group)))
 
-    # --- config and layout: pure arithmetic, fails before anything heavy -----------------------
-    cfg = load_config(args.config, args.overrides)
-    data_cfg, algo_cfg, trainer_cfg = cfg.data, cfg.algorithm, cfg.trainer
-    model_cfg, actor_cfg = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor
-    rollout_cfg, ref_cfg, critic_cfg = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref, cfg.critic
-    rc_cfg = algo_cfg.rollout_correction
-    truncated_sampling = sampling_truncates(rollout_cfg)  # the engine samples from a top-k / top-p cut
-    if cfg.actor_rollout_ref.nccl_timeout <= 0:
-        raise ConfigError(f"actor_rollout_ref.nccl_timeout={cfg.actor_rollout_ref.nccl_timeout} must be a "
-                          "positive number of seconds (how long a collective may wait), e.g. 1800.")
-    env = init_distributed(timeout_s=cfg.actor_rollout_ref.nccl_timeout)
+    # 1. weight sync: the engine samples from the current actor; check the update reached it
+    metrics["timing_s/sync_weights"] = sync_weights(run)
+    move_to(run, "generate")  # param_offload: the actor's (and critic's) shards to the host for the engine
+
+    # 2-3. generate and score: each rollout dp group samples n responses for its prompts, each rank
+    # keeps its slice and scores it. With algorithm.filter_groups (DAPO's dynamic sampling) generation
+    # batches repeat until train_batch_size prompts have groups whose metric differs.
+    if algo_cfg.filter_groups.enable:
+        rows, reward_extras, sampling_metrics = dynamic_sampling(
+            functools.partial(rollout_step, run, step, metrics=metrics), algo_cfg.filter_groups,
+            train_batch_size=cfg.data.train_batch_size)
+        metrics.update(sampling_metrics)
+    else:
+        rows, reward_extras = rollout_step(run, step, 0, metrics)
+    move_to(run, "log_prob")  # free_cache_engine: the engine sleeps; param_offload: the shards come back
+    batch = {k: v.to(run.env.device) for k, v in rows.items()}
+    if run.sp_group is not None:  # Ulysses: every rank of an sp group trains on the group's slices
+        batch = ulysses.gather_rows(batch, run.sp_group)
+    batch["token_level_scores"] = place_scores(batch.pop("scores"), batch["response_mask"])  # (B, R)
+
+    # 4. old log-probs (run.old_log_probs_from), reference log-probs, values: no-grad forwards
+    old = None
+    if run.old_log_probs_from == "engine":  # bypass mode: one forward less
+        batch["old_log_probs"] = batch["rollout_log_probs"]
+    elif run.old_log_probs_from == "forward":
+        with timed(metrics, "old_log_prob"):
+            old = old_policy_forward(run, batch)
+        batch["old_log_probs"] = old.old_log_probs
+    if run.ref is not None:
+        spec = plan.ref_log_prob
+        with timed(metrics, "ref"), torch.no_grad(), run.reference_mode():
+            batch["ref_log_probs"], _ = compute_log_probs(
+                run.ref, batch, run.actor_loss.temperature, spec.micro_batch_size, max_token_len=spec.max_token_len,
+                use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group)
+    if run.critic is not None:
+        spec = plan.values
+        run.critic.eval()
+        with timed(metrics, "values"), torch.no_grad():
+            batch["values"] = compute_values(run.critic, batch, spec.micro_batch_size, max_token_len=spec.max_token_len,
+                                             use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group)
+
+    # 5. advantages
+    with timed(metrics, "adv"):
+        metrics.update(compute_advantages(batch, algo_cfg, run.kl_ctrl, run.dp_group, plan.total_samples,
+                                          plan.n))
+    # 5b. the sync check, and rollout correction (decoupled mode): the old actor against the engine over
+    # the whole step batch; IS weights for the policy loss, rejected tokens out of every loss
+    if old is not None:
+        metrics.update(check_old_policy(batch, old, algo_cfg.rollout_correction, actor_cfg.loss_agg_mode,
+                                        run.dp_group))
+
+    # 6. updates: critic first (verl's order), then the actor; Adam's moments may live on the host between
+    move_to(run, "update")  # optimizer_offload: Adam's state to the device for the steps
+    if run.critic is not None:
+        with timed(metrics, "update_critic"):
+            metrics.update(update_critic(run.critic, run.critic_optim, batch, plan.critic_update, generator,
+                                         cfg.critic.cliprange_value, cfg.data.max_response_length, run.dp_group,
+                                         run.sp_group))
+        run.critic_sched.step()
+    with timed(metrics, "update_actor"):
+        actor_metrics, old = update_actor(run.actor, run.actor_optim, batch, run.actor_loss, plan.actor_update,
+                                          generator, run.dp_group, run.sp_group,
+                                          own_old_log_probs=run.old_log_probs_from == "update")
+    if old is not None and run.old_log_probs_from == "update":  # 5b's checks, from the update's forward
+        batch["old_log_probs"] = old.old_log_probs
+        metrics.update(check_old_policy(batch, old, algo_cfg.rollout_correction, actor_cfg.loss_agg_mode,
+                                        run.dp_group))
+    metrics["actor/on_policy_shortcut"] = float(run.old_log_probs_from == "update")
+    move_to(run, "sync")  # optimizer_offload: Adam's state back to the host; ready for the next sync
+    metrics.update(actor_metrics)
+    metrics["actor/lr"] = run.actor_sched.get_last_lr()[0]
+    run.actor_sched.step()
+    run.consecutive_skips = run.consecutive_skips + 1 if actor_metrics.get("actor/skipped_steps", 0) else 0
+
+    # 7. metrics (verl's names), reduced over ranks
+    metrics["timing_s/step"] = time.perf_counter() - step_start
+    metrics.update(step_metrics(run, batch, metrics["timing_s/step"]))
+    metrics = reduce_metrics(metrics, run.env.device)
+    metrics.update(mean_over_ranks(values_by_key(reward_extras), "reward_extra/", run.env.device))
+    metrics.update(count_batch(batch["prompt_index"], run.dp_group))
+    metrics["batch/ppo_mini_batch_size_per_rank"] = plan.actor_update.mini_batch_size
+    metrics["training/epoch"] = run.sampler.epoch
+    limit = cfg.trainer.max_consecutive_skipped_steps
+    if run.consecutive_skips >= limit:
+        raise RuntimeError(
+            f"{run.consecutive_skips} steps in a row had non-finite actor losses or gradients "
+            f"(trainer.max_consecutive_skipped_steps={limit}); stopping. "
+            f"Lower actor_rollout_ref.actor.optim.lr or check the reward function's values.")
+    return metrics
+
+
+def old_policy_forward(run: Run, batch: Batch) -> PolicyForward:
+    """The separate no-grad forward of the actor that sampled the batch: old log-probs, entropy, and the
+    log-probs under the engine's top-k / top-p cut (for the comparisons with the engine's)."""
+    spec, truncation = run.plan.old_log_prob, run.actor_loss.truncation
+    run.actor.eval()
+    with torch.no_grad():
+        log_probs, entropy, *cut = compute_log_probs(
+            run.actor, batch, run.actor_loss.temperature, spec.micro_batch_size, calc_entropy=True,
+            max_token_len=spec.max_token_len, use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group,
+            truncation=truncation)
+    return PolicyForward(log_probs, entropy, cut[0] if cut else log_probs)
+
+
+def step_metrics(run: Run, batch: Batch, step_seconds: float) -> dict[str, float]:
+    """This rank's step statistics (verl's names), before the reduction over ranks."""
+    metrics = batch_metrics(batch, run.cfg.data.max_prompt_length, run.dp_group)
+    # tokens per second per rank: an sp group shares its samples' tokens
+    metrics["perf/throughput"] = batch["attention_mask"].sum().item() / run.dims.sp / step_seconds
+    metrics["perf/max_memory_gb"] = peak_memory_gb(run.env.device)
+    # of the actor's and reference model's forwards (the critic's follow critic.model.use_remove_padding)
+    metrics["perf/padding_fraction"] = padding_fraction(batch["attention_mask"],
+                                                        run.cfg.actor_rollout_ref.model.use_remove_padding)
+    metrics.setdefault("actor/skipped_steps", 0)
+    return metrics
+
+
+# -----------------------------------------------------------------------------
+# Set-up: config -> process group -> meshes -> data -> models -> resume -> engine
+
+
+def build_run(cfg: Config, env: DistEnv) -> Run:
+    """Everything a run needs, in order; config errors come before anything heavy."""
     dims, plan = validate(cfg, env.world_size)
     check_launch(dims, env)
-    out_dir = Path(trainer_cfg.default_local_dir)
+    out_dir = Path(cfg.trainer.default_local_dir)
     print0("config (keys that differ from the defaults; all of them in "
            f"{out_dir / 'config.yaml'}):\n" + "".join(f"  {k}={v}\n" for k, v in non_defaults(cfg).items()))
     print0(describe(cfg, dims, plan))
     meshes = build_meshes(dims, env.device_type, timeout_s=cfg.actor_rollout_ref.nccl_timeout)
-    rank, world, device = env.rank, env.world_size, env.device
-    write_rank_layout(out_dir / "layout", rank, meshes)
-    # Ulysses: the sp ranks of a group train on the same samples, each on 1/sp of every sequence; the
-    # dp group holds each sample once (the whole world when sp=1): the step's sums run over it.
-    sp_group = meshes.sp.get_group("sp") if meshes.sp is not None else None
-    dp_group = train_dp_group(meshes)
-    route_library_logs(out_dir / "logs" / f"rank{rank}.log", rank)
+    write_rank_layout(out_dir / "layout", env.rank, meshes)
+    route_library_logs(out_dir / "logs" / f"rank{env.rank}.log", env.rank)
     print0(f"library logs: {out_dir / 'logs'}/rank<r>.log")
-    random.seed(trainer_cfg.seed)
-    torch.manual_seed(trainer_cfg.seed)
+    random.seed(cfg.trainer.seed)
+    torch.manual_seed(cfg.trainer.seed)
 
-    # --- data and reward -------------------------------------------------------------------------
+    tokenizer, train_prompts, val_prompts, reward_fn = load_data(cfg, dims, env)
+    # a step draws data.train_batch_size prompts; under dynamic sampling, generation batches of data.gen_batch_size
+    sampler = PromptSampler(len(train_prompts), cfg.data.gen_batch_size or cfg.data.train_batch_size, cfg.data.seed,
+                            cfg.data.shuffle)
+    steps = cfg.trainer.total_training_steps
+    total_steps = sampler.batches_per_epoch * cfg.trainer.total_epochs if steps is None else steps
+    param_dtype, _ = default_dtypes(env.device_type)
+    models = load_models(cfg, meshes, env, total_steps)
+    source, why = old_log_prob_source(models["actor"], cfg.algorithm, plan.actor_update, plan.samples_per_rank)
+    print0(f"old log-probs: {source} ({why})")
+    run = Run(cfg=cfg, env=env, dims=dims, plan=plan, meshes=meshes, dp_group=train_dp_group(meshes),
+              sp_group=meshes.sp.get_group("sp") if meshes.sp is not None else None, out_dir=out_dir,
+              tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts, reward_fn=reward_fn,
+              sampler=sampler, total_steps=total_steps, actor_loss=ActorLoss.from_config(cfg),
+              param_dtype=param_dtype, offload=OffloadFlags.from_config(cfg), old_log_probs_from=source, **models)
+    resume(run)
+    build_engine(run)
+    run.tracker = Tracker(out_dir, cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
+                          dict(cfg), total_steps, enabled=env.rank == 0)
+    if env.rank == 0:
+        (out_dir / "config.yaml").write_text(to_yaml(cfg))
+    return run
+
+
+def load_data(cfg: Config, dims: ParallelDims, env: DistEnv) -> tuple[Any, list[Prompt], list[Prompt], RewardFn]:
+    """The tokenizer, the training and validation prompts, and the reward function (checked against the data)."""
     from transformers import AutoTokenizer
 
+    data_cfg, model_cfg = cfg.data, cfg.actor_rollout_ref.model
     check_model(model_cfg.path, data_cfg.max_prompt_length + data_cfg.max_response_length,
                 model_cfg.trust_remote_code, env.device_type)
     check_sequence_parallel_heads(model_cfg.path, dims.sp, model_cfg.trust_remote_code, "actor_rollout_ref.model.path")
-    if algo_cfg.adv_estimator in CRITIC_ESTIMATORS and critic_cfg.model.path is not None:
-        check_sequence_parallel_heads(critic_cfg.model.path, dims.sp, model_cfg.trust_remote_code, "critic.model.path")
+    if core.ADV_ESTIMATORS[cfg.algorithm.adv_estimator].needs_critic and cfg.critic.model.path is not None:
+        check_sequence_parallel_heads(cfg.critic.model.path, dims.sp, model_cfg.trust_remote_code, "critic.model.path")
     tokenizer = AutoTokenizer.from_pretrained(data_cfg.tokenizer or model_cfg.path,
                                               trust_remote_code=model_cfg.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if data_cfg.train_files is None:
-        raise ConfigError("data.train_files is not set; give parquet/jsonl files in verl's row format.")
     rule_reward = cfg.custom_reward_function.path is None  # the built-in rules need each row's ground truth
     load_kwargs = dict(prompt_key=data_cfg.prompt_key, max_prompt_length=data_cfg.max_prompt_length,
                        filter_overlong=data_cfg.filter_overlong_prompts, truncation=data_cfg.truncation,
@@ -626,21 +836,21 @@ def main(argv: list[str] | None = None) -> None:
     reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
     if rule_reward:  # a data source without a rule fails now, not at the first rollout
         check_data_sources(p.data_source for p in train_prompts + val_prompts)
-    # a step draws data.train_batch_size prompts; under dynamic sampling, generation batches of data.gen_batch_size
-    sampler = PromptSampler(len(train_prompts), data_cfg.gen_batch_size or data_cfg.train_batch_size, data_cfg.seed,
-                            data_cfg.shuffle)
-    epochs_in_steps = sampler.batches_per_epoch * trainer_cfg.total_epochs
-    total_steps = trainer_cfg.total_training_steps or epochs_in_steps
+    return tokenizer, train_prompts, val_prompts, reward_fn
 
-    # --- models: actor (+ reference for KL, + critic for GAE), FSDP2 on the FSDP mesh ---------------
+
+def load_models(cfg: Config, meshes: Meshes, env: DistEnv, total_steps: int) -> dict[str, Any]:
+    """Actor (+ reference model for a KL term, + critic for GAE), FSDP2 on the FSDP mesh, with optimizers.
+
+    The actor and critic are plain FSDP2 modules that move_to offloads between phases; only the
+    reference model, never stepped, streams its shards from the host (CPUOffloadPolicy). With LoRA the
+    actor is the frozen model plus a peft adapter, and the reference is the actor with the adapter off."""
+    model_cfg, actor_cfg, critic_cfg = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor, cfg.critic
     param_dtype, reduce_dtype = default_dtypes(env.device_type)
-    fsdp_kwargs = dict(device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+    fsdp_kwargs = dict(device=env.device, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                        trust_remote_code=model_cfg.trust_remote_code)
-    if sp_group is not None:  # sdpa, plus the all-to-alls when a forward is given the sp group
+    if meshes.sp is not None:  # sdpa, plus the all-to-alls when a forward is given the sp group
         fsdp_kwargs["attn_implementation"] = ulysses.register_ulysses_attention()
-    # The actor and critic are plain FSDP2 modules that apply_moves offloads between phases (below);
-    # only the reference model, never stepped, streams its shards from the host (CPUOffloadPolicy).
-    # With LoRA the actor is the frozen model plus a peft adapter, the only thing trained (lora.py).
     lora_spec = LoraSpec.from_config(model_cfg)
     actor = load_causal_lm(model_cfg.path, meshes.fsdp,
                            reshard_after_forward=actor_cfg.fsdp_config.reshard_after_forward,
@@ -648,303 +858,131 @@ def main(argv: list[str] | None = None) -> None:
                            wrap=lora_spec.add_adapter if lora_spec else None, **fsdp_kwargs)
     actor_optim, actor_sched = make_optimizer(actor, actor_cfg.optim, total_steps)
     ref, reference_mode = None, contextlib.nullcontext
-    if (actor_cfg.use_kl_loss or algo_cfg.use_kl_in_reward) and lora_spec:
+    if (actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward) and lora_spec:
         ref, reference_mode = actor, actor.disable_adapter  # the base model, for free: no second copy
-    elif actor_cfg.use_kl_loss or algo_cfg.use_kl_in_reward:
-        ref = load_causal_lm(model_cfg.path, meshes.fsdp, cpu_offload=ref_cfg.fsdp_config.param_offload,
+    elif actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        ref = load_causal_lm(model_cfg.path, meshes.fsdp, cpu_offload=cfg.actor_rollout_ref.ref.fsdp_config.param_offload,
                              **fsdp_kwargs).eval()
     critic = critic_optim = critic_sched = None
-    if algo_cfg.adv_estimator in CRITIC_ESTIMATORS:
+    if core.ADV_ESTIMATORS[cfg.algorithm.adv_estimator].needs_critic:
         critic = load_value_model(critic_cfg.model.path or model_cfg.path, meshes.fsdp,
                                   reshard_after_forward=critic_cfg.fsdp_config.reshard_after_forward,
                                   activation_checkpointing=critic_cfg.model.enable_gradient_checkpointing,
                                   **fsdp_kwargs)
         critic_optim, critic_sched = make_optimizer(critic, critic_cfg.optim, total_steps)
-    kl_ctrl = (core.AdaptiveKLController(algo_cfg.kl_ctrl.kl_coef, algo_cfg.kl_ctrl.target_kl, algo_cfg.kl_ctrl.horizon)
-               if algo_cfg.kl_ctrl.type == "adaptive" else core.FixedKLController(algo_cfg.kl_ctrl.kl_coef))
+    kl_cfg = cfg.algorithm.kl_ctrl
+    kl_ctrl = (core.AdaptiveKLController(kl_cfg.kl_coef, kl_cfg.target_kl, kl_cfg.horizon)
+               if kl_cfg.type == "adaptive" else core.FixedKLController(kl_cfg.kl_coef))
+    return dict(actor=actor, actor_optim=actor_optim, actor_sched=actor_sched, ref=ref, reference_mode=reference_mode,
+                critic=critic, critic_optim=critic_optim, critic_sched=critic_sched, kl_ctrl=kl_ctrl,
+                lora_spec=lora_spec)
 
-    # --- resume: the latest complete checkpoint (DCP reshards it to this world size) ---------------
-    ckpt_models = {"actor": (actor, actor_optim, actor_sched)}
-    if critic is not None:
-        ckpt_models["critic"] = (critic, critic_optim, critic_sched)
-    start_step = 0
-    resume_path = find_resume_path(trainer_cfg.resume_mode, out_dir, trainer_cfg.resume_from_path)
-    if resume_path is not None:
-        state = load_checkpoint(resume_path, ckpt_models)
-        start_step = state["step"]
-        sampler.load_state_dict(state["sampler"])
-        kl_ctrl.load_state_dict(state["kl_ctrl"])
-        print0(f"resumed from {resume_path} (step {start_step}, written by {state['world_size']} ranks)")
-    if rank == 0:
-        truncate_metrics(out_dir / "metrics.jsonl", start_step)
 
-    # --- rollout engine: one vLLM shard per rank, TP over the rows of the rollout mesh ---------------
-    import rollout as ro  # imported here: vLLM takes seconds to import, config errors should not wait
+def resume(run: Run) -> None:
+    """Load the latest complete checkpoint, if any (DCP reshards it to this world size)."""
+    tc = run.cfg.trainer
+    path = find_resume_path(tc.resume_mode, run.out_dir, tc.resume_from_path)
+    if path is not None:
+        state = load_checkpoint(path, run.checkpointed())
+        run.start_step = state["step"]
+        run.sampler.load_state_dict(state["sampler"])
+        run.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        print0(f"resumed from {path} (step {run.start_step}, written by {state['world_size']} ranks)")
+    if run.env.rank == 0:
+        truncate_metrics(run.out_dir / "metrics.jsonl", run.start_step)
 
+
+def build_engine(run: Run) -> None:
+    """One vLLM shard per rank, TP over the rows of the rollout mesh, after the models are placed; the
+    sampling settings of training and validation; the probes of the stale-weights check."""
+    import rollout  # imported here: vLLM takes seconds to import, and config errors should not wait
+
+    cfg, tokenizer = run.cfg, run.tokenizer
+    data_cfg, rollout_cfg, model_cfg = cfg.data, cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
     max_model_len = data_cfg.max_prompt_length + data_cfg.max_response_length
-    llm = ro.build_rollout_engine(
-        model_cfg.path, meshes.rollout, max_model_len=max_model_len,
+    run.llm = rollout.build_rollout_engine(
+        model_cfg.path, run.meshes.rollout, max_model_len=max_model_len,
         gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
-        dtype="bfloat16" if env.device_type == "cuda" else "float32", enforce_eager=rollout_cfg.enforce_eager,
+        dtype="bfloat16" if run.env.device_type == "cuda" else "float32", enforce_eager=rollout_cfg.enforce_eager,
         cpu_kv_cache_gib=rollout_cfg.cpu_kv_cache_space_gb, max_num_seqs=rollout_cfg.max_num_seqs,
         max_num_batched_tokens=max(rollout_cfg.max_num_batched_tokens, max_model_len),
         trust_remote_code=model_cfg.trust_remote_code)
-    length_limits = dict(max_tokens=data_cfg.max_response_length, max_prompt_length=data_cfg.max_prompt_length,
-                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    train_sampling = dict(n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
-                          top_k=rollout_cfg.top_k, seed=trainer_cfg.seed, **length_limits)
-    val_cfg = rollout_cfg.val_kwargs
-    val_temperature = val_cfg.temperature
-    val_sampling = dict(n=val_cfg.n, temperature=val_temperature if val_cfg.do_sample else 0.0,
-                        top_p=val_cfg.top_p, top_k=val_cfg.top_k, seed=trainer_cfg.seed + 7919, **length_limits)
+    limits = dict(max_tokens=data_cfg.max_response_length, max_prompt_length=data_cfg.max_prompt_length,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    seed = cfg.trainer.seed
+    run.train_sampling = dict(n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
+                              top_k=rollout_cfg.top_k, seed=seed, **limits)
+    val = rollout_cfg.val_kwargs
+    run.val_sampling = dict(n=val.n, temperature=val.temperature if val.do_sample else 0.0, top_p=val.top_p,
+                            top_k=val.top_k, seed=seed + 7919, **limits)
     # A fixed prompt whose greedy log-probs fingerprint the engine's weights, and a fixed sequence (the
     # prompt's first tokens and its last few) whose log-probs under the actor say whether the actor moved.
-    probe = train_prompts[0].token_ids
-    probe_tail = list(probe[-4:])
-    actor_probe = {k: v.to(device) for k, v in vars(ro.pad_rollout(
-        [probe], [probe_tail], [[0.0] * len(probe_tail)], [0], len(probe_tail), tokenizer.pad_token_id)).items()}
-    stale_check = ro.StaleWeightsCheck(ro.STALE_TOLERANCE[str(param_dtype).removeprefix("torch.")])
-    tracker = Tracker(out_dir, trainer_cfg.logger, trainer_cfg.project_name, trainer_cfg.experiment_name,
-                      dict(cfg), total_steps, enabled=rank == 0)
-    if rank == 0:
-        (out_dir / "config.yaml").write_text(to_yaml(cfg))
+    run.probe = run.train_prompts[0].token_ids
+    tail = list(run.probe[-4:])
+    probe_batch = rollout.pad_rollout([run.probe], [tail], [[0.0] * len(tail)], [0], len(tail), tokenizer.pad_token_id)
+    run.actor_probe = {k: v.to(run.env.device) for k, v in vars(probe_batch).items()}
+    run.stale_check = rollout.StaleWeightsCheck(rollout.STALE_TOLERANCE[str(run.param_dtype).removeprefix("torch.")])
+    run.lora_modules = sync_modules(run.actor, rollout.packed_modules(run.llm)) if run.lora_spec else None
 
-    # With LoRA, the first sync sends every weight (merged) and later ones only the modules LoRA changes.
-    lora_modules = sync_modules(actor, ro.packed_modules(llm)) if lora_spec else None
-    synced_once = False
 
-    def sync_and_check() -> float:
-        """Actor -> engine, then check that it landed (rollout.StaleWeightsCheck); returns the sync's seconds."""
-        nonlocal synced_once
-        if lora_spec:
-            weights = iter_sync_params(actor, param_dtype, lora_modules if synced_once else None)
-        else:
-            weights = iter_full_params(actor, dtype=param_dtype)
-        seconds = ro.sync_weights(llm, weights, partial=bool(lora_spec) and synced_once)
-        synced_once = True
-        actor.eval()
-        with torch.no_grad():
-            actor_log_probs, _ = compute_log_probs(actor, actor_probe, 1.0, 1)  # (1, 4)
-        stale_check.check(ro.engine_fingerprint(llm, probe), actor_log_probs.double().cpu())
-        return seconds
+def save(run: Run, step: int) -> None:
+    """A sharded, atomic checkpoint; older ones pruned only after the new one is complete."""
+    start = time.perf_counter()
+    path = save_checkpoint(run.out_dir, step, run.checkpointed(),
+                           {"sampler": run.sampler.state_dict(), "kl_ctrl": run.kl_ctrl.state_dict()},
+                           hf_source=(run.actor.config, run.tokenizer, *lora_config(run.actor)),
+                           keep=run.cfg.trainer.max_actor_ckpt_to_keep)
+    print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
 
-    def generate_and_score(step: int, gen_batch: int, metrics: dict[str, float]) -> tuple[Batch, list[dict[str, float]]]:
-        """This rank's share of one generation batch, on the host: its rollout dp group's prompts, n samples
-        each (ro.generate), TP rank r's slice r of them (ro.split_for_training), scored (score_samples).
-        For ReMax also `reward_baselines`, the score of each prompt's greedy response, one more generate."""
-        sampling = dict(train_sampling, seed=train_sampling["seed"] + 1_000_003 * gen_batch)  # fresh per gen batch
-        with timed(metrics, "gen"):
-            prompt_indices = sampler.next_batch()  # the same on every rank
-            mine = ro.shard_for_dp(prompt_indices, meshes.rollout.get_local_rank("dp"), dims.rollout_dp)
-            prompt_ids = [train_prompts[i].token_ids for i in mine]
-            generated = ro.generate(llm, prompt_ids, step=step, prompt_indices=mine, **sampling)  # prompt-major
-            if algo_cfg.adv_estimator == "remax":
-                greedy = ro.generate(llm, prompt_ids, step=step, prompt_indices=mine,
-                                     **dict(sampling, n=1, temperature=0.0))  # (prompts of the group,)
-        share = dict(vars(ro.split_for_training(generated, meshes.rollout.get_local_rank("infer_tp"), dims.infer_tp)))
-        with timed(metrics, "reward"):
-            share["scores"], extras = score_samples(reward_fn, tokenizer, share, train_prompts, cfg.reward_model,
-                                                    data_cfg.max_response_length)  # (B,)
-            if algo_cfg.adv_estimator == "remax":
-                greedy_scores, _ = score_samples(reward_fn, tokenizer, vars(greedy), train_prompts, cfg.reward_model,
-                                                 data_cfg.max_response_length)
-                baseline = dict(zip(greedy.prompt_index.tolist(), greedy_scores.tolist(), strict=True))
-                share["reward_baselines"] = torch.tensor([baseline[i] for i in share["prompt_index"].tolist()])  # (B,)
-        return share, extras
 
-    def validate_now(step: int) -> dict[str, float]:
-        return run_validation(llm, val_prompts, tokenizer, reward_fn, meshes.rollout, step, val_sampling, out_dir,
-                              device)
+def finish(run: Run) -> None:
+    """Close the logs, say which keys the run never read, write the summary, stop the engine."""
+    import rollout
 
-    # Where everything lives in each phase (sync, generate, log_prob, update) follows from the offload
-    # flags: memory_plan.placement, the README's table. enter(phase) makes the moves between phases.
-    offload_flags = OffloadFlags.from_config(cfg)
-    current_phase = LOADED
-
-    def enter(phase: str) -> None:
-        nonlocal current_phase
-        apply_moves(plan_moves(offload_flags, current_phase, phase), {"actor": actor, "critic": critic},
-                    {"actor": actor_optim, "critic": critic_optim}, device, sleep_engine=lambda: ro.sleep(llm))
-        current_phase = phase
-
-    # One epoch of one mini batch: the old log-probs are the update forward's own (on_policy_shortcut)
-    truncation = (rollout_cfg.top_k, rollout_cfg.top_p) if truncated_sampling else None
-    not_on_policy = on_policy_shortcut(actor, actor_cfg, algo_cfg, plan.samples_per_rank, plan.ppo_mini_batch_size_per_rank)
-    on_policy = not_on_policy is None
-    print0("old log-probs: " + ("from the actor update's own forward (one epoch, one mini batch; no separate forward)"
-                                if on_policy else f"a separate forward ({not_on_policy})"))
-
-    # --- the loop ----------------------------------------------------------------------------------
-    enter("sync")
-    consecutive_skips = 0
-    for step in range(start_step + 1, total_steps + 1):
-        metrics: dict[str, float] = {}
-        step_start = time.perf_counter()
-        # Everything random in this step derives from (seed, step, rank): a resumed step repeats exactly.
-        torch.manual_seed(step_seed(trainer_cfg.seed, step, rank))
-        # the shuffle of the update's mini batches: the same on the sp ranks sharing the samples
-        generator = torch.Generator().manual_seed(step_seed(trainer_cfg.seed, step, dist.get_rank(dp_group)))
-
-        # 1. weight sync: the engine samples from the current actor; check the update reached it
-        metrics["timing_s/sync_weights"] = sync_and_check()
-        if step == start_step + 1 and trainer_cfg.val_before_train and val_prompts:  # on resume, too
-            val_metrics = validate_now(start_step)
-            print0(f"validation before training: val/score {val_metrics['val/score']:.3f}")
-            tracker.log(start_step, val_metrics)
-        enter("generate")  # param_offload: the actor's (and critic's) shards to the host for the engine
-
-        # 2-3. generate and score: each rollout dp group samples n responses for its share of the prompts,
-        # each rank keeps its slice and scores it (generate_and_score). With algorithm.filter_groups
-        # (DAPO's dynamic sampling) generation batches repeat until train_batch_size prompts have groups
-        # whose metric differs, and the step trains on exactly those.
-        if algo_cfg.filter_groups.enable:
-            share, reward_extras, sampling_metrics = dynamic_sampling(
-                functools.partial(generate_and_score, step, metrics=metrics), algo_cfg.filter_groups,
-                train_batch_size=data_cfg.train_batch_size)
-            metrics.update(sampling_metrics)
-        else:
-            share, reward_extras = generate_and_score(step, 0, metrics)
-        enter("log_prob")  # free_cache_engine: the engine sleeps; param_offload: the shards come back
-        batch = {k: v.to(device) for k, v in share.items()}
-        if sp_group is not None:  # Ulysses: every rank of an sp group trains on the group's slices
-            batch = ulysses.gather_rows(batch, sp_group)
-        mask = batch["response_mask"].float()  # (B, R)
-        lengths = batch["response_mask"].sum(-1)  # (B,)
-        scores = batch.pop("scores")  # (B,)
-        batch["token_level_scores"] = torch.zeros_like(mask)  # (B, R): the score at each response's last token
-        batch["token_level_scores"][torch.arange(len(scores)), (lengths - 1).clamp(min=0)] = scores
-
-        # 4. old log-probs (and the sync check), reference log-probs, values: no-grad forwards
-        actor.eval()
-        if rc_cfg.bypass_mode:  # the engine's log-probs are the old ones: one forward less
-            batch["old_log_probs"] = batch["rollout_log_probs"]
-        elif not on_policy:  # (on policy, the actor update's own forward gives them: step 6)
-            # The engine's log-probs are of its top-k / top-p cut of the distribution; the actor's of the
-            # same cut come from the same forward (sampling_log_probs) for the comparisons with them.
-            with timed(metrics, "old_log_prob"), torch.no_grad():
-                batch["old_log_probs"], entropy, *cut = compute_log_probs(
-                    actor, batch, rollout_cfg.temperature, plan.log_prob_micro_batch_size_per_gpu, calc_entropy=True,
-                    max_token_len=plan.log_prob_max_token_len_per_gpu, use_remove_padding=model_cfg.use_remove_padding,
-                    sp_group=sp_group, truncation=truncation)
-            sampling_log_probs = cut[0] if truncated_sampling else batch["old_log_probs"]  # (B, R)
-            metrics.update(old_policy_metrics(batch, sampling_log_probs, entropy, actor_cfg.loss_agg_mode))
-        if ref is not None:
-            with timed(metrics, "ref"), torch.no_grad(), reference_mode():
-                batch["ref_log_probs"], _ = compute_log_probs(
-                    ref, batch, rollout_cfg.temperature,
-                    ref_cfg.log_prob_micro_batch_size_per_gpu or plan.log_prob_micro_batch_size_per_gpu,
-                    max_token_len=plan.ref_log_prob_max_token_len_per_gpu,
-                    use_remove_padding=model_cfg.use_remove_padding, sp_group=sp_group)
-        if critic is not None:
-            critic.eval()
-            with timed(metrics, "values"), torch.no_grad():
-                batch["values"] = compute_values(
-                    critic, batch, critic_cfg.forward_micro_batch_size_per_gpu or plan.log_prob_micro_batch_size_per_gpu,
-                    max_token_len=plan.critic_forward_max_token_len_per_gpu,
-                    use_remove_padding=critic_cfg.model.use_remove_padding, sp_group=sp_group)
-
-        # 5. advantages
-        with timed(metrics, "adv"):
-            metrics.update(compute_advantages(batch, algo_cfg, kl_ctrl, dp_group, plan.total_samples, rollout_cfg.n))
-
-        # 5b. rollout correction (decoupled mode): the old actor against the engine over the whole step
-        # batch; IS weights for the policy loss, rejected tokens out of every loss (rollout_correction.py)
-        if not rc_cfg.bypass_mode and not on_policy:
-            with timed(metrics, "rollout_corr"):
-                is_weights, batch["response_mask"], rc_metrics = rc.correct_batch(
-                    sampling_log_probs, batch["rollout_log_probs"], batch["response_mask"], rc_cfg, dp_group)
-            metrics.update(rc_metrics)
-            if is_weights is not None:
-                batch["rollout_is_weights"] = is_weights  # (B, R)
-
-        # 6. updates: critic first (verl's order), then the actor; Adam's moments may live on the host between
-        enter("update")  # optimizer_offload: Adam's state to the device for the steps
-        if critic is not None:
-            with timed(metrics, "update_critic"):
-                metrics.update(update_critic(
-                    critic, critic_optim, batch, critic_cfg, epochs=critic_cfg.ppo_epochs or actor_cfg.ppo_epochs,
-                    shuffle=actor_cfg.shuffle if critic_cfg.shuffle is None else critic_cfg.shuffle,
-                    loss_agg_mode=critic_cfg.loss_agg_mode or actor_cfg.loss_agg_mode,
-                    mini_batch_size=plan.critic_ppo_mini_batch_size_per_rank,
-                    micro_batch_size=plan.critic_ppo_micro_batch_size_per_gpu, dp_size=dims.train_dp,
-                    loss_scale_factor=data_cfg.max_response_length, generator=generator,
-                    max_token_len=plan.critic_ppo_max_token_len_per_gpu,
-                    use_remove_padding=critic_cfg.model.use_remove_padding, dp_group=dp_group, sp_group=sp_group))
-            critic_sched.step()
-        forward_outputs = {} if on_policy else None  # filled by the update's forward (on_policy_shortcut)
-        with timed(metrics, "update_actor"):
-            actor_metrics = update_actor(
-                actor, actor_optim, batch, actor_cfg, temperature=rollout_cfg.temperature,
-                mini_batch_size=plan.ppo_mini_batch_size_per_rank, micro_batch_size=plan.ppo_micro_batch_size_per_gpu,
-                dp_size=dims.train_dp, loss_scale_factor=data_cfg.max_response_length, generator=generator,
-                max_token_len=plan.ppo_max_token_len_per_gpu, use_remove_padding=model_cfg.use_remove_padding,
-                dp_group=dp_group, sp_group=sp_group, bypass=rc_cfg if rc_cfg.bypass_mode else None,
-                on_policy=forward_outputs, truncation=truncation)
-        if on_policy:  # step 4's checks and 5b's diagnostics (nothing to correct), from the update's forward
-            batch["old_log_probs"] = forward_outputs["old_log_probs"]
-            sampling_log_probs = forward_outputs.get("sampling_log_probs", batch["old_log_probs"])  # (B, R)
-            metrics.update(old_policy_metrics(batch, sampling_log_probs, forward_outputs["entropy"],
-                                              actor_cfg.loss_agg_mode))
-            with timed(metrics, "rollout_corr"):
-                metrics.update(rc.correct_batch(sampling_log_probs, batch["rollout_log_probs"],
-                                                batch["response_mask"], rc_cfg, dp_group)[2])
-        metrics["actor/on_policy_shortcut"] = float(on_policy)
-        enter("sync")  # optimizer_offload: Adam's state back to the host; ready for validation and the next sync
-        metrics.update(actor_metrics)
-        metrics["actor/lr"] = actor_sched.get_last_lr()[0]
-        actor_sched.step()
-        skipped = actor_metrics.get("actor/skipped_steps", 0)
-        consecutive_skips = consecutive_skips + 1 if skipped else 0
-
-        # 7. metrics (verl's names), reduced over ranks, and validation
-        metrics["timing_s/step"] = time.perf_counter() - step_start
-        metrics.update(batch_metrics(batch, data_cfg.max_prompt_length, dp_group))
-        # tokens per second per rank: an sp group shares its samples' tokens
-        metrics["perf/throughput"] = batch["attention_mask"].sum().item() / dims.sp / metrics["timing_s/step"]
-        metrics["perf/max_memory_gb"] = peak_memory_gb(device)
-        # of the actor's and reference model's forwards (the critic's follow critic.model.use_remove_padding)
-        metrics["perf/padding_fraction"] = padding_fraction(batch["attention_mask"], model_cfg.use_remove_padding)
-        metrics.setdefault("actor/skipped_steps", 0)
-        metrics = reduce_metrics(metrics, device)
-        metrics.update(mean_over_ranks(by_key(reward_extras), "reward_extra/", device))  # a reward fn's extras
-        metrics.update(count_batch(batch["prompt_index"], dp_group))
-        metrics["batch/ppo_mini_batch_size_per_rank"] = plan.ppo_mini_batch_size_per_rank
-        metrics["training/epoch"] = sampler.epoch
-        if consecutive_skips >= trainer_cfg.max_consecutive_skipped_steps:
-            raise RuntimeError(
-                f"{consecutive_skips} steps in a row had non-finite actor losses or gradients "
-                f"(trainer.max_consecutive_skipped_steps={trainer_cfg.max_consecutive_skipped_steps}); stopping. "
-                f"Lower actor_rollout_ref.actor.optim.lr or check the reward function's values."
-            )
-        if val_prompts and trainer_cfg.test_freq > 0 and (step % trainer_cfg.test_freq == 0 or step == total_steps):
-            # validate the weights just trained, not the ones this step sampled from
-            sync_and_check()
-            with timed(metrics, "testing"):
-                metrics.update(validate_now(step))
-        tracker.log(step, metrics)
-
-        # 8. checkpoint: sharded, atomic, old ones pruned only after the new one is complete
-        if trainer_cfg.save_freq > 0 and (step % trainer_cfg.save_freq == 0 or step == total_steps):
-            start = time.perf_counter()
-            path = save_checkpoint(out_dir, step, ckpt_models,
-                                   {"sampler": sampler.state_dict(), "kl_ctrl": kl_ctrl.state_dict()},
-                                   hf_source=(actor.config, tokenizer, *lora_config(actor)),
-                                   keep=trainer_cfg.max_actor_ckpt_to_keep)
-            print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
-
-    tracker.close()
-    if rank == 0:  # every key should have done something; say which did not (a typo'd intent, a dead key)
-        unread = unread_keys(cfg)
+    run.tracker.close()
+    out_dir = run.out_dir
+    if run.env.rank == 0:  # every key should have done something; say which did not (a typo'd intent, a dead key)
+        unread = unread_keys(run.cfg)
         (out_dir / "config_unread.json").write_text(json.dumps(unread, indent=1))
-        ignored = sorted(set(unread) & set(non_defaults(cfg)))
+        ignored = sorted(set(unread) & set(non_defaults(run.cfg)))
         if ignored:
             print0(f"warning: this run never read these keys you set: {', '.join(ignored)}")
-    if rank == 0 and (out_dir / "metrics.jsonl").is_file():  # the run's summary, also in summary.txt
+    if run.env.rank == 0 and (out_dir / "metrics.jsonl").is_file():  # the run's summary, also in summary.txt
         png = plot_metrics(out_dir / "metrics.jsonl", out_dir / "metrics.png")
-        text = f"{summary(out_dir / 'metrics.jsonl')}\n{machine(device, world)}\n"
+        text = f"{summary(out_dir / 'metrics.jsonl')}\n{machine(run.env.device, run.env.world_size)}\n"
         (out_dir / "summary.txt").write_text(text)
         print0(text + f"metrics: {out_dir / 'metrics.jsonl'}, plot: {png}, summary: {out_dir / 'summary.txt'}")
-    ro.shutdown(llm)  # stops the engine, then the process group, in the order vLLM needs
+    rollout.shutdown(run.llm)  # stops the engine, then the process group, in the order vLLM needs
+
+
+# -----------------------------------------------------------------------------
+# The loop
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    env = init_distributed(timeout_s=cfg.actor_rollout_ref.nccl_timeout)
+    run = build_run(cfg, env)
+    tc = cfg.trainer
+
+    move_to(run, "sync")
+    if tc.val_before_train and run.val_prompts and run.start_step < run.total_steps:  # on resume, too
+        sync_weights(run)
+        val_metrics = run_validation(run, run.start_step)
+        print0(f"validation before training: val/score {val_metrics['val/score']:.3f}")
+        run.tracker.log(run.start_step, val_metrics)
+    for step in range(run.start_step + 1, run.total_steps + 1):
+        metrics = train_step(run, step)
+        last = step == run.total_steps
+        if run.val_prompts and tc.test_freq > 0 and (step % tc.test_freq == 0 or last):
+            sync_weights(run)  # validate the weights just trained, not the ones this step sampled from
+            with timed(metrics, "testing"):
+                metrics.update(run_validation(run, step))
+        run.tracker.log(step, metrics)
+        if tc.save_freq > 0 and (step % tc.save_freq == 0 or last):
+            save(run, step)
+    finish(run)
 
 
 if __name__ == "__main__":

@@ -47,16 +47,17 @@ MUTATIONS = (
          '                       options=_options(model))', 'pass')),
         "tests/test_checkpoint.py::test_killed_rank_resumes_and_reproduces"),
     Mutation("GRPO baselines from one rank's samples, not the whole batch", "train_ppo.py", (
-        ('gather_in_group(rewards.flatten(), dp_group).view(-1, length)', 'rewards'),
-        ('gather_in_group(mask.flatten(), dp_group).view(-1, length)', 'mask'),
-        ('gather_in_group(batch["prompt_index"], dp_group)', 'batch["prompt_index"]'),
+        ('all_rewards, all_mask = gather_rows(rewards, dp_group), gather_rows(mask, dp_group)',
+         'all_rewards, all_mask = rewards, mask'),
+        ('all_index = gather_rows(batch["prompt_index"], dp_group)', 'all_index = batch["prompt_index"]'),
         ('if runs is None or not bool((runs == runs[:, :1]).all()) or len(set(all_index.tolist())) != len(runs):',
          'if False:'),
-        ('mine = slice(dp_rank * num_rows, (dp_rank + 1) * num_rows)', 'mine = slice(0, num_rows)')),
+        ('batch["advantages"] = batch["returns"] = my_rows(all_adv, dp_group)',
+         'batch["advantages"] = batch["returns"] = all_adv')),
         "tests/test_train_ppo_steps.py::test_advantages_use_the_whole_rollout_group"),
     Mutation("dynamic sampling decides from each rank's own samples", "train_ppo.py", ((
-        'dist.all_gather_object(everyone, (share["prompt_index"].tolist(), values.tolist()))',
-        'everyone = [(share["prompt_index"].tolist(), values.tolist())] * world'),),
+        'dist.all_gather_object(every_rank, (rows["prompt_index"].tolist(), values.tolist()))',
+        'every_rank = [(rows["prompt_index"].tolist(), values.tolist())] * world'),),
         "tests/test_train_ppo_steps.py::test_dynamic_sampling_keeps_the_first_groups_that_differ"),
     Mutation("GSPO clips each token's ratio, not the sequence's", "ppo_core.py", ((
         'seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)', 'log_ratio.detach()).clamp(max=10.0)'),),
@@ -76,10 +77,13 @@ MUTATIONS = (
         '                             **fsdp_kwargs).eval()\n',
         '                             **fsdp_kwargs).eval()\n        ref = actor\n'),),
         "tests/test_train_ppo.py::test_gae_with_kl"),
+    Mutation("LoRA's reference log-probs computed with the adapter on (the reference is the actor)", "train_ppo.py", ((
+        'ref, reference_mode = actor, actor.disable_adapter', 'ref, reference_mode = actor, contextlib.nullcontext'),),
+        "tests/test_lora.py -k learns_and_exports"),
     Mutation("rollout.n samples of a prompt split across rollout dp groups", "train_ppo.py", (
-        ('mine = ro.shard_for_dp(prompt_indices, meshes.rollout.get_local_rank("dp"), dims.rollout_dp)',
-         'mine = prompt_indices'),
-        ('train_sampling = dict(n=rollout_cfg.n,', 'train_sampling = dict(n=rollout_cfg.n // dims.rollout_dp,')),
+        ('group_indices = rollout.shard_for_dp(prompt_indices, rollout_mesh.get_local_rank("dp"), run.dims.rollout_dp)',
+         'group_indices = prompt_indices'),
+        ('run.train_sampling = dict(n=rollout_cfg.n,', 'run.train_sampling = dict(n=rollout_cfg.n // run.dims.rollout_dp,')),
         "tests/test_train_ppo.py::test_seed_six_rank_job"),
     Mutation("packed forward lets attention cross sequences (one position run over the row)", "models.py", ((
         '"position_ids": inputs["position_ids"][valid][None]}',

@@ -264,6 +264,8 @@ def test_lora_grpo_learns_and_exports(tiny_assets, sft_model, tmp_path):
     for r in (r for r in rows if r["step"] > 0):
         assert r["rollout/logprob_diff_max"] < 1e-3, r  # the engine samples from the merged actor
         assert r["actor/skipped_steps"] == 0 and math.isfinite(r["actor/kl_loss"]) and r["timing_s/ref"] > 0
+    # the reference is the base model (adapter off), not the actor: once the adapter moved, the KL is not 0
+    assert all(r["actor/kl_loss"] > 0 for r in rows if r["step"] > 1), [r["actor/kl_loss"] for r in rows]
 
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
     run([sys.executable, "export_hf.py", str(out), "--out", str(merged)])

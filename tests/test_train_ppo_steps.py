@@ -12,6 +12,8 @@
                        through the parameters after one SGD step, which Adam's scale invariance would hide
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,6 +21,7 @@ from conftest import run_gloo
 
 import config
 import ppo_core
+from mesh_utils import UpdateSpec
 
 WORLD = 2
 
@@ -158,11 +161,13 @@ def _update_worker(rank: int, init_file: str, model_path: str, mode: str, out: s
             with torch.no_grad():
                 batch["old_log_probs"] = models.compute_log_probs(actor, batch, 1.0, samples)[0] - 0.01
             cfg = config.load_config(None, ["actor_rollout_ref.actor.grad_clip=1e9",
-                                            f"actor_rollout_ref.actor.loss_agg_mode={mode}"]).actor_rollout_ref.actor
-            train_ppo.update_actor(actor, torch.optim.SGD(actor.parameters(), lr=1.0), batch, cfg, temperature=1.0,
-                                   mini_batch_size=samples, micro_batch_size=micro, dp_size=WORLD,
-                                   loss_scale_factor=response_len, generator=torch.Generator().manual_seed(0),
-                                   max_token_len=max_token_len, use_remove_padding=packed)
+                                            f"actor_rollout_ref.actor.loss_agg_mode={mode}"])
+            spec = UpdateSpec(epochs=1, mini_batch_size=samples, micro_batch_size=micro, max_token_len=max_token_len,
+                              shuffle=False, loss_agg_mode=mode, use_remove_padding=packed, grad_clip=1e9)
+            loss = dataclasses.replace(train_ppo.ActorLoss.from_config(cfg), temperature=1.0,
+                                       loss_scale_factor=response_len)
+            train_ppo.update_actor(actor, torch.optim.SGD(actor.parameters(), lr=1.0), batch, loss, spec,
+                                   torch.Generator().manual_seed(0))
             params[cut] = {n: p.full_tensor() for n, p in actor.named_parameters()}
         torch.save(params, f"{out}.{rank}")
     finally:
@@ -206,8 +211,10 @@ def _on_policy_worker(rank: int, init_file: str, model_path: str, out: str) -> N
                  "responses": ids[:, prompt_len:], "response_mask": response_mask,
                  "advantages": torch.randn(samples, response_len, generator=g) * response_mask}
         cfg = config.load_config(None, ["actor_rollout_ref.actor.grad_clip=1e9", "actor_rollout_ref.actor.shuffle=true",
-                                        "actor_rollout_ref.actor.entropy_coeff=0.01"]).actor_rollout_ref.actor
+                                        "actor_rollout_ref.actor.entropy_coeff=0.01"])
         temperature, truncation = 0.7, (20, 0.9)
+        loss = dataclasses.replace(train_ppo.ActorLoss.from_config(cfg), temperature=temperature,
+                                   loss_scale_factor=response_len, truncation=truncation)
         result: dict = {"response_mask": response_mask}
         # (samples per micro batch, token budget, packed): shuffled rows in micro batches of 3, and packed ones
         for case, (micro, max_token_len, packed) in {"padded": (3, None, False), "packed": (8, 40, True)}.items():
@@ -223,15 +230,15 @@ def _on_policy_worker(rank: int, init_file: str, model_path: str, out: str) -> N
                             actor, batch, temperature, 4, calc_entropy=True, truncation=truncation,
                             max_token_len=max_token_len and 2 * max_token_len, use_remove_padding=packed)
                     seen = {"old_log_probs": mine["old_log_probs"], "entropy": entropy, "sampling_log_probs": cut}
-                else:
-                    forward = {}
-                metrics = train_ppo.update_actor(
-                    actor, torch.optim.SGD(actor.parameters(), lr=1.0), mine, cfg, temperature=temperature,
-                    mini_batch_size=samples, micro_batch_size=micro, dp_size=WORLD, loss_scale_factor=response_len,
-                    generator=torch.Generator().manual_seed(0), max_token_len=max_token_len,
-                    use_remove_padding=packed, on_policy=forward, truncation=truncation)
+                spec = UpdateSpec(epochs=1, mini_batch_size=samples, micro_batch_size=micro,
+                                  max_token_len=max_token_len, shuffle=True, loss_agg_mode="token-mean",
+                                  use_remove_padding=packed, grad_clip=1e9)
+                metrics, forward = train_ppo.update_actor(
+                    actor, torch.optim.SGD(actor.parameters(), lr=1.0), mine, loss, spec,
+                    torch.Generator().manual_seed(0), own_old_log_probs=mode == "on_policy")
                 result[case, mode] = {"params": {n: p.full_tensor() for n, p in actor.named_parameters()},
-                                      "initial": initial, "metrics": metrics, "forward": forward or seen}
+                                      "initial": initial, "metrics": metrics,
+                                      "forward": vars(forward) if forward is not None else seen}
         torch.save(result, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -262,14 +269,19 @@ def test_on_policy_update_equals_the_update_after_a_separate_forward(sft_model, 
                                            atol=1e-5, msg=f"{case} {key}")
 
 
-def test_on_policy_shortcut_applies_only_where_it_is_exact():
+def test_old_log_probs_come_from_the_update_only_where_it_is_exact():
     import train_ppo
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
 
     def why(*overrides: str, samples: int = 64, mini: int = 64, actor: torch.nn.Module = model) -> str | None:
         cfg = config.load_config(None, list(overrides))
-        return train_ppo.on_policy_shortcut(actor, cfg.actor_rollout_ref.actor, cfg.algorithm, samples, mini)
+        spec = UpdateSpec(epochs=cfg.actor_rollout_ref.actor.ppo_epochs, mini_batch_size=mini, micro_batch_size=mini,
+                          max_token_len=None, shuffle=False, loss_agg_mode="token-mean", use_remove_padding=False,
+                          grad_clip=1.0)
+        source, reason = train_ppo.old_log_prob_source(actor, cfg.algorithm, spec, samples)
+        assert (source == "update") == (reason.startswith("one epoch of one mini batch")), (source, reason)
+        return None if source == "update" else reason
 
     assert why() is None
     assert "ppo_epochs=2" in why("actor_rollout_ref.actor.ppo_epochs=2")

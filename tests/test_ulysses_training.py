@@ -10,6 +10,8 @@ batches are cut differently (fixed sizes against token budgets). The changes mus
 update must be a real one (not zero). The same for a LoRA actor (peft adapter on every linear layer
 of the blocks, the base frozen): only the adapter moves, as at sp=1."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -53,7 +55,7 @@ def _one_step(path: str, sp: int, rank: int) -> dict[str, dict[str, torch.Tensor
     import ulysses
     from config import load_config
     from lora import LoraSpec
-    from mesh_utils import Meshes, train_dp_group
+    from mesh_utils import Meshes, UpdateSpec, train_dp_group
 
     cfg = load_config(None, ["actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.actor.use_kl_loss=true",
                              "actor_rollout_ref.actor.kl_loss_coef=0.5", "actor_rollout_ref.actor.grad_clip=1e9",
@@ -84,20 +86,21 @@ def _one_step(path: str, sp: int, rank: int) -> dict[str, dict[str, torch.Tensor
         assert all(torch.equal(batch[k], full[k]) for k in full)
     per_rank = NUM_SAMPLES // dist.get_world_size(dp_group)
     # sp=1: fixed micro batches of 2; sp=2: token budgets (about 3 samples each)
-    cut = dict(micro_batch_size=2) if sp == 1 else dict(micro_batch_size=per_rank, max_token_len=30)
-    common = dict(mini_batch_size=per_rank, dp_size=dist.get_world_size(dp_group), loss_scale_factor=RESPONSE,
-                  generator=torch.Generator().manual_seed(0), use_remove_padding=True, dp_group=dp_group,
-                  sp_group=sp_group, **cut)
+    cut = dict(micro_batch_size=2, max_token_len=None) if sp == 1 else dict(micro_batch_size=per_rank, max_token_len=30)
+    spec = UpdateSpec(epochs=1, mini_batch_size=per_rank, shuffle=False, loss_agg_mode="token-mean",
+                      use_remove_padding=True, grad_clip=1e9, **cut)
+    loss = dataclasses.replace(train_ppo.ActorLoss.from_config(cfg), temperature=0.7, loss_scale_factor=RESPONSE)
+    groups = dict(dp_group=dp_group, sp_group=sp_group)
     changes = {}
     for name, model in (("actor", actor), ("critic", critic), ("lora_actor", lora_actor)):
         before = _full_params(model)
         optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+        generator = torch.Generator().manual_seed(0)
         if name != "critic":
-            metrics = train_ppo.update_actor(model, optimizer, batch, cfg.actor_rollout_ref.actor, temperature=0.7,
-                                             **common)
+            metrics, _ = train_ppo.update_actor(model, optimizer, batch, loss, spec, generator, **groups)
         else:
-            metrics = train_ppo.update_critic(critic, optimizer, batch, cfg.critic, epochs=1, shuffle=False,
-                                              loss_agg_mode="token-mean", **common)
+            metrics = train_ppo.update_critic(critic, optimizer, batch, spec, generator, cfg.critic.cliprange_value,
+                                              RESPONSE, **groups)
         assert metrics[f"{name.removeprefix('lora_')}/grad_norm"] > 0, metrics
         changes[name] = {k: after - before[k] for k, after in _full_params(model).items()}
     return changes
