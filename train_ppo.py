@@ -416,7 +416,8 @@ def check_old_policy(batch: Batch, old: PolicyForward, rc_cfg: Config, loss_agg_
 
     mask = batch["response_mask"]  # (B, R)
     diff = logprob_diff(batch["rollout_log_probs"], old.sampling_log_probs, mask)
-    metrics = {"rollout/logprob_diff_mean": diff["logprob_diff_mean"], "rollout/logprob_diff_max": diff["logprob_diff_max"],
+    metrics = {"rollout/logprob_diff_mean": diff["logprob_diff_mean"],
+               "rollout/logprob_diff_max": diff["logprob_diff_max"],
                "actor/entropy": core.agg_loss(old.entropy, mask.float(), loss_agg_mode).item()}
     with timed(metrics, "rollout_corr"):
         is_weights, batch["response_mask"], rc_metrics = rollout_correction.correct_batch(
@@ -572,7 +573,8 @@ def generate(run: Run, prompts: list[Prompt], prompt_indices: list[int], step: i
                             **sampling)
 
 
-def rollout_step(run: Run, step: int, gen_batch: int, metrics: dict[str, float]) -> tuple[Batch, list[dict[str, float]]]:
+def rollout_step(run: Run, step: int, gen_batch: int,
+                 metrics: dict[str, float]) -> tuple[Batch, list[dict[str, float]]]:
     """One generation batch for this rank, on the host: its rollout dp group's prompts, n samples each,
     TP rank r's slice r of them, scored (`scores`, (B,)); for ReMax also `reward_baselines`, the score
     of each prompt's greedy response."""
@@ -861,8 +863,8 @@ def load_models(cfg: Config, meshes: Meshes, env: DistEnv, total_steps: int) -> 
     if (actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward) and lora_spec:
         ref, reference_mode = actor, actor.disable_adapter  # the base model, for free: no second copy
     elif actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-        ref = load_causal_lm(model_cfg.path, meshes.fsdp, cpu_offload=cfg.actor_rollout_ref.ref.fsdp_config.param_offload,
-                             **fsdp_kwargs).eval()
+        ref = load_causal_lm(model_cfg.path, meshes.fsdp,
+                             cpu_offload=cfg.actor_rollout_ref.ref.fsdp_config.param_offload, **fsdp_kwargs).eval()
     critic = critic_optim = critic_sched = None
     if core.ADV_ESTIMATORS[cfg.algorithm.adv_estimator].needs_critic:
         critic = load_value_model(critic_cfg.model.path or model_cfg.path, meshes.fsdp,
