@@ -551,12 +551,6 @@ def _dynamic_sampling_lines(cfg: Config, dims: ParallelDims) -> list[str]:
             f"the samples above"]
 
 
-def print0(*args: Any, **kwargs: Any) -> None:
-    """Print on global rank 0 only (or always, outside torchrun)."""
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(*args, **kwargs, flush=True)
-
-
 # -----------------------------------------------------------------------------
 # The planner
 
