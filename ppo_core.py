@@ -1,10 +1,14 @@
-"""PPO / GRPO core math: masked statistics, advantages, policy/value losses, KL, loss aggregation.
+"""PPO / GRPO core math: masked statistics, advantages, policy/value losses, KL, loss aggregation, and
+log-probs / entropy from logits (full, or under the engine's top-k / top-p cut).
 
-Every function is pure and works on padded tensors of shape (B, T): B responses, T = response length.
-`response_mask` is 1 on real response tokens and 0 on the padding after EOS (or on tool/observation
-tokens in multi-turn rollouts). Names and meanings follow verl's `verl/trainer/ppo/core_algos.py`, so
-config keys carry over: algorithm.adv_estimator, algorithm.kl_penalty, actor.policy_loss.loss_mode,
-actor.loss_agg_mode, actor.clip_ratio_low / clip_ratio_high / clip_ratio_c, critic.cliprange_value.
+Functions of padded tensors of shape (B, T): B responses, T = response length. `response_mask` is 1
+on real response tokens and 0 on the padding after EOS (or on tool/observation tokens in multi-turn
+rollouts). Not all pure: given a process group, masked_mean_var, masked_whiten and the estimators
+that whiten all-reduce over it (every rank must call), as global_num_tokens_and_seqs does whenever
+one is initialised; the KL controllers hold their coefficient; clip_cov draws from `generator`.
+Names and meanings follow verl's `verl/trainer/ppo/core_algos.py`, so config keys carry over:
+algorithm.adv_estimator, algorithm.kl_penalty, actor.policy_loss.loss_mode, actor.loss_agg_mode,
+actor.clip_ratio_low / clip_ratio_high / clip_ratio_c, critic.cliprange_value.
 
 Loss scaling under micro-batching and data parallelism
 ------------------------------------------------------
