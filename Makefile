@@ -35,8 +35,10 @@ demo: setup
 	rm -rf outputs/tiny_cpu
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train_ppo.py --config configs/tiny_cpu.yaml $(ARGS)
 
+# The whole plan of a config, with no GPU: device map, batch flow, memory per rank and phase
+# (CONFIG=configs/X.yaml, ARGS="key=value ... --gpu-memory-gb 40").
 plan: setup
-	$(PY) mesh_utils.py --config $(or $(CONFIG),configs/gsm8k_grpo_1node_6gpu.yaml)
+	$(PY) memory_plan.py --config $(or $(CONFIG),configs/gsm8k_grpo_1node_6gpu.yaml) $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

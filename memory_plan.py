@@ -6,13 +6,16 @@ Two plans, both pure arithmetic, both used before (and while) anything touches a
               parameters, gradients and optimizer state, the critic's, the reference model's
               parameters, and the engine's weights and KV cache live, given the offload flags.
               `plan_moves(flags, src, dst)` is the list of moves between two phases; train_ppo.py
-              executes exactly that list (models.apply_moves), so the table in the README, this
-              function and the trainer cannot drift apart.
+              hands it to models.apply_moves, which moves the actor's and critic's shards and Adam
+              state and puts the engine to sleep. The engine's moves back to the device are not
+              applied there: rollout.sync_weights wakes the engine itself.
   memory      per rank and phase, the estimated bytes of each of those, plus the activations of one
               micro batch (its layout: padded rows, one packed row, or a token budget's packed row;
               1/sp of its positions per rank under Ulysses) and the log-prob chunk, and a verdict
-              against the device's memory
-              (`python mesh_utils.py --config X --gpu-memory-gb 80` prints it).
+              against the device's memory.
+
+The whole planner, `python memory_plan.py --config X [--gpu-memory-gb 80] [--json] [key=value ...]`,
+prints mesh_utils.py's device map and batch flow, then the memory plan.
 
 One offload mechanism per model, as verl does it:
   actor, critic  plain FSDP2 modules; with fsdp_config.param_offload their shards are moved to the
@@ -31,9 +34,17 @@ One offload mechanism per model, as verl does it:
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, replace
-from typing import Any
+import sys
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from config import Config, ConfigError, load_config
+from mesh_utils import BatchPlan, ParallelDims, describe, plan_arguments, plan_device_map, validate
+
+if TYPE_CHECKING:
+    from lora import LoraSpec
 
 PHASES = ("sync", "generate", "log_prob", "update")
 DEVICE, HOST, FREED, NONE = "device", "host", "freed", "-"
@@ -58,7 +69,7 @@ class OffloadFlags:
     free_cache_engine: bool = True  # actor_rollout_ref.rollout.free_cache_engine
 
     @classmethod
-    def from_config(cls, cfg: Any) -> OffloadFlags:
+    def from_config(cls, cfg: Config) -> OffloadFlags:
         arr = cfg.actor_rollout_ref
         return cls(actor_param=arr.actor.fsdp_config.param_offload,
                    actor_optimizer=arr.actor.fsdp_config.optimizer_offload,
@@ -166,7 +177,7 @@ def model_shape(path: str, value_head: bool = False, trust_remote_code: bool = F
     auto_cls = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto_cls.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    from models import decoder_layers
+    from models import decoder_layers  # imported here, as torch is: a plan without a model stays instant
 
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -463,7 +474,7 @@ def verdict(m: MemoryInputs, per_phase: dict[str, dict[str, int]], ppo_mini_per_
                    f"lower data.max_response_length")
 
 
-def memory_inputs(cfg: Any, dims: Any, plan: Any, gpu_memory_gb: float) -> MemoryInputs:
+def memory_inputs(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_gb: float) -> MemoryInputs:
     """Read the model shapes (config.json) and the settings; raises OSError/ValueError when the
     model's config cannot be read."""
     from config import CRITIC_ESTIMATORS
@@ -474,7 +485,7 @@ def memory_inputs(cfg: Any, dims: Any, plan: Any, gpu_memory_gb: float) -> Memor
     use_critic = cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
     critic = model_shape(cfg.critic.model.path or arr.model.path, value_head=True,
                          trust_remote_code=trust) if use_critic else None
-    from lora import LoraSpec
+    from lora import LoraSpec  # imported here (torch, peft): a plan without a model stays instant
 
     spec = LoraSpec.from_config(arr.model)
     return MemoryInputs(
@@ -493,7 +504,7 @@ def memory_inputs(cfg: Any, dims: Any, plan: Any, gpu_memory_gb: float) -> Memor
         critic_max_tokens=plan.critic_ppo_max_token_len_per_gpu, samples_per_rank=plan.samples_per_rank)
 
 
-def adapter_shapes(path: str, spec: Any, trust_remote_code: bool = False) -> list[tuple[int, ...]]:
+def adapter_shapes(path: str, spec: LoraSpec, trust_remote_code: bool = False) -> list[tuple[int, ...]]:
     """The shapes of the LoRA adapter (lora.LoraSpec) that peft puts on the model at `path`, found by
     putting it on the model built on the meta device (exact, no weights read, no memory)."""
     import torch
@@ -519,7 +530,7 @@ def has_config_json(path: str) -> bool:
         return False
 
 
-def memory_report(cfg: Any, dims: Any, plan: Any, gpu_memory_gb: float) -> dict[str, Any]:
+def memory_report(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_gb: float) -> dict[str, Any]:
     """The planner's `memory` section: per FSDP rank and phase, bytes per item, and the verdict.
     {"error": message} when the model's config.json cannot be read."""
     path = cfg.actor_rollout_ref.model.path
@@ -553,3 +564,36 @@ def describe_memory(report: dict[str, Any]) -> str:
     lines.append(f"  {'total':<18}" + "".join(f"{report['totals_rank0'][p] / GIB:>10.2f}" for p in PHASES))
     lines.append(f"  verdict: {report['verdict']}")
     return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# The planner: the layout and batch flow (mesh_utils), then the memory plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = plan_arguments("Explain and validate a config with no GPU and no process group: the device map and "
+                        "batch flow (as mesh_utils.py prints them), then the memory per rank and phase. Exits 1 "
+                        "with the reason when the config is invalid.",
+                        "python memory_plan.py --config configs/gsm8k_grpo_lora_1gpu.yaml --gpu-memory-gb 80")
+    ap.add_argument("--gpu-memory-gb", type=float, default=80.0,
+                    help="device memory per GPU that the memory plan is checked against (default 80)")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        dims, plan = validate(cfg, args.world_size)
+    except ConfigError as e:
+        print(f"invalid config: {e}", file=sys.stderr)
+        return 1
+    memory = memory_report(cfg, dims, plan, args.gpu_memory_gb)
+    if args.json:
+        out = {"dims": asdict(dims), "device_map": asdict(plan_device_map(dims)), "batch": asdict(plan),
+               "memory": memory}
+        print(json.dumps(out, indent=1))
+    else:
+        print(describe(cfg, dims, plan))
+        print(describe_memory(memory))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

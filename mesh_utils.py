@@ -13,12 +13,15 @@ pure (`ParallelDims`, `plan_device_map`, `plan_batches`), so that the planner
 
     python mesh_utils.py --config configs/gsm8k_grpo_1node_6gpu.yaml [key=value ...]
 
-prints the device map and the batch flow of a config, and refuses a bad one, with no process group
-and no GPU. `validate` raises the same errors the training program raises before any model loads.
+prints the device map and the batch flow of a config, and refuses a bad one, with no process group,
+no GPU and no torch import (the launch scripts run it before srun / torchrun); `python memory_plan.py`
+adds the memory plan. `validate` is config.check_supported plus this arithmetic; the trainer runs it
+too, and checks more (the launch, the data, the models) as it starts.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -566,12 +569,6 @@ def _dynamic_sampling_lines(cfg: Config, dims: ParallelDims) -> list[str]:
             f"the samples above"]
 
 
-def print0(*args: Any, **kwargs: Any) -> None:
-    """Print on global rank 0 only (or always, outside torchrun)."""
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(*args, **kwargs, flush=True)
-
-
 # -----------------------------------------------------------------------------
 # The planner
 
@@ -637,23 +634,23 @@ def describe(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import json
-
-    ap = argparse.ArgumentParser(
-        description="Explain and validate the device map and batch flow of a config, with no GPU and no "
-        "process group. Exits 1 with the reason when the config is invalid.",
-        epilog="example: python mesh_utils.py --config configs/gsm8k_grpo_1node_6gpu.yaml "
-        "actor_rollout_ref.actor.fsdp_config.fsdp_size=3",
-    )
+def plan_arguments(description: str, example: str) -> argparse.ArgumentParser:
+    """The planners' command line (this file's and memory_plan.py's): a config, overrides, a world size, --json."""
+    ap = argparse.ArgumentParser(description=description, epilog=f"example: {example}")
     ap.add_argument("--config", help="YAML file under configs/ (default: built-in defaults)")
     ap.add_argument("--world-size", type=int, default=None,
                     help="plan for this many processes (default: trainer.nnodes x trainer.n_gpus_per_node)")
-    ap.add_argument("--json", action="store_true", help="print the device map, batch plan and memory plan as JSON")
-    ap.add_argument("--gpu-memory-gb", type=float, default=80.0,
-                    help="device memory per GPU that the memory plan is checked against (default 80)")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = plan_arguments("Explain and validate the device map and batch flow of a config, with no GPU and no "
+                        "process group (the memory plan too: memory_plan.py). Exits 1 with the reason when the "
+                        "config is invalid.",
+                        "python mesh_utils.py --config configs/gsm8k_grpo_1node_6gpu.yaml "
+                        "actor_rollout_ref.actor.fsdp_config.fsdp_size=3")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -661,16 +658,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"invalid config: {e}", file=sys.stderr)
         return 1
-    from memory_plan import describe_memory, memory_report
-
-    memory = memory_report(cfg, dims, plan, args.gpu_memory_gb)
     if args.json:
-        out = {"dims": asdict(dims), "device_map": asdict(plan_device_map(dims)), "batch": asdict(plan),
-               "memory": memory}
-        print(json.dumps(out, indent=1))
+        print(json.dumps({"dims": asdict(dims), "device_map": asdict(plan_device_map(dims)), "batch": asdict(plan)},
+                         indent=1))
     else:
         print(describe(cfg, dims, plan))
-        print(describe_memory(memory))
     return 0
 
 

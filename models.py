@@ -37,7 +37,6 @@ import ulysses
 from attention import register_packed_attention
 from config import ConfigError
 from mesh_utils import all_gather_single
-from rollout_correction import truncated_log_probs
 
 logger = logging.getLogger(__name__)
 
@@ -432,7 +431,7 @@ def compute_log_probs(
     """Log-probs (B, R) of the response tokens under logits / temperature, and their entropies if
     asked. Grad flows if the caller has it enabled. With truncation=(top_k, top_p), a third (B, R)
     tensor: the log-probs under the engine's sampling distribution, the top-k / top-p cut of the same
-    logits (rollout_correction.truncated_log_probs), from the same forward.
+    logits (ppo_core.truncated_log_probs), from the same forward.
 
     batch holds "input_ids", "attention_mask", "position_ids" (each (B, P+R): prompts, then responses)
     and "responses" (B, R), which gives R. Micro batches are runs of micro_batch_size rows, or cut by
@@ -470,7 +469,7 @@ def compute_log_probs(
             if calc_entropy:
                 entropies.append(_unpack(core.entropy_from_logits(logits), response_valid))  # (b, R)
             if truncation is not None:
-                truncated.append(_unpack(truncated_log_probs(logits, labels, *truncation), response_valid))  # (b, R)
+                truncated.append(_unpack(core.truncated_log_probs(logits, labels, *truncation), response_valid))  # (b, R)
         else:
             inputs, kept = _trim(inputs, response_len)  # (b, <= P+R): the micro batch's longest sample
             out = model(**inputs, use_cache=False, logits_to_keep=kept + 1)
@@ -486,7 +485,7 @@ def compute_log_probs(
             if calc_entropy:
                 entropies.append(F.pad(core.entropy_from_logits(logits)[:, :-1], to_full))  # (b, R)
             if truncation is not None:
-                truncated.append(F.pad(truncated_log_probs(logits, labels, *truncation)[:, :-1], to_full))  # (b, R)
+                truncated.append(F.pad(core.truncated_log_probs(logits, labels, *truncation)[:, :-1], to_full))  # (b, R)
         row_groups.append(rows)
     entropy = _in_batch_order(entropies, row_groups) if calc_entropy else None
     if truncation is not None:

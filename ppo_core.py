@@ -1,10 +1,14 @@
-"""PPO / GRPO core math: masked statistics, advantages, policy/value losses, KL, loss aggregation.
+"""PPO / GRPO core math: masked statistics, advantages, policy/value losses, KL, loss aggregation, and
+log-probs / entropy from logits (full, or under the engine's top-k / top-p cut).
 
-Every function is pure and works on padded tensors of shape (B, T): B responses, T = response length.
-`response_mask` is 1 on real response tokens and 0 on the padding after EOS (or on tool/observation
-tokens in multi-turn rollouts). Names and meanings follow verl's `verl/trainer/ppo/core_algos.py`, so
-config keys carry over: algorithm.adv_estimator, algorithm.kl_penalty, actor.policy_loss.loss_mode,
-actor.loss_agg_mode, actor.clip_ratio_low / clip_ratio_high / clip_ratio_c, critic.cliprange_value.
+Functions of padded tensors of shape (B, T): B responses, T = response length. `response_mask` is 1
+on real response tokens and 0 on the padding after EOS (or on tool/observation tokens in multi-turn
+rollouts). Not all pure: given a process group, masked_mean_var, masked_whiten and the estimators
+that whiten all-reduce over it (every rank must call), as global_num_tokens_and_seqs does whenever
+one is initialised; the KL controllers hold their coefficient; clip_cov draws from `generator`.
+Names and meanings follow verl's `verl/trainer/ppo/core_algos.py`, so config keys carry over:
+algorithm.adv_estimator, algorithm.kl_penalty, actor.policy_loss.loss_mode, actor.loss_agg_mode,
+actor.clip_ratio_low / clip_ratio_high / clip_ratio_c, critic.cliprange_value.
 
 Loss scaling under micro-batching and data parallelism
 ------------------------------------------------------
@@ -703,14 +707,17 @@ class AdaptiveKLController(FixedKLController):
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-# --- entropy and log-probs from logits -----------------------------------------------------------
+# --- entropy and log-probs from logits (full, or under the engine's top-k / top-p) -----------------
 
 
-def _rowwise(logits: Tensor, fn: Callable[[Tensor], Tensor], chunk_size: int) -> Tensor:
-    """Apply fn to (rows, V) chunks upcast to >= fp32, so temporaries are chunk_size x V, not N x V."""
+def _rowwise(logits: Tensor, fn: Callable[..., Tensor], chunk_size: int, *per_row: Tensor) -> Tensor:
+    """Apply fn to (rows, V) chunks upcast to >= fp32, so temporaries are chunk_size x V, not N x V.
+    Each of `per_row` (shape (...), e.g. the labels) is cut into the same rows and passed after the chunk."""
     flat = logits.reshape(-1, logits.shape[-1])  # (N, V), a view when contiguous
     dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 logsumexp is too coarse
-    out = torch.cat([fn(chunk.to(dtype)) for chunk in flat.split(chunk_size)])  # (N,)
+    rows = [t.reshape(-1).split(chunk_size) for t in per_row]  # each (N,) in chunks
+    out = torch.cat([fn(chunk.to(dtype), *extra)
+                     for chunk, *extra in zip(flat.split(chunk_size), *rows, strict=True)])  # (N,)
     return out.view(logits.shape[:-1])
 
 
@@ -731,6 +738,40 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, chunk_size: int = 1024)
     dtype = torch.promote_types(logits.dtype, torch.float32)
     picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).to(dtype)  # (...)
     return picked - _rowwise(logits, lambda x: torch.logsumexp(x, dim=-1), chunk_size)  # (...)
+
+
+def truncation_mask(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Which tokens vLLM's sampler keeps, (N, V) -> (N, V) bool, from logits already divided by the
+    temperature. vLLM 0.32's rule (v1/sample/ops/topk_topp_sampler.py): top-k keeps the logits >= the
+    k-th largest; then, over those, sorted ascending, top-p drops the tokens whose cumulative
+    probability is <= 1 - top_p, and always keeps the largest. top_k <= 0 (or >= V) and top_p >= 1
+    switch each off."""
+    vocab = logits.shape[-1]
+    use_k, use_p = 0 < top_k < vocab, top_p < 1.0
+    if not (use_k or use_p):
+        return torch.ones_like(logits, dtype=torch.bool)
+    ascending, order = logits.sort(dim=-1)  # (N, V)
+    keep = torch.ones_like(ascending, dtype=torch.bool)  # (N, V) in sorted order
+    if use_k:
+        keep &= ascending >= ascending[:, vocab - top_k:vocab - top_k + 1]  # the k-th largest, ties kept
+    if use_p:
+        probs = ascending.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # (N, V) over the top-k set
+        keep &= probs.cumsum(dim=-1) > 1.0 - top_p
+        keep[:, -1] = True  # at least one
+    return torch.empty_like(keep).scatter_(-1, order, keep)  # back to vocabulary order
+
+
+def truncated_log_probs(logits: Tensor, labels: Tensor, top_k: int, top_p: float, chunk_size: int = 128) -> Tensor:
+    """log p(label) under the engine's sampling distribution (vLLM's top-k / top-p cut, see
+    rollout_correction.py): softmax over the top-k / top-p set of `logits` (already / temperature),
+    (..., V), (...) -> (...). -inf where the label is outside the set. Rows go through in chunks
+    upcast to >= fp32, so the sort's temporaries are chunk_size x V."""
+
+    def kept_log_prob(chunk: Tensor, chunk_labels: Tensor) -> Tensor:
+        kept = chunk.masked_fill(~truncation_mask(chunk, top_k, top_p), float("-inf"))  # (n, V)
+        return kept.gather(-1, chunk_labels[:, None])[:, 0] - kept.logsumexp(dim=-1)  # (n,)
+
+    return _rowwise(logits, kept_log_prob, chunk_size, labels)
 
 
 # --- token-budget micro batches ------------------------------------------------------------------

@@ -306,7 +306,7 @@ def logprob_diff(
 ) -> dict[str, float]:
     """|vLLM logprob - actor logprob| over response tokens; near zero when the sync is right and both
     are of the same distribution: the same temperature and, as vLLM's are of its top-k / top-p cut,
-    actor log-probs under that cut (rollout_correction.truncated_log_probs)."""
+    actor log-probs under that cut (ppo_core.truncated_log_probs)."""
     diff = (rollout_log_probs - actor_log_probs).abs()[response_mask.bool()]  # (num_tokens,)
     return {"logprob_diff_mean": diff.mean().item(), "logprob_diff_max": diff.max().item()}
 

@@ -14,12 +14,14 @@ Exact under top-k / top-p: the engine returns the log-probs of the distribution 
 (rollout.py asks for logprobs_mode="processed_logprobs"): logits / temperature, cut to the top-k /
 top-p set, renormalised. Full-vocabulary log-probs of the same weights are lower by the log of the
 kept mass on every token, so weights computed against them are below 1 where nothing is off. The
-actor's side of the correction is therefore computed under the same cut (truncated_log_probs),
-from the logits of the old-log-prob forward: with identical weights the weights are 1.
+actor's side of the correction is therefore computed under the same cut
+(ppo_core.truncated_log_probs), from the logits of the old-log-prob forward: with identical weights
+the weights are 1.
 
-Every function is pure (tensors in, tensors and floats out); names, thresholds and metrics follow
-verl 0.9.1's rollout_corr_helper, metric names without the "rollout_corr/" prefix that
-`correct_batch` / `correct_micro_batch` add.
+Tensors in, tensors and floats out, no state. A function given a `group` is a collective over it
+(every rank of it must call): `is_weights` all-reduces its batch normalisation, `correct_batch`
+all-gathers the batch. Names, thresholds and metrics follow verl 0.9.1's rollout_corr_helper, metric
+names without the "rollout_corr/" prefix that `correct_batch` / `correct_micro_batch` add.
 """
 
 from __future__ import annotations
@@ -36,44 +38,6 @@ from mesh_utils import gather_rows, my_rows
 from ppo_core import agg_loss, masked_mean, masked_sum
 
 SAFETY_BOUND = 20.0  # log-ratios are clamped to +-20 before exp (e^20 ~ 5e8), as verl does
-
-
-# --- the engine's sampling distribution: temperature (done by the caller), top-k, top-p ---------------
-
-
-def truncation_mask(logits: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Which tokens vLLM's sampler keeps, (N, V) -> (N, V) bool, from logits already divided by the
-    temperature. vLLM 0.32's rule (v1/sample/ops/topk_topp_sampler.py): top-k keeps the logits >= the
-    k-th largest; then, over those, sorted ascending, top-p drops the tokens whose cumulative
-    probability is <= 1 - top_p, and always keeps the largest. top_k <= 0 (or >= V) and top_p >= 1
-    switch each off."""
-    vocab = logits.shape[-1]
-    use_k, use_p = 0 < top_k < vocab, top_p < 1.0
-    if not (use_k or use_p):
-        return torch.ones_like(logits, dtype=torch.bool)
-    ascending, order = logits.sort(dim=-1)  # (N, V)
-    keep = torch.ones_like(ascending, dtype=torch.bool)  # (N, V) in sorted order
-    if use_k:
-        keep &= ascending >= ascending[:, vocab - top_k:vocab - top_k + 1]  # the k-th largest, ties kept
-    if use_p:
-        probs = ascending.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # (N, V) over the top-k set
-        keep &= probs.cumsum(dim=-1) > 1.0 - top_p
-        keep[:, -1] = True  # at least one
-    return torch.empty_like(keep).scatter_(-1, order, keep)  # back to vocabulary order
-
-
-def truncated_log_probs(logits: Tensor, labels: Tensor, top_k: int, top_p: float, chunk_size: int = 128) -> Tensor:
-    """log p(label) under the engine's sampling distribution: softmax over the top-k / top-p set of
-    `logits` (already / temperature), (..., V), (...) -> (...). -inf where the label is outside the set.
-    Rows go through in chunks upcast to >= fp32, so the sort's temporaries are chunk_size x V."""
-    flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)  # (N, V), (N,)
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    out = []
-    for chunk, chunk_labels in zip(flat.split(chunk_size), flat_labels.split(chunk_size), strict=True):
-        chunk = chunk.to(dtype)
-        kept = chunk.masked_fill(~truncation_mask(chunk, top_k, top_p), float("-inf"))  # (n, V)
-        out.append(kept.gather(-1, chunk_labels[:, None])[:, 0] - kept.logsumexp(dim=-1))  # (n,)
-    return torch.cat(out).view(labels.shape)
 
 
 # --- importance weights --------------------------------------------------------------------------

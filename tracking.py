@@ -1,5 +1,5 @@
 """Metrics out: one JSON line per step, a compact console line, optional TensorBoard / W&B, a plot;
-the reduction of a step's metrics over ranks; where library logs go.
+the reduction of a step's metrics over ranks; where library logs go; rank 0's prints (print0).
 
 Rank 0 writes; the training loop reduces metrics over ranks (`reduce_metrics`) before handing them here.
 """
@@ -89,6 +89,12 @@ class Tracker:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """Print on global rank 0 only (or always, outside torchrun)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)
 
 
 @contextmanager

@@ -39,7 +39,6 @@ from transformers.masking_utils import AttentionMaskInterface, create_causal_mas
 
 import ppo_core as core
 from attention import packed_mask, packed_sdpa_attention
-from rollout_correction import truncated_log_probs
 
 ATTENTION_NAME = "ulysses_sdpa"
 
@@ -272,7 +271,7 @@ def sequence_parallel_log_probs(
     (the last position's is meaningless), and the entropies if asked. For a padded batch of prompts
     then R responses, the response log-probs are [:, -R-1:-1]. Grad flows if enabled. With
     truncation=(top_k, top_p), a third (B, T): the log-probs under that cut of the same logits
-    (rollout_correction.truncated_log_probs)."""
+    (ppo_core.truncated_log_probs)."""
     sharded = shard_batch(model.config, batch, sp_group)
     logits = _sliced_forward(model, sharded, sp_group).div_(temperature)  # (B, T_pad/sp, V)
     log_probs = gather_sequence(core.logprobs_from_logits(logits, sharded.labels), sp_group, sharded.length)
@@ -281,7 +280,7 @@ def sequence_parallel_log_probs(
         entropy = gather_sequence(core.entropy_from_logits(logits), sp_group, sharded.length)  # (B, T)
     if truncation is None:
         return log_probs, entropy
-    cut = truncated_log_probs(logits, sharded.labels, *truncation)  # (B, T_pad/sp)
+    cut = core.truncated_log_probs(logits, sharded.labels, *truncation)  # (B, T_pad/sp)
     return log_probs, entropy, gather_sequence(cut, sp_group, sharded.length)  # (B, T) each
 
 

@@ -296,7 +296,7 @@ def test_lora_config_plan_fits_one_80gb_gpu(tmp_path):
     from transformers import Qwen2Config
 
     Qwen2Config(**QWEN25_7B).save_pretrained(tmp_path / "qwen7b")
-    common = [sys.executable, "mesh_utils.py", "--json", "--config", "configs/gsm8k_grpo_lora_1gpu.yaml",
+    common = [sys.executable, "memory_plan.py", "--json", "--config", "configs/gsm8k_grpo_lora_1gpu.yaml",
               "--gpu-memory-gb", "80", f"actor_rollout_ref.model.path={tmp_path / 'qwen7b'}"]
     lora_plan = json.loads(run(common).stdout)["memory"]
     full_plan = json.loads(run([*common[:-1], "actor_rollout_ref.model.lora_rank=0", common[-1]]).stdout)["memory"]

@@ -316,7 +316,7 @@ def test_planner_prints_the_memory_plan(tiny_assets, tmp_path):
     # padded forwards: their activations are linear in the tokens, which checkpointing cuts most
     common = ["--config", "configs/tiny_cpu.yaml", f"actor_rollout_ref.model.path={tiny_assets['tiny-qwen2']}",
               "actor_rollout_ref.model.use_remove_padding=false"]
-    proc = run([sys.executable, "mesh_utils.py", "--json", *common])
+    proc = run([sys.executable, "memory_plan.py", "--json", *common])
     memory = json.loads(proc.stdout)["memory"]
     shape = mp.model_shape(str(tiny_assets["tiny-qwen2"]))
     ranks = memory["per_fsdp_rank"]
@@ -327,16 +327,28 @@ def test_planner_prints_the_memory_plan(tiny_assets, tmp_path):
     # a device a little too small for the update's activations: the verdict names the key and a value
     update = memory["per_fsdp_rank"][0]["update"]
     limit_gb = (sum(update.values()) - update["activations"] / 2) / mp.GIB
-    proc = run([sys.executable, "mesh_utils.py", "--json", *common, "--gpu-memory-gb", str(limit_gb)])
+    proc = run([sys.executable, "memory_plan.py", "--json", *common, "--gpu-memory-gb", str(limit_gb)])
     small = json.loads(proc.stdout)["memory"]
     assert small["fits"] is False
     assert "set actor_rollout_ref.model.enable_gradient_checkpointing=true" in small["verdict"], small["verdict"]
-    proc = run([sys.executable, "mesh_utils.py", *common, "--gpu-memory-gb", "0.001"])
+    proc = run([sys.executable, "memory_plan.py", *common, "--gpu-memory-gb", "0.001"])
     assert "does not fit" in proc.stdout and "set actor_rollout_ref." in proc.stdout
     # no config.json: a clear message, and the rest of the plan still prints
-    proc = run([sys.executable, "mesh_utils.py", "--config", "configs/tiny_cpu.yaml",
+    proc = run([sys.executable, "memory_plan.py", "--config", "configs/tiny_cpu.yaml",
                 f"actor_rollout_ref.model.path={tmp_path / 'nowhere'}"])
     assert "Device map" in proc.stdout and "cannot read the config.json of actor_rollout_ref.model.path" in proc.stdout
+
+
+def test_planner_without_a_model_prints_the_layout_and_refuses_a_bad_config():
+    """No config.json at hand: the layout (mesh_utils.py's text) and the reason there is no memory plan;
+    a bad layout exits 1 with the reason before any model is read."""
+    seed = ["--config", "configs/gsm8k_grpo_1node_6gpu.yaml"]
+    layout = run([sys.executable, "mesh_utils.py", *seed]).stdout
+    proc = run([sys.executable, "memory_plan.py", *seed, "actor_rollout_ref.model.path=/nowhere"])
+    assert proc.stdout.startswith(layout) and "Memory plan: no memory plan: cannot read" in proc.stdout
+    proc = run([sys.executable, "memory_plan.py", *seed, "actor_rollout_ref.rollout.tensor_model_parallel_size=4"],
+               check=False)
+    assert proc.returncode == 1 and "tensor_model_parallel_size=4" in proc.stderr and proc.stdout == ""
 
 
 def test_apply_moves_walks_a_step_on_the_cpu():

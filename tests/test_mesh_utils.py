@@ -1,6 +1,7 @@
 """The planner's arithmetic and every validation error, with no process group."""
 
 import itertools
+import json
 import subprocess
 import sys
 
@@ -186,6 +187,14 @@ def test_planner_cli_prints_the_seed_numbers():
     for fragment in ["TP groups [[0,1], [2,3], [4,5]]", "3 rollout dp groups x 20 prompts",
                      "240 samples per group, 720 in all", "= 120 per rank", "15 forward micro step(s)"]:
         assert fragment in text, fragment
+
+
+def test_planner_cli_json_is_the_layout_and_batch_plan():
+    out = planner("--config", str(SEED_1), "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert set(plan) == {"dims", "device_map", "batch"}  # the memory plan is memory_plan.py's
+    assert plan["device_map"]["rollout_tp_groups"] == [[0, 1], [2, 3], [4, 5]]
 
 
 def test_planner_cli_refuses_a_bad_config():

@@ -1,7 +1,8 @@
 """rollout_correction.py against references computed another way: plain loops over the vocabulary
-for the top-k / top-p cut (and vLLM's own implementation of it), per-element loops for the weights
-and the rejection, hand values for the metrics, the whole batch against its shares on 2 gloo ranks,
-and the log-probs of compute_log_probs' truncated output against a plain HF forward."""
+for the top-k / top-p cut (ppo_core.truncation_mask, and vLLM's own implementation of it), per-element
+loops for the weights and the rejection, hand values for the metrics, the whole batch against its
+shares on 2 gloo ranks, and the log-probs of compute_log_probs' truncated output against a plain HF
+forward."""
 
 import math
 
@@ -56,8 +57,8 @@ CUTS = [(-1, 1.0), (0, 1.0), (5, 1.0), (1, 1.0), (-1, 0.9), (-1, 0.3), (-1, 0.01
 def test_truncation_mask_and_log_probs_equal_a_loop_over_the_vocabulary(top_k, top_p):
     logits = rand(30, 40, seed=1, scale=2.0)  # (N, V)
     labels = torch.randint(0, 40, (30,), generator=torch.Generator().manual_seed(2))
-    mask = rc.truncation_mask(logits, top_k, top_p)
-    got = rc.truncated_log_probs(logits, labels, top_k, top_p, chunk_size=7)  # chunks cut rows unevenly
+    mask = pc.truncation_mask(logits, top_k, top_p)
+    got = pc.truncated_log_probs(logits, labels, top_k, top_p, chunk_size=7)  # chunks cut rows unevenly
     for i, row in enumerate(logits.tolist()):
         kept = kept_ref(row, top_k, top_p)
         assert {t for t in range(40) if mask[i, t]} == kept
@@ -69,8 +70,8 @@ def test_truncation_mask_and_log_probs_equal_a_loop_over_the_vocabulary(top_k, t
 def test_no_cut_is_the_full_vocabulary_log_prob():
     logits, labels = rand(4, 6, 50, seed=3).float(), torch.randint(0, 50, (4, 6))
     full = pc.logprobs_from_logits(logits, labels)
-    assert torch.allclose(rc.truncated_log_probs(logits, labels, -1, 1.0), full, atol=1e-6)
-    cut = rc.truncated_log_probs(logits, labels, 10, 0.8)
+    assert torch.allclose(pc.truncated_log_probs(logits, labels, -1, 1.0), full, atol=1e-6)
+    cut = pc.truncated_log_probs(logits, labels, 10, 0.8)
     kept = cut.isfinite()  # labels outside the set get -inf
     assert 0 < kept.sum() < kept.numel() and (cut[kept] > full[kept]).all()  # renormalised: higher
 
@@ -84,10 +85,10 @@ def test_truncation_mask_equals_vllms_sampler():
         k = torch.full((64,), top_k if 0 < top_k < 300 else 300, dtype=torch.long) if top_k > 0 else None
         p = torch.full((64,), top_p, dtype=torch.float32) if top_p < 1.0 else None
         engine = apply_top_k_top_p(logits.clone(), k, p)  # -inf outside the kept set
-        assert torch.equal(rc.truncation_mask(logits, top_k, top_p), engine.isfinite()), (top_k, top_p)
+        assert torch.equal(pc.truncation_mask(logits, top_k, top_p), engine.isfinite()), (top_k, top_p)
         processed = engine.log_softmax(-1)  # what logprobs_mode="processed_logprobs" returns
         labels = engine.argmax(-1)
-        assert torch.allclose(rc.truncated_log_probs(logits, labels, top_k, top_p),
+        assert torch.allclose(pc.truncated_log_probs(logits, labels, top_k, top_p),
                               processed.gather(-1, labels[:, None])[:, 0], atol=1e-6)
 
 

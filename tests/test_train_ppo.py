@@ -48,7 +48,7 @@ def assert_common(rows: list[dict], prompts: int, samples: int, sync_check: bool
                     "timing_s/gen", "timing_s/sync_weights", "timing_s/update_actor", "response_length/mean"):
             assert math.isfinite(r[key]), (key, r[key])
         # the sync check: vLLM's logprobs of its own samples equal the actor's (float32 on CPU), under
-        # top_p / top_k too (the actor's are then of the same cut: rollout_correction.truncated_log_probs)
+        # top_p / top_k too (the actor's are then of the same cut: ppo_core.truncated_log_probs)
         assert r["rollout/logprob_diff_max"] < 1e-3 or not sync_check
         assert r["actor/skipped_steps"] == 0
 

@@ -57,11 +57,11 @@ def _plain_token_log_probs(model: torch.nn.Module, batch: dict[str, torch.Tensor
 def _plain_truncated_log_probs(model: torch.nn.Module, batch: dict[str, torch.Tensor], top_k: int,
                                top_p: float) -> torch.Tensor:
     """The unsplit model's next-token log-probs under the top-k / top-p cut, (B, T)."""
-    from rollout_correction import truncated_log_probs
+    import ppo_core as core
 
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"], use_cache=False).logits / TEMPERATURE
-    return truncated_log_probs(logits, torch.nn.functional.pad(batch["input_ids"][:, 1:], (0, 1)), top_k, top_p)
+    return core.truncated_log_probs(logits, torch.nn.functional.pad(batch["input_ids"][:, 1:], (0, 1)), top_k, top_p)
 
 
 def _max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
