@@ -16,8 +16,13 @@ Keys that verl derives at run time (the normalised per-rank batch sizes) are not
 
 from __future__ import annotations
 
+import ast
 import difflib
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import yaml
@@ -110,8 +115,8 @@ SCHEMA: dict[str, Any] = {
             "use_kl_loss": (bool, False),
             "kl_loss_coef": (float, 0.001),
             "kl_loss_type": (str, "low_var_kl"),
-            "policy_loss": {  # ppo_core.POLICY_LOSSES; the other keys belong to one mode each
-                "loss_mode": (str, "vanilla"),  # vanilla | gspo | cispo | clip_cov | kl_cov
+            "policy_loss": {  # the other keys belong to one mode each (its `keys` in ppo_core.POLICY_LOSSES)
+                "loss_mode": (str, "vanilla"),  # a name in ppo_core.POLICY_LOSSES
                 "clip_cov_ratio": (float, 0.0002),  # clip_cov: fraction of tokens whose gradient is cut
                 "clip_cov_lb": (float, 1.0),  # clip_cov: covariance window those tokens are drawn from
                 "clip_cov_ub": (float, 5.0),
@@ -190,7 +195,7 @@ SCHEMA: dict[str, Any] = {
         "name": (str, "compute_score"),
     },
     "algorithm": {
-        "adv_estimator": (str, "gae"),  # ADV_ESTIMATORS below
+        "adv_estimator": (str, "gae"),  # a name in ppo_core.ADV_ESTIMATORS
         "gamma": (float, 1.0),
         "lam": (float, 1.0),
         "norm_adv_by_std_in_grpo": (bool, True),
@@ -240,18 +245,100 @@ SCHEMA: dict[str, Any] = {
 }
 
 
-# The names of the algorithm's choices, said once. ppo_core.py implements each (its registries are
-# keyed by these names; tests/test_config.py checks the two agree) and imports the lists from here,
-# so this file stays free of torch and a config error never waits for it.
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "gpg",
-                  "remax")
-# compare the samples of one prompt (need rollout.n >= 2), computed on the step's whole batch
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg")
-CRITIC_ESTIMATORS = ("gae",)  # need a value model
-POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "clip_cov", "kl_cov")  # actor.policy_loss.loss_mode
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-# "+": straight-through, the value of k1 / k3 with the gradient of k2 (for the KL loss)
-KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "kl+", "low_var_kl+")
+# --- the algorithms' names and traits, read from ppo_core.py's text --------------------------------
+# ppo_core.py registers each advantage estimator and policy loss with a decorator of literal arguments,
+# `@register_adv_estimator("grpo", compares_group=True)`, and writes the KL estimators and the loss
+# aggregation modes as literals. They are read here from its source, not imported: the names are
+# written once, and the config checks and the planner (`python mesh_utils.py`) never import torch.
+# tests/test_config.py checks that this reading equals ppo_core's registries at run time.
+
+
+@dataclass(frozen=True)
+class EstimatorTraits:  # ppo_core.AdvEstimator without its function
+    name: str
+    needs_critic: bool
+    compares_group: bool
+    baseline_rollout: str | None
+
+
+@dataclass(frozen=True)
+class PolicyLossTraits:  # ppo_core.PolicyLoss without its function
+    name: str
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AlgorithmTraits:
+    adv_estimators: Mapping[str, EstimatorTraits]  # algorithm.adv_estimator, in registration order
+    policy_losses: Mapping[str, PolicyLossTraits]  # actor.policy_loss.loss_mode
+    kl_estimators: tuple[str, ...]  # algorithm.kl_penalty, actor.kl_loss_type
+    loss_agg_modes: tuple[str, ...]  # actor.loss_agg_mode, critic.loss_agg_mode
+
+
+_PPO_CORE = Path(__file__).with_name("ppo_core.py")
+_REGISTERS = {"register_adv_estimator": EstimatorTraits, "register_policy_loss": PolicyLossTraits}
+
+
+@functools.cache
+def algorithm_traits(source: Path = _PPO_CORE) -> AlgorithmTraits:
+    """The registrations in ppo_core.py's source: each decorator's literal arguments over the
+    register function's keyword defaults, and the keys of the KL_ESTIMATORS and LOSS_AGG_MODES literals."""
+    tree = ast.parse(source.read_text(), filename=str(source))
+
+    def literal(node: ast.expr) -> Any:
+        try:
+            return ast.literal_eval(node)
+        except ValueError:
+            raise RuntimeError(f"{source.name}:{node.lineno}: config.algorithm_traits reads only literal "
+                               f"arguments here, got {ast.unparse(node)!r}") from None
+
+    defaults: dict[str, dict[str, Any]] = {}  # register function -> its keyword defaults
+    registered: dict[str, dict[str, dict[str, Any]]] = {register: {} for register in _REGISTERS}
+    constants: dict[str, tuple[str, ...]] = {}
+    for node in tree.body:  # module level only, where ppo_core registers
+        if isinstance(node, ast.FunctionDef):
+            if node.name in _REGISTERS:
+                args = node.args
+                defaults[node.name] = {a.arg: literal(d) for a, d in zip(args.kwonlyargs, args.kw_defaults,
+                                                                          strict=True)}
+            for decorator in node.decorator_list:
+                if not (isinstance(decorator, ast.Call) and getattr(decorator.func, "id", None) in _REGISTERS):
+                    continue
+                table = registered[decorator.func.id]
+                name = literal(decorator.args[0]) if len(decorator.args) == 1 else None
+                if not isinstance(name, str) or name in table:
+                    raise RuntimeError(f"{source.name}:{decorator.lineno}: {ast.unparse(decorator)} must name "
+                                       f"one new string, with the traits as keywords")
+                table[name] = {k.arg: literal(k.value) for k in decorator.keywords}
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            target = node.target if isinstance(node, ast.AnnAssign) else node.targets[0]
+            if isinstance(target, ast.Name) and target.id in ("KL_ESTIMATORS", "LOSS_AGG_MODES"):
+                value = node.value  # a dict: its keys (the values are functions); a tuple: itself
+                constants[target.id] = (tuple(literal(k) for k in value.keys) if isinstance(value, ast.Dict)
+                                        else tuple(literal(value)))
+    missing = [n for n in (*_REGISTERS, "KL_ESTIMATORS", "LOSS_AGG_MODES") if n not in {**defaults, **constants}]
+    if missing:
+        raise RuntimeError(f"{source.name} no longer defines {missing} at module level, as config.algorithm_traits "
+                           f"reads them")
+
+    def traits(register: str) -> Mapping[str, Any]:
+        kind = _REGISTERS[register]
+        return MappingProxyType({name: kind(name=name, **{**defaults[register], **kwargs})
+                                 for name, kwargs in registered[register].items()})
+
+    return AlgorithmTraits(traits("register_adv_estimator"), traits("register_policy_loss"),
+                           constants["KL_ESTIMATORS"], constants["LOSS_AGG_MODES"])
+
+
+def adv_estimator_traits(name: str) -> EstimatorTraits:
+    """The traits of algorithm.adv_estimator=`name` (needs_critic, compares_group, baseline_rollout)."""
+    estimators = algorithm_traits().adv_estimators
+    if name not in estimators:
+        raise ConfigError(f"algorithm.adv_estimator={name!r} is not implemented; valid: {', '.join(estimators)}.")
+    return estimators[name]
+
+
+_ALGORITHMS = algorithm_traits()
 
 # algorithm.rollout_correction (verl's rollout_corr_helper): "token_k1" rejects tokens whose ratio
 # pi_actor / pi_engine leaves [lower, upper]; k2 / k3 reject when that divergence estimate exceeds
@@ -264,12 +351,12 @@ ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum
 CHOICES: dict[str, tuple[str, ...]] = {
     "actor_rollout_ref.actor.strategy": ("fsdp2",),
     "actor_rollout_ref.rollout.name": ("vllm",),
-    "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG_MODES,
-    "actor_rollout_ref.actor.policy_loss.loss_mode": POLICY_LOSS_MODES,
-    "critic.loss_agg_mode": LOSS_AGG_MODES,
-    "actor_rollout_ref.actor.kl_loss_type": KL_ESTIMATORS,
-    "algorithm.kl_penalty": KL_ESTIMATORS,
-    "algorithm.adv_estimator": ADV_ESTIMATORS,
+    "actor_rollout_ref.actor.loss_agg_mode": _ALGORITHMS.loss_agg_modes,
+    "actor_rollout_ref.actor.policy_loss.loss_mode": tuple(_ALGORITHMS.policy_losses),
+    "critic.loss_agg_mode": _ALGORITHMS.loss_agg_modes,
+    "actor_rollout_ref.actor.kl_loss_type": _ALGORITHMS.kl_estimators,
+    "algorithm.kl_penalty": _ALGORITHMS.kl_estimators,
+    "algorithm.adv_estimator": tuple(_ALGORITHMS.adv_estimators),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "algorithm.rollout_correction.rollout_is": ROLLOUT_IS_LEVELS,
     "algorithm.rollout_correction.loss_type": ("ppo_clip", "reinforce"),

@@ -466,12 +466,12 @@ def verdict(m: MemoryInputs, per_phase: dict[str, dict[str, int]], ppo_mini_per_
 def memory_inputs(cfg: Any, dims: Any, plan: Any, gpu_memory_gb: float) -> MemoryInputs:
     """Read the model shapes (config.json) and the settings; raises OSError/ValueError when the
     model's config cannot be read."""
-    from config import CRITIC_ESTIMATORS
+    from config import adv_estimator_traits
 
     arr = cfg.actor_rollout_ref
     trust = arr.model.trust_remote_code
     actor = model_shape(arr.model.path, trust_remote_code=trust)
-    use_critic = cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
+    use_critic = adv_estimator_traits(cfg.algorithm.adv_estimator).needs_critic
     critic = model_shape(cfg.critic.model.path or arr.model.path, value_head=True,
                          trust_remote_code=trust) if use_critic else None
     from lora import LoraSpec

@@ -29,7 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from config import CRITIC_ESTIMATORS, GROUP_ESTIMATORS, Config, ConfigError, check_supported, load_config
+from config import Config, ConfigError, adv_estimator_traits, check_supported, load_config
 
 # -----------------------------------------------------------------------------
 # Parallel degrees
@@ -67,6 +67,14 @@ def _nearest_multiples(value: int, step: int) -> str:
     lo = max(step, value // step * step)
     hi = lo + step if lo >= value else lo
     return f"{lo}" if lo == hi or lo == value else f"{lo} or {hi}"
+
+
+def _uses_critic(cfg: Config) -> bool:  # a value model, trained beside the actor
+    return adv_estimator_traits(cfg.algorithm.adv_estimator).needs_critic
+
+
+def _uses_reference(cfg: Config) -> bool:  # a reference model, for a KL term (loss or reward)
+    return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
 
 
 def parallel_dims(cfg: Config, world_size: int | None = None) -> ParallelDims:
@@ -126,14 +134,13 @@ def parallel_dims(cfg: Config, world_size: int | None = None) -> ParallelDims:
             f"{', '.join(str(d) for d in _divisors(math.gcd(world, per_node)))}."
         )
     critic_sp = cfg.critic.ulysses_sequence_parallel_size
-    if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS and critic_sp != sp:
+    if _uses_critic(cfg) and critic_sp != sp:
         raise ConfigError(
             f"critic.ulysses_sequence_parallel_size={critic_sp} differs from the actor's "
             f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}; both train on the same data "
             f"layout, so set them equal (critic.ulysses_sequence_parallel_size={sp})."
         )
-    uses_ref = actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    ref_sp = actor_rollout_ref.ref.ulysses_sequence_parallel_size if uses_ref else None
+    ref_sp = actor_rollout_ref.ref.ulysses_sequence_parallel_size if _uses_reference(cfg) else None
     if ref_sp is not None and ref_sp != sp:
         raise ConfigError(
             f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref_sp} differs from the actor's "
@@ -142,7 +149,7 @@ def parallel_dims(cfg: Config, world_size: int | None = None) -> ParallelDims:
         )
     if sp > 1:  # the sp forward splits packed rows (verl's rule too)
         packing = {"actor_rollout_ref.model.use_remove_padding": actor_rollout_ref.model.use_remove_padding}
-        if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS:
+        if _uses_critic(cfg):
             packing["critic.model.use_remove_padding"] = cfg.critic.model.use_remove_padding
         for key, value in packing.items():
             if not value:
@@ -235,7 +242,7 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
     n = actor_rollout_ref.rollout.n
     if n < 1:
         raise ConfigError(f"actor_rollout_ref.rollout.n={n} must be >= 1 (samples per prompt).")
-    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and n < 2:
+    if adv_estimator_traits(cfg.algorithm.adv_estimator).compares_group and n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of the same prompt, "
             f"so actor_rollout_ref.rollout.n={n} must be >= 2 (e.g. rollout.n=8), or use adv_estimator=gae."
@@ -303,7 +310,7 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
                                            dims.sp)
 
     c_mini = c_micro = c_accum = None
-    if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS:
+    if _uses_critic(cfg):
         critic = cfg.critic
         c_mini, c_micro, c_accum = _mini_micro(
             "critic",

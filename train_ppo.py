@@ -54,8 +54,6 @@ import rollout_correction as rc
 import ulysses
 from checkpoint import find_resume_path, load_checkpoint, save_checkpoint, step_seed
 from config import (
-    CRITIC_ESTIMATORS,
-    GROUP_ESTIMATORS,
     Config,
     ConfigError,
     load_config,
@@ -138,7 +136,7 @@ def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLCont
     holds slice r of them in prompt-major order (a rollout dp group generated a prompt's n samples;
     split_for_training, or dynamic sampling, gave each rank a contiguous slice), so a prompt's samples
     may span neighbouring ranks. Estimators that compare the samples of a prompt
-    (config.GROUP_ESTIMATORS: GRPO, RLOO, REINFORCE++-baseline, OPO, GPG) all-gather the token rewards,
+    (compares_group in ppo_core.ADV_ESTIMATORS: GRPO, RLOO, REINFORCE++-baseline, OPO, GPG) all-gather the token rewards,
     masks and prompt indices over dp_group, compute on the step's whole batch as verl's driver does
     (some also use batch-wide statistics: whitening, GPG's scale), and keep this rank's rows. The
     others (GAE, REINFORCE++, ReMax) work per sample; GAE and REINFORCE++ whiten over the whole batch
@@ -159,7 +157,7 @@ def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLCont
     batch["token_level_rewards"] = rewards
 
     estimator = algo_cfg.adv_estimator
-    if estimator in GROUP_ESTIMATORS:
+    if core.ADV_ESTIMATORS[estimator].compares_group:
         num_rows, length = mask.shape
         all_rewards = gather_in_group(rewards.flatten(), dp_group).view(-1, length)  # (B * dp, R), dp rank order
         all_mask = gather_in_group(mask.flatten(), dp_group).view(-1, length)  # (B * dp, R)
@@ -276,11 +274,11 @@ def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
     clip_low, clip_high = (actor_cfg.clip_ratio if c is None else c for c in (actor_cfg.clip_ratio_low,
                                                                               actor_cfg.clip_ratio_high))
     policy_cfg = actor_cfg.policy_loss
-    # every loss gets every parameter and uses its own (clip_cov draws its tokens with the step's generator)
+    # the clip ratios, the policy_loss.* keys this mode reads (its registered `keys`), and the step's
+    # generator (clip_cov draws its tokens with it); each loss ignores what it does not use
+    mode_keys = core.POLICY_LOSSES[policy_cfg.loss_mode].keys
     loss_params = dict(clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=actor_cfg.clip_ratio_c,
-                       clip_cov_ratio=policy_cfg.clip_cov_ratio, clip_cov_lb=policy_cfg.clip_cov_lb,
-                       clip_cov_ub=policy_cfg.clip_cov_ub, kl_cov_ratio=policy_cfg.kl_cov_ratio,
-                       ppo_kl_coef=policy_cfg.ppo_kl_coef, generator=generator)
+                       generator=generator, **{k: policy_cfg[k] for k in mode_keys})
 
     forward_outputs: list[tuple[torch.Tensor, ...]] = []  # on_policy: (rows, log-probs, entropy[, cut]) per micro batch
 
@@ -604,7 +602,7 @@ def main(argv: list[str] | None = None) -> None:
     check_model(model_cfg.path, data_cfg.max_prompt_length + data_cfg.max_response_length,
                 model_cfg.trust_remote_code, env.device_type)
     check_sequence_parallel_heads(model_cfg.path, dims.sp, model_cfg.trust_remote_code, "actor_rollout_ref.model.path")
-    if algo_cfg.adv_estimator in CRITIC_ESTIMATORS and critic_cfg.model.path is not None:
+    if core.ADV_ESTIMATORS[algo_cfg.adv_estimator].needs_critic and critic_cfg.model.path is not None:
         check_sequence_parallel_heads(critic_cfg.model.path, dims.sp, model_cfg.trust_remote_code, "critic.model.path")
     tokenizer = AutoTokenizer.from_pretrained(data_cfg.tokenizer or model_cfg.path,
                                               trust_remote_code=model_cfg.trust_remote_code)
@@ -654,7 +652,7 @@ def main(argv: list[str] | None = None) -> None:
         ref = load_causal_lm(model_cfg.path, meshes.fsdp, cpu_offload=ref_cfg.fsdp_config.param_offload,
                              **fsdp_kwargs).eval()
     critic = critic_optim = critic_sched = None
-    if algo_cfg.adv_estimator in CRITIC_ESTIMATORS:
+    if core.ADV_ESTIMATORS[algo_cfg.adv_estimator].needs_critic:
         critic = load_value_model(critic_cfg.model.path or model_cfg.path, meshes.fsdp,
                                   reshard_after_forward=critic_cfg.fsdp_config.reshard_after_forward,
                                   activation_checkpointing=critic_cfg.model.enable_gradient_checkpointing,
@@ -738,14 +736,14 @@ def main(argv: list[str] | None = None) -> None:
             mine = ro.shard_for_dp(prompt_indices, meshes.rollout.get_local_rank("dp"), dims.rollout_dp)
             prompt_ids = [train_prompts[i].token_ids for i in mine]
             generated = ro.generate(llm, prompt_ids, step=step, prompt_indices=mine, **sampling)  # prompt-major
-            if algo_cfg.adv_estimator == "remax":
+            if core.ADV_ESTIMATORS[algo_cfg.adv_estimator].baseline_rollout == "greedy":
                 greedy = ro.generate(llm, prompt_ids, step=step, prompt_indices=mine,
                                      **dict(sampling, n=1, temperature=0.0))  # (prompts of the group,)
         share = dict(vars(ro.split_for_training(generated, meshes.rollout.get_local_rank("infer_tp"), dims.infer_tp)))
         with timed(metrics, "reward"):
             share["scores"], extras = score_samples(reward_fn, tokenizer, share, train_prompts, cfg.reward_model,
                                                     data_cfg.max_response_length)  # (B,)
-            if algo_cfg.adv_estimator == "remax":
+            if core.ADV_ESTIMATORS[algo_cfg.adv_estimator].baseline_rollout == "greedy":
                 greedy_scores, _ = score_samples(reward_fn, tokenizer, vars(greedy), train_prompts, cfg.reward_model,
                                                  data_cfg.max_response_length)
                 baseline = dict(zip(greedy.prompt_index.tolist(), greedy_scores.tolist(), strict=True))

@@ -2,7 +2,7 @@
 import pytest
 from conftest import ROOT
 
-from config import ConfigError, flat_keys, load_config, parse_override
+from config import ConfigError, algorithm_traits, flat_keys, load_config, parse_override
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
@@ -80,23 +80,65 @@ def test_every_key_has_a_default_of_its_type():
         assert isinstance(default, types), key
 
 
-def test_choices_equal_what_ppo_core_implements():
-    """config.py names the choices (and stays free of torch); ppo_core.py implements exactly those."""
-    import subprocess
-    import sys
-
+def test_the_source_reading_equals_ppo_core_registries():
+    """config.algorithm_traits reads ppo_core.py's registrations from its text; importing it must agree."""
     import config
     import ppo_core
 
-    assert tuple(ppo_core.ADV_ESTIMATORS) == config.ADV_ESTIMATORS
-    assert tuple(ppo_core.KL_ESTIMATORS) == config.KL_ESTIMATORS
-    assert tuple(ppo_core.POLICY_LOSSES) == config.POLICY_LOSS_MODES
-    assert set(config.GROUP_ESTIMATORS) | set(config.CRITIC_ESTIMATORS) <= set(config.ADV_ESTIMATORS)
-    assert ppo_core.LOSS_AGG_MODES is config.LOSS_AGG_MODES
-    for mode in config.LOSS_AGG_MODES:  # each accepted mode aggregates without error
-        ppo_core.agg_loss(ppo_core.torch.ones(2, 3), ppo_core.torch.ones(2, 3), mode)
-    code = "import sys, config; sys.exit('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], cwd=config.Path(config.__file__).parent).returncode == 0
+    traits = config.algorithm_traits()
+    assert {name: (e.name, e.needs_critic, e.compares_group, e.baseline_rollout)
+            for name, e in ppo_core.ADV_ESTIMATORS.items()} == {
+        name: (t.name, t.needs_critic, t.compares_group, t.baseline_rollout) for name, t in traits.adv_estimators.items()}
+    assert list(traits.adv_estimators) == list(ppo_core.ADV_ESTIMATORS)  # the order the errors list them in
+    assert {name: (p.name, p.keys) for name, p in ppo_core.POLICY_LOSSES.items()} == {
+        name: (t.name, t.keys) for name, t in traits.policy_losses.items()}
+    assert list(traits.policy_losses) == list(ppo_core.POLICY_LOSSES)
+    assert traits.kl_estimators == tuple(ppo_core.KL_ESTIMATORS)
+    assert traits.loss_agg_modes == ppo_core.LOSS_AGG_MODES
+
+
+def test_the_planner_checks_without_torch():
+    """config and the planner's validation never import torch (the launch scripts' gate)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, config, mesh_utils; mesh_utils.validate(config.load_config('configs/tiny_cpu.yaml', "
+            "['algorithm.adv_estimator=gae'])); sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_the_source_reader_on_a_small_source(tmp_path):
+    """The reader takes each trait from the decorator, else from the register function's default, and
+    refuses what it cannot read."""
+    import config
+
+    source = tmp_path / "core.py"
+    source.write_text('''
+def register_adv_estimator(name, *, needs_critic=False, compares_group=False, baseline_rollout=None): ...
+def register_policy_loss(name, *, keys=()): ...
+@register_adv_estimator("mine", compares_group=True)
+@other_decorator()
+def mine(): ...
+@register_adv_estimator("critic_one", needs_critic=True, baseline_rollout="greedy")
+def critic_one(): ...
+@register_policy_loss("loss", keys=("a", "b"))
+def loss(): ...
+KL_ESTIMATORS: dict = {"k1": f, "k3": g}
+LOSS_AGG_MODES = ("token-mean",)
+''')
+    traits = config.algorithm_traits(source)
+    assert traits.adv_estimators == {"mine": config.EstimatorTraits("mine", False, True, None),
+                                     "critic_one": config.EstimatorTraits("critic_one", True, False, "greedy")}
+    assert traits.policy_losses == {"loss": config.PolicyLossTraits("loss", ("a", "b"))}
+    assert (traits.kl_estimators, traits.loss_agg_modes) == (("k1", "k3"), ("token-mean",))
+    not_literal = tmp_path / "not_literal.py"  # (algorithm_traits caches by path)
+    not_literal.write_text(source.read_text().replace("compares_group=True", "compares_group=FLAG"))
+    with pytest.raises(RuntimeError, match=r"not_literal.py:4: .* literal arguments here, got 'FLAG'"):
+        config.algorithm_traits(not_literal)
+    twice = tmp_path / "twice.py"
+    twice.write_text(source.read_text().replace('"critic_one"', '"mine"'))
+    with pytest.raises(RuntimeError, match=r"twice.py:7: .* must name one new string"):
+        config.algorithm_traits(twice)
 
 
 def test_verl_defaults():
@@ -148,7 +190,7 @@ def test_config_records_the_keys_a_program_reads():
      "kl_cov_ratio=2.0"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "actor_rollout_ref.actor.policy_loss.clip_cov_lb=6"],
      "clip_cov_lb=6.0"),
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=ppo"], "vanilla, gspo, cispo, clip_cov, kl_cov"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=ppo"], ", ".join(algorithm_traits().policy_losses)),
 ])
 def test_algorithm_keys_that_only_work_together(overrides, fragment):
     from config import check_supported
