@@ -767,7 +767,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # One epoch of one mini batch: the old log-probs are the update forward's own (on_policy_shortcut)
     truncation = (rollout_cfg.top_k, rollout_cfg.top_p) if truncated_sampling else None
-    not_on_policy = on_policy_shortcut(actor, actor_cfg, algo_cfg, plan.samples_per_rank, plan.ppo_mini_batch_size_per_rank)
+    not_on_policy = on_policy_shortcut(actor, actor_cfg, algo_cfg, plan.samples_per_rank, plan.actor_update.mini_batch_size)
     on_policy = not_on_policy is None
     print0("old log-probs: " + ("from the actor update's own forward (one epoch, one mini batch; no separate forward)"
                                 if on_policy else f"a separate forward ({not_on_policy})"))
@@ -821,25 +821,23 @@ def main(argv: list[str] | None = None) -> None:
             # same cut come from the same forward (sampling_log_probs) for the comparisons with them.
             with timed(metrics, "old_log_prob"), torch.no_grad():
                 batch["old_log_probs"], entropy, *cut = compute_log_probs(
-                    actor, batch, rollout_cfg.temperature, plan.log_prob_micro_batch_size_per_gpu, calc_entropy=True,
-                    max_token_len=plan.log_prob_max_token_len_per_gpu, use_remove_padding=model_cfg.use_remove_padding,
+                    actor, batch, rollout_cfg.temperature, plan.old_log_prob.micro_batch_size, calc_entropy=True,
+                    max_token_len=plan.old_log_prob.max_token_len, use_remove_padding=plan.old_log_prob.use_remove_padding,
                     sp_group=sp_group, truncation=truncation)
             sampling_log_probs = cut[0] if truncated_sampling else batch["old_log_probs"]  # (B, R)
             metrics.update(old_policy_metrics(batch, sampling_log_probs, entropy, actor_cfg.loss_agg_mode))
         if ref is not None:
             with timed(metrics, "ref"), torch.no_grad(), reference_mode():
                 batch["ref_log_probs"], _ = compute_log_probs(
-                    ref, batch, rollout_cfg.temperature,
-                    ref_cfg.log_prob_micro_batch_size_per_gpu or plan.log_prob_micro_batch_size_per_gpu,
-                    max_token_len=plan.ref_log_prob_max_token_len_per_gpu,
-                    use_remove_padding=model_cfg.use_remove_padding, sp_group=sp_group)
+                    ref, batch, rollout_cfg.temperature, plan.ref_log_prob.micro_batch_size,
+                    max_token_len=plan.ref_log_prob.max_token_len,
+                    use_remove_padding=plan.ref_log_prob.use_remove_padding, sp_group=sp_group)
         if critic is not None:
             critic.eval()
             with timed(metrics, "values"), torch.no_grad():
                 batch["values"] = compute_values(
-                    critic, batch, critic_cfg.forward_micro_batch_size_per_gpu or plan.log_prob_micro_batch_size_per_gpu,
-                    max_token_len=plan.critic_forward_max_token_len_per_gpu,
-                    use_remove_padding=critic_cfg.model.use_remove_padding, sp_group=sp_group)
+                    critic, batch, plan.values.micro_batch_size, max_token_len=plan.values.max_token_len,
+                    use_remove_padding=plan.values.use_remove_padding, sp_group=sp_group)
 
         # 5. advantages
         with timed(metrics, "adv"):
@@ -860,22 +858,21 @@ def main(argv: list[str] | None = None) -> None:
         if critic is not None:
             with timed(metrics, "update_critic"):
                 metrics.update(update_critic(
-                    critic, critic_optim, batch, critic_cfg, epochs=critic_cfg.ppo_epochs or actor_cfg.ppo_epochs,
-                    shuffle=actor_cfg.shuffle if critic_cfg.shuffle is None else critic_cfg.shuffle,
-                    loss_agg_mode=critic_cfg.loss_agg_mode or actor_cfg.loss_agg_mode,
-                    mini_batch_size=plan.critic_ppo_mini_batch_size_per_rank,
-                    micro_batch_size=plan.critic_ppo_micro_batch_size_per_gpu, dp_size=dims.train_dp,
+                    critic, critic_optim, batch, critic_cfg, epochs=plan.critic_update.epochs,
+                    shuffle=plan.critic_update.shuffle, loss_agg_mode=plan.critic_update.loss_agg_mode,
+                    mini_batch_size=plan.critic_update.mini_batch_size,
+                    micro_batch_size=plan.critic_update.micro_batch_size, dp_size=dims.train_dp,
                     loss_scale_factor=data_cfg.max_response_length, generator=generator,
-                    max_token_len=plan.critic_ppo_max_token_len_per_gpu,
-                    use_remove_padding=critic_cfg.model.use_remove_padding, dp_group=dp_group, sp_group=sp_group))
+                    max_token_len=plan.critic_update.max_token_len,
+                    use_remove_padding=plan.critic_update.use_remove_padding, dp_group=dp_group, sp_group=sp_group))
             critic_sched.step()
         forward_outputs = {} if on_policy else None  # filled by the update's forward (on_policy_shortcut)
         with timed(metrics, "update_actor"):
             actor_metrics = update_actor(
                 actor, actor_optim, batch, actor_cfg, temperature=rollout_cfg.temperature,
-                mini_batch_size=plan.ppo_mini_batch_size_per_rank, micro_batch_size=plan.ppo_micro_batch_size_per_gpu,
+                mini_batch_size=plan.actor_update.mini_batch_size, micro_batch_size=plan.actor_update.micro_batch_size,
                 dp_size=dims.train_dp, loss_scale_factor=data_cfg.max_response_length, generator=generator,
-                max_token_len=plan.ppo_max_token_len_per_gpu, use_remove_padding=model_cfg.use_remove_padding,
+                max_token_len=plan.actor_update.max_token_len, use_remove_padding=plan.actor_update.use_remove_padding,
                 dp_group=dp_group, sp_group=sp_group, bypass=rc_cfg if rc_cfg.bypass_mode else None,
                 on_policy=forward_outputs, truncation=truncation)
         if on_policy:  # step 4's checks and 5b's diagnostics (nothing to correct), from the update's forward
@@ -906,7 +903,7 @@ def main(argv: list[str] | None = None) -> None:
         metrics = reduce_metrics(metrics, device)
         metrics.update(mean_over_ranks(by_key(reward_extras), "reward_extra/", device))  # a reward fn's extras
         metrics.update(count_batch(batch["prompt_index"], dp_group))
-        metrics["batch/ppo_mini_batch_size_per_rank"] = plan.ppo_mini_batch_size_per_rank
+        metrics["batch/ppo_mini_batch_size_per_rank"] = plan.actor_update.mini_batch_size
         metrics["training/epoch"] = sampler.epoch
         if consecutive_skips >= trainer_cfg.max_consecutive_skipped_steps:
             raise RuntimeError(

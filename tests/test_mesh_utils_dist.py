@@ -61,7 +61,7 @@ def expected_groups(layout: str, world: int, rank: int) -> dict:
         "rollout_dp_rank": next(i for i, g in enumerate(dm.rollout_tp_groups) if rank in g),
         "sp_group": member(dm.sp_groups) if dims.sp > 1 else None,
         "train_dp_group": member(dm.train_dp_groups),
-        "ppo_mini_batch_size_per_rank": plan.ppo_mini_batch_size_per_rank,
+        "ppo_mini_batch_size_per_rank": plan.actor_update.mini_batch_size,
     }
 
 
