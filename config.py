@@ -19,7 +19,7 @@ from __future__ import annotations
 import ast
 import difflib
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -540,6 +540,107 @@ def to_yaml(cfg: dict[str, Any]) -> str:
 LOGGERS = ("console", "tensorboard", "wandb")
 
 
+# Numeric keys and the values that can work: key -> (test, rule). A value outside is refused before
+# anything loads, naming the key, the value, the rule and the schema's default (a valid value);
+# `null`, where a key allows it, means "derive it" and is not tested.
+def _at_least(low: float) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v >= low), f">= {low}"
+
+
+def _between(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> tuple[
+        Callable[[Any], bool], str]:
+    def test(v: Any) -> bool:
+        return (low < v if low_open else low <= v) and (v < high if high_open else v <= high)
+
+    return test, f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+
+
+_POSITIVE = ((lambda v: v > 0), "> 0")
+_NON_NEGATIVE, _ONE_OR_MORE, _FRACTION = _at_least(0), _at_least(1), _between(0, 1)
+_TOP_K = (_at_least(-1)[0], ">= -1 (-1: no top-k cut)")
+_FREQ = (_at_least(-1)[0], ">= -1 (-1 or 0: never; k: every k steps and at the last)")
+_ARR, _ROLLOUT = "actor_rollout_ref", "actor_rollout_ref.rollout"
+_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "data.max_prompt_length": _ONE_OR_MORE,
+    "data.max_response_length": _ONE_OR_MORE,
+    "data.max_val_samples": _ONE_OR_MORE,
+    f"{_ARR}.nccl_timeout": (_POSITIVE[0], "> 0 (seconds a collective may wait for the slowest rank)"),
+    f"{_ARR}.model.lora_rank": (_NON_NEGATIVE[0], ">= 0 (0: no LoRA, full fine-tuning)"),
+    f"{_ARR}.model.lora_alpha": _POSITIVE,
+    f"{_ARR}.actor.ppo_epochs": _ONE_OR_MORE,
+    f"{_ARR}.actor.grad_clip": (_POSITIVE[0], "> 0 (the largest gradient norm; 1e9 for no clipping)"),
+    # the ratio is clipped to [1 - low, 1 + high]: 1 - low must stay positive
+    f"{_ARR}.actor.clip_ratio": _between(0, 1, high_open=True),
+    f"{_ARR}.actor.clip_ratio_low": _between(0, 1, high_open=True),
+    f"{_ARR}.actor.clip_ratio_high": _NON_NEGATIVE,
+    f"{_ARR}.actor.clip_ratio_c": ((lambda v: v > 1), "> 1 (dual-clip caps the loss of A < 0 at -A x clip_ratio_c)"),
+    f"{_ARR}.actor.kl_loss_coef": _NON_NEGATIVE,
+    f"{_ARR}.actor.policy_loss.clip_cov_ratio": _between(0, 1, low_open=True),
+    f"{_ARR}.actor.policy_loss.kl_cov_ratio": _between(0, 1, low_open=True),
+    f"{_ARR}.actor.policy_loss.ppo_kl_coef": _NON_NEGATIVE,
+    f"{_ROLLOUT}.top_k": _TOP_K,
+    f"{_ROLLOUT}.top_p": _between(0, 1, low_open=True),
+    f"{_ROLLOUT}.gpu_memory_utilization": _between(0, 1, low_open=True),
+    f"{_ROLLOUT}.max_num_seqs": _ONE_OR_MORE,
+    f"{_ROLLOUT}.max_num_batched_tokens": _ONE_OR_MORE,
+    f"{_ROLLOUT}.cpu_kv_cache_space_gb": _ONE_OR_MORE,
+    f"{_ROLLOUT}.val_kwargs.n": _ONE_OR_MORE,
+    f"{_ROLLOUT}.val_kwargs.temperature": (_NON_NEGATIVE[0], ">= 0 (0: greedy)"),
+    f"{_ROLLOUT}.val_kwargs.top_k": _TOP_K,
+    f"{_ROLLOUT}.val_kwargs.top_p": _between(0, 1, low_open=True),
+    "critic.ppo_epochs": _ONE_OR_MORE,
+    "critic.grad_clip": (_POSITIVE[0], "> 0 (the largest gradient norm; 1e9 for no clipping)"),
+    "critic.cliprange_value": _NON_NEGATIVE,
+    "reward_model.overlong_buffer.penalty_factor": _NON_NEGATIVE,
+    "algorithm.gamma": _FRACTION,
+    "algorithm.lam": _FRACTION,
+    "algorithm.kl_ctrl.kl_coef": _NON_NEGATIVE,
+    "algorithm.kl_ctrl.horizon": _POSITIVE,
+    "algorithm.kl_ctrl.target_kl": _POSITIVE,
+    "trainer.total_epochs": _NON_NEGATIVE,
+    "trainer.total_training_steps": (_NON_NEGATIVE[0], ">= 0 (0: no training step, set-up only; null: "
+                                     "trainer.total_epochs x the batches of an epoch)"),
+    "trainer.test_freq": _FREQ,
+    "trainer.save_freq": _FREQ,
+    "trainer.max_actor_ckpt_to_keep": (_ONE_OR_MORE[0], ">= 1 (null keeps every checkpoint)"),
+    "trainer.max_critic_ckpt_to_keep": (_ONE_OR_MORE[0], ">= 1 (null keeps every checkpoint)"),
+    "trainer.max_consecutive_skipped_steps": _ONE_OR_MORE,
+}
+for _optim_section in (f"{_ARR}.actor.optim", "critic.optim"):
+    _RANGES.update({
+        f"{_optim_section}.lr": _NON_NEGATIVE,
+        f"{_optim_section}.weight_decay": _NON_NEGATIVE,
+        f"{_optim_section}.lr_warmup_steps_ratio": _FRACTION,
+        f"{_optim_section}.min_lr_ratio": _FRACTION,
+        f"{_optim_section}.total_training_steps": ((lambda v: v == -1 or v >= 1), "-1 (the run's length) or >= 1"),
+    })
+
+
+def _peek(cfg: dict[str, Any], key: str) -> Any:
+    """The value of dotted `key`, looked at without counting as a read (see Config, unread_keys)."""
+    node: Any = cfg
+    for part in key.split("."):
+        node = dict.__getitem__(node, part)
+    return node
+
+
+def check_ranges(cfg: Config) -> None:
+    """Every numeric key of _RANGES within its range, and optim.betas two numbers in [0, 1)."""
+    for key, (test, rule) in _RANGES.items():
+        value = _peek(cfg, key)
+        if value is not None and not test(value):
+            default = _KEYS[key][1]
+            raise ConfigError(f"{key}={value!r} must be {rule}; e.g. {key}={'null' if default is None else repr(default)} "
+                              f"(the default).")
+    for section in (f"{_ARR}.actor.optim", "critic.optim"):
+        betas = _peek(cfg, f"{section}.betas")
+        if len(betas) != 2 or not all(isinstance(b, int | float) and not isinstance(b, bool) and 0 <= b < 1
+                                      for b in betas):
+            raise ConfigError(f"{section}.betas={betas!r} must be two numbers in [0, 1), Adam's decay rates of "
+                              f"its moments; e.g. {section}.betas=[0.9,0.999] (the default).")
+
+
+
 def check_supported(cfg: Config) -> None:
     """Refuse values that verl accepts but this program does not implement, and values that cannot
     work, each naming its key and what to set instead (so no accepted key is silently ignored)."""
@@ -573,6 +674,12 @@ def check_supported(cfg: Config) -> None:
             f"trainer.max_critic_ckpt_to_keep={keep_critic} differs from trainer.max_actor_ckpt_to_keep="
             f"{keep_actor}: actor and critic are saved together, one directory per step. Set them equal "
             f"or leave max_critic_ckpt_to_keep null.")
+    train_files = cfg.data.train_files
+    if train_files is None or train_files == [] or train_files == "":
+        raise ConfigError(f"data.train_files={'null' if train_files is None else repr(train_files)}: no training data. Give parquet/jsonl files in verl's "
+                          f"row format, e.g. data.train_files=~/data/gsm8k/train.parquet (which `python "
+                          f"prepare_data.py gsm8k --out ~/data/gsm8k` writes).")
+    check_ranges(cfg)
     if actor_rollout_ref.rollout.temperature <= 0:
         raise ConfigError(
             f"actor_rollout_ref.rollout.temperature={actor_rollout_ref.rollout.temperature}: training samples must come from "
@@ -695,29 +802,29 @@ def check_algorithm(cfg: Config) -> None:
             f"data.gen_batch_size={data.gen_batch_size} is only used by dynamic sampling; set "
             "algorithm.filter_groups.enable=true, or data.gen_batch_size=null (each step generates for "
             f"data.train_batch_size={data.train_batch_size} prompts).")
+    # a policy_loss.* key the chosen mode does not read would be ignored: refuse it, naming the modes that read it
     policy_loss = cfg.actor_rollout_ref.actor.policy_loss
-    ratio_key = {"clip_cov": "clip_cov_ratio", "kl_cov": "kl_cov_ratio"}.get(policy_loss.loss_mode)
-    if ratio_key is not None and not 0 < policy_loss[ratio_key] <= 1:
-        raise ConfigError(
-            f"actor_rollout_ref.actor.policy_loss.{ratio_key}={policy_loss[ratio_key]} must be in (0, 1]: the "
-            f"fraction of tokens {policy_loss.loss_mode} treats specially (verl's default: 0.0002).")
-    if policy_loss.loss_mode == "clip_cov" and not policy_loss.clip_cov_lb < policy_loss.clip_cov_ub:
-        raise ConfigError(
-            f"actor_rollout_ref.actor.policy_loss.clip_cov_lb={policy_loss.clip_cov_lb} must be below clip_cov_ub="
-            f"{policy_loss.clip_cov_ub}: tokens are drawn from the covariances between them (defaults 1.0, 5.0).")
+    mode = _ALGORITHMS.policy_losses[policy_loss.loss_mode]
+    prefix = "actor_rollout_ref.actor.policy_loss."
+    for key in (k for k in _KEYS if k.startswith(prefix) and k != prefix + "loss_mode"):
+        value, default = _peek(cfg, key), _KEYS[key][1]
+        name = key.removeprefix(prefix)
+        if name not in mode.keys and value != default:
+            readers = [m.name for m in _ALGORITHMS.policy_losses.values() if name in m.keys]
+            raise ConfigError(f"{key}={value!r} is read by loss_mode={' / '.join(readers)} only, not by "
+                              f"{prefix}loss_mode={mode.name}, which would ignore it. Set loss_mode={readers[0]}, "
+                              f"or leave {name} at its default ({default!r}).")
+    lower, upper = _peek(policy_loss, "clip_cov_lb"), _peek(policy_loss, "clip_cov_ub")
+    if not lower < upper:
+        raise ConfigError(f"{prefix}clip_cov_lb={lower} must be below clip_cov_ub={upper}: clip_cov draws its "
+                          f"tokens from the covariances between them (defaults 1.0, 5.0).")
 
 
 def non_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
     """The resolved config's keys whose value differs from the schema's default, as {'a.b.c': value}:
     what the start-up prints (the whole config goes to <default_local_dir>/config.yaml)."""
-    out = {}
-    for key, (_, default) in _KEYS.items():
-        node: Any = cfg
-        for part in key.split("."):
-            node = dict.__getitem__(node, part)  # looking, not using: not a read
-        if node != default:
-            out[key] = node
-    return out
+    values = {key: _peek(cfg, key) for key in _KEYS}
+    return {key: value for key, value in values.items() if value != _KEYS[key][1]}
 
 
 def _plain(node: Any) -> Any:

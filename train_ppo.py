@@ -56,6 +56,7 @@ from checkpoint import find_resume_path, load_checkpoint, save_checkpoint, step_
 from config import (
     Config,
     ConfigError,
+    check_supported,
     load_config,
     non_defaults,
     sampling_truncates,
@@ -574,9 +575,7 @@ def main(argv: list[str] | None = None) -> None:
     rollout_cfg, ref_cfg, critic_cfg = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref, cfg.critic
     rc_cfg = algo_cfg.rollout_correction
     truncated_sampling = sampling_truncates(rollout_cfg)  # the engine samples from a top-k / top-p cut
-    if cfg.actor_rollout_ref.nccl_timeout <= 0:
-        raise ConfigError(f"actor_rollout_ref.nccl_timeout={cfg.actor_rollout_ref.nccl_timeout} must be a "
-                          "positive number of seconds (how long a collective may wait), e.g. 1800.")
+    check_supported(cfg)  # the config-only checks (nccl_timeout among them) before the process group
     env = init_distributed(timeout_s=cfg.actor_rollout_ref.nccl_timeout)
     dims, plan = validate(cfg, env.world_size)
     check_launch(dims, env)
@@ -608,8 +607,6 @@ def main(argv: list[str] | None = None) -> None:
                                               trust_remote_code=model_cfg.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if data_cfg.train_files is None:
-        raise ConfigError("data.train_files is not set; give parquet/jsonl files in verl's row format.")
     rule_reward = cfg.custom_reward_function.path is None  # the built-in rules need each row's ground truth
     load_kwargs = dict(prompt_key=data_cfg.prompt_key, max_prompt_length=data_cfg.max_prompt_length,
                        filter_overlong=data_cfg.filter_overlong_prompts, truncation=data_cfg.truncation,
@@ -625,10 +622,11 @@ def main(argv: list[str] | None = None) -> None:
     if rule_reward:  # a data source without a rule fails now, not at the first rollout
         check_data_sources(p.data_source for p in train_prompts + val_prompts)
     # a step draws data.train_batch_size prompts; under dynamic sampling, generation batches of data.gen_batch_size
+    size_key = "data.train_batch_size" if data_cfg.gen_batch_size is None else "data.gen_batch_size"
     sampler = PromptSampler(len(train_prompts), data_cfg.gen_batch_size or data_cfg.train_batch_size, data_cfg.seed,
-                            data_cfg.shuffle)
+                            data_cfg.shuffle, size_key=size_key)
     epochs_in_steps = sampler.batches_per_epoch * trainer_cfg.total_epochs
-    total_steps = trainer_cfg.total_training_steps or epochs_in_steps
+    total_steps = trainer_cfg.total_training_steps if trainer_cfg.total_training_steps is not None else epochs_in_steps
 
     # --- models: actor (+ reference for KL, + critic for GAE), FSDP2 on the FSDP mesh ---------------
     param_dtype, reduce_dtype = default_dtypes(env.device_type)

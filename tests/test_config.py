@@ -2,9 +2,10 @@
 import pytest
 from conftest import ROOT
 
-from config import ConfigError, algorithm_traits, flat_keys, load_config, parse_override
+from config import ConfigError, algorithm_traits, check_supported, flat_keys, load_config, parse_override
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+DATA = "data.train_files=train.parquet"  # a run needs training data; the checks below look at the config alone
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -163,7 +164,7 @@ def test_unsupported_values_are_refused_with_the_key(override, fragment):
     from config import check_supported
 
     with pytest.raises(ConfigError, match=None) as err:
-        check_supported(load_config(None, [override]))
+        check_supported(load_config(None, [DATA, override]))
     assert fragment in str(err.value)
 
 
@@ -191,20 +192,87 @@ def test_config_records_the_keys_a_program_reads():
     (["actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "actor_rollout_ref.actor.policy_loss.clip_cov_lb=6"],
      "clip_cov_lb=6.0"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=ppo"], ", ".join(algorithm_traits().policy_losses)),
+    # a key of another mode would be ignored
+    (["actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.001"],
+     "clip_cov_ratio=0.001 is read by loss_mode=clip_cov only, not by actor_rollout_ref.actor.policy_loss.loss_mode="
+     "vanilla"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "actor_rollout_ref.actor.policy_loss.ppo_kl_coef=1"],
+     "ppo_kl_coef=1.0 is read by loss_mode=kl_cov only"),
 ])
 def test_algorithm_keys_that_only_work_together(overrides, fragment):
     from config import check_supported
 
     with pytest.raises(ConfigError) as err:
-        check_supported(load_config(None, overrides))
+        check_supported(load_config(None, [DATA, *overrides]))
     assert fragment in str(err.value)
 
 
 def test_gen_batch_size_must_split_like_train_batch_size():
     from mesh_utils import validate
 
-    base = ["algorithm.filter_groups.enable=true", "trainer.n_gpus_per_node=6", "data.train_batch_size=60",
+    base = [DATA, "algorithm.filter_groups.enable=true", "trainer.n_gpus_per_node=6", "data.train_batch_size=60",
             "actor_rollout_ref.actor.ppo_mini_batch_size=60", "actor_rollout_ref.rollout.n=12"]
     validate(load_config(None, [*base, "data.gen_batch_size=180"]))  # DAPO's 3x, on the seed's layout
     with pytest.raises(ConfigError, match="data.gen_batch_size=31 .* Nearest valid: 30"):
         validate(load_config(None, [*base, "data.gen_batch_size=31"]))
+
+
+# Values no run can use, each refused before anything loads with the key, the value and a valid value
+# (the schema's default); before these checks some trained an epoch, others ended in a torch traceback.
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.nccl_timeout=0", "actor_rollout_ref.nccl_timeout=0 must be > 0 (seconds a collective may "
+     "wait for the slowest rank); e.g. actor_rollout_ref.nccl_timeout=1800 (the default)."),
+    ("data.train_files=null", "data.train_files=null: no training data."),
+    ("data.train_files=[]", "data.train_files=[]: no training data."),
+    ("trainer.total_training_steps=-1", "trainer.total_training_steps=-1 must be >= 0 (0: no training step, "
+     "set-up only; null: trainer.total_epochs x the batches of an epoch); e.g. trainer.total_training_steps=null"),
+    ("actor_rollout_ref.actor.optim.lr=-1", "actor_rollout_ref.actor.optim.lr=-1.0 must be >= 0; e.g. "
+     "actor_rollout_ref.actor.optim.lr=1e-06 (the default)."),
+    ("critic.optim.lr=-1e-5", "critic.optim.lr=-1e-05 must be >= 0; e.g. critic.optim.lr=1e-05 (the default)."),
+    ("critic.optim.weight_decay=-0.1", "critic.optim.weight_decay=-0.1 must be >= 0; e.g. "
+     "critic.optim.weight_decay=0.01"),
+    ("actor_rollout_ref.actor.optim.betas=[0.9,1.0]", "actor_rollout_ref.actor.optim.betas=[0.9, 1.0] must be two "
+     "numbers in [0, 1), Adam's decay rates of its moments; e.g. actor_rollout_ref.actor.optim.betas=[0.9,0.999]"),
+    ("critic.optim.betas=[0.9]", "critic.optim.betas=[0.9] must be two numbers in [0, 1)"),
+    ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=1.5", "lr_warmup_steps_ratio=1.5 must be in [0, 1]"),
+    ("critic.optim.total_training_steps=0", "critic.optim.total_training_steps=0 must be -1 (the run's length) or "
+     ">= 1; e.g. critic.optim.total_training_steps=-1"),
+    ("actor_rollout_ref.actor.ppo_epochs=0", "actor_rollout_ref.actor.ppo_epochs=0 must be >= 1; e.g. "
+     "actor_rollout_ref.actor.ppo_epochs=1"),
+    ("critic.ppo_epochs=0", "critic.ppo_epochs=0 must be >= 1; e.g. critic.ppo_epochs=null (the default)."),
+    ("actor_rollout_ref.actor.clip_ratio=-0.2", "actor_rollout_ref.actor.clip_ratio=-0.2 must be in [0, 1); e.g. "
+     "actor_rollout_ref.actor.clip_ratio=0.2"),
+    ("actor_rollout_ref.actor.clip_ratio_low=1", "clip_ratio_low=1.0 must be in [0, 1)"),
+    ("actor_rollout_ref.actor.clip_ratio_c=1", "clip_ratio_c=1.0 must be > 1"),
+    ("actor_rollout_ref.actor.grad_clip=0", "actor_rollout_ref.actor.grad_clip=0.0 must be > 0"),
+    ("actor_rollout_ref.rollout.temperature=-1", "actor_rollout_ref.rollout.temperature=-1.0: training samples"),
+    ("actor_rollout_ref.rollout.val_kwargs.temperature=-1", "val_kwargs.temperature=-1.0 must be >= 0 (0: greedy)"),
+    ("actor_rollout_ref.rollout.top_p=0", "actor_rollout_ref.rollout.top_p=0.0 must be in (0, 1]"),
+    ("actor_rollout_ref.rollout.top_k=-2", "actor_rollout_ref.rollout.top_k=-2 must be >= -1"),
+    ("actor_rollout_ref.rollout.gpu_memory_utilization=1.5", "gpu_memory_utilization=1.5 must be in (0, 1]"),
+    ("actor_rollout_ref.rollout.val_kwargs.n=0", "actor_rollout_ref.rollout.val_kwargs.n=0 must be >= 1"),
+    ("data.max_response_length=0", "data.max_response_length=0 must be >= 1; e.g. data.max_response_length=512"),
+    ("data.max_prompt_length=-3", "data.max_prompt_length=-3 must be >= 1"),
+    ("algorithm.gamma=1.5", "algorithm.gamma=1.5 must be in [0, 1]"),
+    ("algorithm.kl_ctrl.kl_coef=-0.001", "algorithm.kl_ctrl.kl_coef=-0.001 must be >= 0"),
+    ("critic.cliprange_value=-0.5", "critic.cliprange_value=-0.5 must be >= 0"),
+    ("trainer.save_freq=-2", "trainer.save_freq=-2 must be >= -1 (-1 or 0: never; k: every k steps and at the "
+     "last); e.g. trainer.save_freq=-1"),
+    ("trainer.max_consecutive_skipped_steps=0", "trainer.max_consecutive_skipped_steps=0 must be >= 1"),
+    ("trainer.max_actor_ckpt_to_keep=0", "trainer.max_actor_ckpt_to_keep=0 must be >= 1 (null keeps every "
+     "checkpoint)"),
+])
+def test_values_that_cannot_work_are_refused(override, message):
+    with pytest.raises(ConfigError) as err:
+        check_supported(load_config(None, [DATA, override]))
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("override", [
+    "trainer.total_training_steps=0",  # verl: 0 steps (set-up, then exit); null: total_epochs x batches per epoch
+    "trainer.total_epochs=0", "trainer.save_freq=0", "trainer.test_freq=-1", "actor_rollout_ref.actor.optim.lr=0",
+    "actor_rollout_ref.actor.clip_ratio_high=10", "actor_rollout_ref.rollout.top_k=0", "algorithm.lam=0",
+    "actor_rollout_ref.rollout.val_kwargs.temperature=0",
+])
+def test_edge_values_that_work_are_accepted(override):
+    check_supported(load_config(None, [DATA, override]))

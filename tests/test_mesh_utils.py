@@ -16,7 +16,8 @@ SEED_2 = ROOT / "configs" / "gsm8k_grpo_2node_6gpu.yaml"
 
 
 def plan(path=SEED_1, *overrides, world=None):
-    return validate(load_config(path, list(overrides)), world)
+    data = ["data.train_files=train.parquet"] if path is None else []  # the built-in defaults have no data
+    return validate(load_config(path, [*data, *overrides]), world)
 
 
 def test_seed_six_gpu_numbers():
@@ -255,3 +256,15 @@ def test_planner_cli_refuses_a_bad_config():
     out = planner("--config", str(SEED_1), "actor_rollout_ref.rollout.tensor_model_parallel_size=4")
     assert out.returncode == 1
     assert "tensor_model_parallel_size=4" in out.stderr and out.stdout == ""
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("actor_rollout_ref.nccl_timeout=0", "actor_rollout_ref.nccl_timeout=0 must be > 0"),
+    ("data.train_files=null", "data.train_files=null: no training data"),
+    ("trainer.total_training_steps=-5", "trainer.total_training_steps=-5 must be >= 0"),
+    ("actor_rollout_ref.actor.optim.lr=-1", "actor_rollout_ref.actor.optim.lr=-1.0 must be >= 0"),
+    ("actor_rollout_ref.rollout.n=0", "actor_rollout_ref.rollout.n=0 must be >= 1"),
+])
+def test_planner_refuses_what_the_trainer_refuses(override, fragment):
+    out = planner("--config", str(ROOT / "configs" / "tiny_cpu.yaml"), override)
+    assert out.returncode == 1 and fragment in out.stderr, out.stderr
