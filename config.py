@@ -16,8 +16,13 @@ Keys that verl derives at run time (the normalised per-rank batch sizes) are not
 
 from __future__ import annotations
 
+import ast
 import difflib
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import yaml
@@ -110,8 +115,8 @@ SCHEMA: dict[str, Any] = {
             "use_kl_loss": (bool, False),
             "kl_loss_coef": (float, 0.001),
             "kl_loss_type": (str, "low_var_kl"),
-            "policy_loss": {  # ppo_core.POLICY_LOSSES; the other keys belong to one mode each
-                "loss_mode": (str, "vanilla"),  # vanilla | gspo | cispo | clip_cov | kl_cov
+            "policy_loss": {  # the other keys belong to one mode each (its `keys` in ppo_core.POLICY_LOSSES)
+                "loss_mode": (str, "vanilla"),  # a name in ppo_core.POLICY_LOSSES
                 "clip_cov_ratio": (float, 0.0002),  # clip_cov: fraction of tokens whose gradient is cut
                 "clip_cov_lb": (float, 1.0),  # clip_cov: covariance window those tokens are drawn from
                 "clip_cov_ub": (float, 5.0),
@@ -190,7 +195,7 @@ SCHEMA: dict[str, Any] = {
         "name": (str, "compute_score"),
     },
     "algorithm": {
-        "adv_estimator": (str, "gae"),  # ADV_ESTIMATORS below
+        "adv_estimator": (str, "gae"),  # a name in ppo_core.ADV_ESTIMATORS
         "gamma": (float, 1.0),
         "lam": (float, 1.0),
         "norm_adv_by_std_in_grpo": (bool, True),
@@ -240,18 +245,100 @@ SCHEMA: dict[str, Any] = {
 }
 
 
-# The names of the algorithm's choices, said once. ppo_core.py implements each (its registries are
-# keyed by these names; tests/test_config.py checks the two agree) and imports the lists from here,
-# so this file stays free of torch and a config error never waits for it.
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "gpg",
-                  "remax")
-# compare the samples of one prompt (need rollout.n >= 2), computed on the step's whole batch
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg")
-CRITIC_ESTIMATORS = ("gae",)  # need a value model
-POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "clip_cov", "kl_cov")  # actor.policy_loss.loss_mode
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-# "+": straight-through, the value of k1 / k3 with the gradient of k2 (for the KL loss)
-KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "kl+", "low_var_kl+")
+# --- the algorithms' names and traits, read from ppo_core.py's text --------------------------------
+# ppo_core.py registers each advantage estimator and policy loss with a decorator of literal arguments,
+# `@register_adv_estimator("grpo", compares_group=True)`, and writes the KL estimators and the loss
+# aggregation modes as literals. They are read here from its source, not imported: the names are
+# written once, and the config checks and the planner (`python mesh_utils.py`) never import torch.
+# tests/test_config.py checks that this reading equals ppo_core's registries at run time.
+
+
+@dataclass(frozen=True)
+class EstimatorTraits:  # ppo_core.AdvEstimator without its function
+    name: str
+    needs_critic: bool
+    compares_group: bool
+    baseline_rollout: str | None
+
+
+@dataclass(frozen=True)
+class PolicyLossTraits:  # ppo_core.PolicyLoss without its function
+    name: str
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AlgorithmTraits:
+    adv_estimators: Mapping[str, EstimatorTraits]  # algorithm.adv_estimator, in registration order
+    policy_losses: Mapping[str, PolicyLossTraits]  # actor.policy_loss.loss_mode
+    kl_estimators: tuple[str, ...]  # algorithm.kl_penalty, actor.kl_loss_type
+    loss_agg_modes: tuple[str, ...]  # actor.loss_agg_mode, critic.loss_agg_mode
+
+
+_PPO_CORE = Path(__file__).with_name("ppo_core.py")
+_REGISTERS = {"register_adv_estimator": EstimatorTraits, "register_policy_loss": PolicyLossTraits}
+
+
+@functools.cache
+def algorithm_traits(source: Path = _PPO_CORE) -> AlgorithmTraits:
+    """The registrations in ppo_core.py's source: each decorator's literal arguments over the
+    register function's keyword defaults, and the keys of the KL_ESTIMATORS and LOSS_AGG_MODES literals."""
+    tree = ast.parse(source.read_text(), filename=str(source))
+
+    def literal(node: ast.expr) -> Any:
+        try:
+            return ast.literal_eval(node)
+        except ValueError:
+            raise RuntimeError(f"{source.name}:{node.lineno}: config.algorithm_traits reads only literal "
+                               f"arguments here, got {ast.unparse(node)!r}") from None
+
+    defaults: dict[str, dict[str, Any]] = {}  # register function -> its keyword defaults
+    registered: dict[str, dict[str, dict[str, Any]]] = {register: {} for register in _REGISTERS}
+    constants: dict[str, tuple[str, ...]] = {}
+    for node in tree.body:  # module level only, where ppo_core registers
+        if isinstance(node, ast.FunctionDef):
+            if node.name in _REGISTERS:
+                args = node.args
+                defaults[node.name] = {a.arg: literal(d) for a, d in zip(args.kwonlyargs, args.kw_defaults,
+                                                                          strict=True)}
+            for decorator in node.decorator_list:
+                if not (isinstance(decorator, ast.Call) and getattr(decorator.func, "id", None) in _REGISTERS):
+                    continue
+                table = registered[decorator.func.id]
+                name = literal(decorator.args[0]) if len(decorator.args) == 1 else None
+                if not isinstance(name, str) or name in table:
+                    raise RuntimeError(f"{source.name}:{decorator.lineno}: {ast.unparse(decorator)} must name "
+                                       f"one new string, with the traits as keywords")
+                table[name] = {k.arg: literal(k.value) for k in decorator.keywords}
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            target = node.target if isinstance(node, ast.AnnAssign) else node.targets[0]
+            if isinstance(target, ast.Name) and target.id in ("KL_ESTIMATORS", "LOSS_AGG_MODES"):
+                value = node.value  # a dict: its keys (the values are functions); a tuple: itself
+                constants[target.id] = (tuple(literal(k) for k in value.keys) if isinstance(value, ast.Dict)
+                                        else tuple(literal(value)))
+    missing = [n for n in (*_REGISTERS, "KL_ESTIMATORS", "LOSS_AGG_MODES") if n not in {**defaults, **constants}]
+    if missing:
+        raise RuntimeError(f"{source.name} no longer defines {missing} at module level, as config.algorithm_traits "
+                           f"reads them")
+
+    def traits(register: str) -> Mapping[str, Any]:
+        kind = _REGISTERS[register]
+        return MappingProxyType({name: kind(name=name, **{**defaults[register], **kwargs})
+                                 for name, kwargs in registered[register].items()})
+
+    return AlgorithmTraits(traits("register_adv_estimator"), traits("register_policy_loss"),
+                           constants["KL_ESTIMATORS"], constants["LOSS_AGG_MODES"])
+
+
+def adv_estimator_traits(name: str) -> EstimatorTraits:
+    """The traits of algorithm.adv_estimator=`name` (needs_critic, compares_group, baseline_rollout)."""
+    estimators = algorithm_traits().adv_estimators
+    if name not in estimators:
+        raise ConfigError(f"algorithm.adv_estimator={name!r} is not implemented; valid: {', '.join(estimators)}.")
+    return estimators[name]
+
+
+_ALGORITHMS = algorithm_traits()
 
 # algorithm.rollout_correction (verl's rollout_corr_helper): "token_k1" rejects tokens whose ratio
 # pi_actor / pi_engine leaves [lower, upper]; k2 / k3 reject when that divergence estimate exceeds
@@ -264,12 +351,12 @@ ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum
 CHOICES: dict[str, tuple[str, ...]] = {
     "actor_rollout_ref.actor.strategy": ("fsdp2",),
     "actor_rollout_ref.rollout.name": ("vllm",),
-    "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG_MODES,
-    "actor_rollout_ref.actor.policy_loss.loss_mode": POLICY_LOSS_MODES,
-    "critic.loss_agg_mode": LOSS_AGG_MODES,
-    "actor_rollout_ref.actor.kl_loss_type": KL_ESTIMATORS,
-    "algorithm.kl_penalty": KL_ESTIMATORS,
-    "algorithm.adv_estimator": ADV_ESTIMATORS,
+    "actor_rollout_ref.actor.loss_agg_mode": _ALGORITHMS.loss_agg_modes,
+    "actor_rollout_ref.actor.policy_loss.loss_mode": tuple(_ALGORITHMS.policy_losses),
+    "critic.loss_agg_mode": _ALGORITHMS.loss_agg_modes,
+    "actor_rollout_ref.actor.kl_loss_type": _ALGORITHMS.kl_estimators,
+    "algorithm.kl_penalty": _ALGORITHMS.kl_estimators,
+    "algorithm.adv_estimator": tuple(_ALGORITHMS.adv_estimators),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "algorithm.rollout_correction.rollout_is": ROLLOUT_IS_LEVELS,
     "algorithm.rollout_correction.loss_type": ("ppo_clip", "reinforce"),
@@ -453,6 +540,107 @@ def to_yaml(cfg: dict[str, Any]) -> str:
 LOGGERS = ("console", "tensorboard", "wandb")
 
 
+# Numeric keys and the values that can work: key -> (test, rule). A value outside is refused before
+# anything loads, naming the key, the value, the rule and the schema's default (a valid value);
+# `null`, where a key allows it, means "derive it" and is not tested.
+def _at_least(low: float) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v >= low), f">= {low}"
+
+
+def _between(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> tuple[
+        Callable[[Any], bool], str]:
+    def test(v: Any) -> bool:
+        return (low < v if low_open else low <= v) and (v < high if high_open else v <= high)
+
+    return test, f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+
+
+_POSITIVE = ((lambda v: v > 0), "> 0")
+_NON_NEGATIVE, _ONE_OR_MORE, _FRACTION = _at_least(0), _at_least(1), _between(0, 1)
+_TOP_K = (_at_least(-1)[0], ">= -1 (-1: no top-k cut)")
+_FREQ = (_at_least(-1)[0], ">= -1 (-1 or 0: never; k: every k steps and at the last)")
+_ARR, _ROLLOUT = "actor_rollout_ref", "actor_rollout_ref.rollout"
+_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "data.max_prompt_length": _ONE_OR_MORE,
+    "data.max_response_length": _ONE_OR_MORE,
+    "data.max_val_samples": _ONE_OR_MORE,
+    f"{_ARR}.nccl_timeout": (_POSITIVE[0], "> 0 (seconds a collective may wait for the slowest rank)"),
+    f"{_ARR}.model.lora_rank": (_NON_NEGATIVE[0], ">= 0 (0: no LoRA, full fine-tuning)"),
+    f"{_ARR}.model.lora_alpha": _POSITIVE,
+    f"{_ARR}.actor.ppo_epochs": _ONE_OR_MORE,
+    f"{_ARR}.actor.grad_clip": (_POSITIVE[0], "> 0 (the largest gradient norm; 1e9 for no clipping)"),
+    # the ratio is clipped to [1 - low, 1 + high]: 1 - low must stay positive
+    f"{_ARR}.actor.clip_ratio": _between(0, 1, high_open=True),
+    f"{_ARR}.actor.clip_ratio_low": _between(0, 1, high_open=True),
+    f"{_ARR}.actor.clip_ratio_high": _NON_NEGATIVE,
+    f"{_ARR}.actor.clip_ratio_c": ((lambda v: v > 1), "> 1 (dual-clip caps the loss of A < 0 at -A x clip_ratio_c)"),
+    f"{_ARR}.actor.kl_loss_coef": _NON_NEGATIVE,
+    f"{_ARR}.actor.policy_loss.clip_cov_ratio": _between(0, 1, low_open=True),
+    f"{_ARR}.actor.policy_loss.kl_cov_ratio": _between(0, 1, low_open=True),
+    f"{_ARR}.actor.policy_loss.ppo_kl_coef": _NON_NEGATIVE,
+    f"{_ROLLOUT}.top_k": _TOP_K,
+    f"{_ROLLOUT}.top_p": _between(0, 1, low_open=True),
+    f"{_ROLLOUT}.gpu_memory_utilization": _between(0, 1, low_open=True),
+    f"{_ROLLOUT}.max_num_seqs": _ONE_OR_MORE,
+    f"{_ROLLOUT}.max_num_batched_tokens": _ONE_OR_MORE,
+    f"{_ROLLOUT}.cpu_kv_cache_space_gb": _ONE_OR_MORE,
+    f"{_ROLLOUT}.val_kwargs.n": _ONE_OR_MORE,
+    f"{_ROLLOUT}.val_kwargs.temperature": (_NON_NEGATIVE[0], ">= 0 (0: greedy)"),
+    f"{_ROLLOUT}.val_kwargs.top_k": _TOP_K,
+    f"{_ROLLOUT}.val_kwargs.top_p": _between(0, 1, low_open=True),
+    "critic.ppo_epochs": _ONE_OR_MORE,
+    "critic.grad_clip": (_POSITIVE[0], "> 0 (the largest gradient norm; 1e9 for no clipping)"),
+    "critic.cliprange_value": _NON_NEGATIVE,
+    "reward_model.overlong_buffer.penalty_factor": _NON_NEGATIVE,
+    "algorithm.gamma": _FRACTION,
+    "algorithm.lam": _FRACTION,
+    "algorithm.kl_ctrl.kl_coef": _NON_NEGATIVE,
+    "algorithm.kl_ctrl.horizon": _POSITIVE,
+    "algorithm.kl_ctrl.target_kl": _POSITIVE,
+    "trainer.total_epochs": _NON_NEGATIVE,
+    "trainer.total_training_steps": (_NON_NEGATIVE[0], ">= 0 (0: no training step, set-up only; null: "
+                                     "trainer.total_epochs x the batches of an epoch)"),
+    "trainer.test_freq": _FREQ,
+    "trainer.save_freq": _FREQ,
+    "trainer.max_actor_ckpt_to_keep": (_ONE_OR_MORE[0], ">= 1 (null keeps every checkpoint)"),
+    "trainer.max_critic_ckpt_to_keep": (_ONE_OR_MORE[0], ">= 1 (null keeps every checkpoint)"),
+    "trainer.max_consecutive_skipped_steps": _ONE_OR_MORE,
+}
+for _optim_section in (f"{_ARR}.actor.optim", "critic.optim"):
+    _RANGES.update({
+        f"{_optim_section}.lr": _NON_NEGATIVE,
+        f"{_optim_section}.weight_decay": _NON_NEGATIVE,
+        f"{_optim_section}.lr_warmup_steps_ratio": _FRACTION,
+        f"{_optim_section}.min_lr_ratio": _FRACTION,
+        f"{_optim_section}.total_training_steps": ((lambda v: v == -1 or v >= 1), "-1 (the run's length) or >= 1"),
+    })
+
+
+def _peek(cfg: dict[str, Any], key: str) -> Any:
+    """The value of dotted `key`, looked at without counting as a read (see Config, unread_keys)."""
+    node: Any = cfg
+    for part in key.split("."):
+        node = dict.__getitem__(node, part)
+    return node
+
+
+def check_ranges(cfg: Config) -> None:
+    """Every numeric key of _RANGES within its range, and optim.betas two numbers in [0, 1)."""
+    for key, (test, rule) in _RANGES.items():
+        value = _peek(cfg, key)
+        if value is not None and not test(value):
+            default = _KEYS[key][1]
+            raise ConfigError(f"{key}={value!r} must be {rule}; e.g. {key}={'null' if default is None else repr(default)} "
+                              f"(the default).")
+    for section in (f"{_ARR}.actor.optim", "critic.optim"):
+        betas = _peek(cfg, f"{section}.betas")
+        if len(betas) != 2 or not all(isinstance(b, int | float) and not isinstance(b, bool) and 0 <= b < 1
+                                      for b in betas):
+            raise ConfigError(f"{section}.betas={betas!r} must be two numbers in [0, 1), Adam's decay rates of "
+                              f"its moments; e.g. {section}.betas=[0.9,0.999] (the default).")
+
+
+
 def check_supported(cfg: Config) -> None:
     """Refuse values that verl accepts but this program does not implement, and values that cannot
     work, each naming its key and what to set instead (so no accepted key is silently ignored)."""
@@ -486,6 +674,12 @@ def check_supported(cfg: Config) -> None:
             f"trainer.max_critic_ckpt_to_keep={keep_critic} differs from trainer.max_actor_ckpt_to_keep="
             f"{keep_actor}: actor and critic are saved together, one directory per step. Set them equal "
             f"or leave max_critic_ckpt_to_keep null.")
+    train_files = cfg.data.train_files
+    if train_files is None or train_files == [] or train_files == "":
+        raise ConfigError(f"data.train_files={'null' if train_files is None else repr(train_files)}: no training data. Give parquet/jsonl files in verl's "
+                          f"row format, e.g. data.train_files=~/data/gsm8k/train.parquet (which `python "
+                          f"prepare_data.py gsm8k --out ~/data/gsm8k` writes).")
+    check_ranges(cfg)
     if actor_rollout_ref.rollout.temperature <= 0:
         raise ConfigError(
             f"actor_rollout_ref.rollout.temperature={actor_rollout_ref.rollout.temperature}: training samples must come from "
@@ -608,29 +802,29 @@ def check_algorithm(cfg: Config) -> None:
             f"data.gen_batch_size={data.gen_batch_size} is only used by dynamic sampling; set "
             "algorithm.filter_groups.enable=true, or data.gen_batch_size=null (each step generates for "
             f"data.train_batch_size={data.train_batch_size} prompts).")
+    # a policy_loss.* key the chosen mode does not read would be ignored: refuse it, naming the modes that read it
     policy_loss = cfg.actor_rollout_ref.actor.policy_loss
-    ratio_key = {"clip_cov": "clip_cov_ratio", "kl_cov": "kl_cov_ratio"}.get(policy_loss.loss_mode)
-    if ratio_key is not None and not 0 < policy_loss[ratio_key] <= 1:
-        raise ConfigError(
-            f"actor_rollout_ref.actor.policy_loss.{ratio_key}={policy_loss[ratio_key]} must be in (0, 1]: the "
-            f"fraction of tokens {policy_loss.loss_mode} treats specially (verl's default: 0.0002).")
-    if policy_loss.loss_mode == "clip_cov" and not policy_loss.clip_cov_lb < policy_loss.clip_cov_ub:
-        raise ConfigError(
-            f"actor_rollout_ref.actor.policy_loss.clip_cov_lb={policy_loss.clip_cov_lb} must be below clip_cov_ub="
-            f"{policy_loss.clip_cov_ub}: tokens are drawn from the covariances between them (defaults 1.0, 5.0).")
+    mode = _ALGORITHMS.policy_losses[policy_loss.loss_mode]
+    prefix = "actor_rollout_ref.actor.policy_loss."
+    for key in (k for k in _KEYS if k.startswith(prefix) and k != prefix + "loss_mode"):
+        value, default = _peek(cfg, key), _KEYS[key][1]
+        name = key.removeprefix(prefix)
+        if name not in mode.keys and value != default:
+            readers = [m.name for m in _ALGORITHMS.policy_losses.values() if name in m.keys]
+            raise ConfigError(f"{key}={value!r} is read by loss_mode={' / '.join(readers)} only, not by "
+                              f"{prefix}loss_mode={mode.name}, which would ignore it. Set loss_mode={readers[0]}, "
+                              f"or leave {name} at its default ({default!r}).")
+    lower, upper = _peek(policy_loss, "clip_cov_lb"), _peek(policy_loss, "clip_cov_ub")
+    if not lower < upper:
+        raise ConfigError(f"{prefix}clip_cov_lb={lower} must be below clip_cov_ub={upper}: clip_cov draws its "
+                          f"tokens from the covariances between them (defaults 1.0, 5.0).")
 
 
 def non_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
     """The resolved config's keys whose value differs from the schema's default, as {'a.b.c': value}:
     what the start-up prints (the whole config goes to <default_local_dir>/config.yaml)."""
-    out = {}
-    for key, (_, default) in _KEYS.items():
-        node: Any = cfg
-        for part in key.split("."):
-            node = dict.__getitem__(node, part)  # looking, not using: not a read
-        if node != default:
-            out[key] = node
-    return out
+    values = {key: _peek(cfg, key) for key in _KEYS}
+    return {key: value for key, value in values.items() if value != _KEYS[key][1]}
 
 
 def _plain(node: Any) -> Any:

@@ -160,11 +160,13 @@ class PromptSampler:
     Incomplete last batches are dropped, so every step has data.train_batch_size prompts.
     """
 
-    def __init__(self, num_prompts: int, batch_size: int, seed: int, shuffle: bool = True) -> None:
+    def __init__(self, num_prompts: int, batch_size: int, seed: int, shuffle: bool = True,
+                 size_key: str = "data.train_batch_size") -> None:
+        """size_key: the config key batch_size came from, for the error (data.gen_batch_size under DAPO)."""
         if num_prompts < batch_size:
             raise ConfigError(
-                f"data.train_batch_size={batch_size} is larger than the {num_prompts} training prompts; "
-                f"lower it or add data."
+                f"{size_key}={batch_size} is larger than the {num_prompts} training prompts of data.train_files; "
+                f"lower it to at most {num_prompts} or add data."
             )
         self.num_prompts, self.batch_size, self.seed, self.shuffle = num_prompts, batch_size, seed, shuffle
         self.epoch, self.position = 0, 0

@@ -477,31 +477,31 @@ def verdict(m: MemoryInputs, per_phase: dict[str, dict[str, int]], ppo_mini_per_
 def memory_inputs(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_gb: float) -> MemoryInputs:
     """Read the model shapes (config.json) and the settings; raises OSError/ValueError when the
     model's config cannot be read."""
-    from config import CRITIC_ESTIMATORS
-
     arr = cfg.actor_rollout_ref
     trust = arr.model.trust_remote_code
     actor = model_shape(arr.model.path, trust_remote_code=trust)
-    use_critic = cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
+    critic_update = plan.critic_update  # None: no critic (mesh_utils.BatchPlan resolves each role once)
     critic = model_shape(cfg.critic.model.path or arr.model.path, value_head=True,
-                         trust_remote_code=trust) if use_critic else None
+                         trust_remote_code=trust) if critic_update is not None else None
     from lora import LoraSpec  # imported here (torch, peft): a plan without a model stays instant
 
     spec = LoraSpec.from_config(arr.model)
     return MemoryInputs(
         # with LoRA the reference is the actor with its adapter disabled: no copy of its own
-        actor=actor, critic=critic, use_ref=(arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and spec is None,
+        actor=actor, critic=critic, use_ref=plan.ref_log_prob is not None and spec is None,
         flags=OffloadFlags.from_config(cfg), fsdp=dims.fsdp, infer_tp=dims.infer_tp, compute_bytes=2,
         engine_bytes=2, prompt_len=cfg.data.max_prompt_length, response_len=cfg.data.max_response_length,
-        ppo_micro=plan.ppo_micro_batch_size_per_gpu, log_prob_micro=plan.log_prob_micro_batch_size_per_gpu,
-        critic_micro=plan.critic_ppo_micro_batch_size_per_gpu,
+        ppo_micro=plan.actor_update.micro_batch_size, log_prob_micro=plan.old_log_prob.micro_batch_size,
+        critic_micro=critic_update.micro_batch_size if critic_update else None,
         actor_checkpointing=arr.model.enable_gradient_checkpointing,
         critic_checkpointing=cfg.critic.model.enable_gradient_checkpointing,
         gpu_memory_utilization=arr.rollout.gpu_memory_utilization, gpu_memory_bytes=int(gpu_memory_gb * GIB),
         adapter=adapter_shapes(arr.model.path, spec, trust) if spec else None, sp=dims.sp,
-        actor_packed=arr.model.use_remove_padding, critic_packed=cfg.critic.model.use_remove_padding,
-        ppo_max_tokens=plan.ppo_max_token_len_per_gpu, log_prob_max_tokens=plan.log_prob_max_token_len_per_gpu,
-        critic_max_tokens=plan.critic_ppo_max_token_len_per_gpu, samples_per_rank=plan.samples_per_rank)
+        actor_packed=plan.actor_update.use_remove_padding,
+        critic_packed=critic_update is not None and critic_update.use_remove_padding,
+        ppo_max_tokens=plan.actor_update.max_token_len, log_prob_max_tokens=plan.old_log_prob.max_token_len,
+        critic_max_tokens=critic_update.max_token_len if critic_update else None,
+        samples_per_rank=plan.samples_per_rank)
 
 
 def adapter_shapes(path: str, spec: LoraSpec, trust_remote_code: bool = False) -> list[tuple[int, ...]]:
@@ -544,7 +544,7 @@ def memory_report(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_g
     except (OSError, ValueError) as e:
         return {"error": f"{message} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"}
     ranks = [phase_bytes(m, r) for r in range(m.fsdp)]
-    fits, line = verdict(m, ranks[0], plan.ppo_mini_batch_size_per_rank)  # FSDP rank 0 holds the largest shards
+    fits, line = verdict(m, ranks[0], plan.actor_update.mini_batch_size)  # FSDP rank 0 holds the largest shards
     return {"assumes": "CUDA: bf16 compute and engine weights, fp32 master weights, gradients and Adam state",
             "gpu_memory_gb": gpu_memory_gb, "fits": fits, "verdict": line,
             "per_fsdp_rank": ranks,  # rank r of the world is entry r % fsdp_size

@@ -32,7 +32,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from config import CRITIC_ESTIMATORS, GROUP_ESTIMATORS, Config, ConfigError, check_supported, load_config
+from config import Config, ConfigError, adv_estimator_traits, check_supported, load_config
 
 # -----------------------------------------------------------------------------
 # Parallel degrees
@@ -70,6 +70,14 @@ def _nearest_multiples(value: int, step: int) -> str:
     lo = max(step, value // step * step)
     hi = lo + step if lo >= value else lo
     return f"{lo}" if lo == hi or lo == value else f"{lo} or {hi}"
+
+
+def _uses_critic(cfg: Config) -> bool:  # a value model, trained beside the actor
+    return adv_estimator_traits(cfg.algorithm.adv_estimator).needs_critic
+
+
+def _uses_reference(cfg: Config) -> bool:  # a reference model, for a KL term (loss or reward)
+    return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
 
 
 def parallel_dims(cfg: Config, world_size: int | None = None) -> ParallelDims:
@@ -129,14 +137,13 @@ def parallel_dims(cfg: Config, world_size: int | None = None) -> ParallelDims:
             f"{', '.join(str(d) for d in _divisors(math.gcd(world, per_node)))}."
         )
     critic_sp = cfg.critic.ulysses_sequence_parallel_size
-    if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS and critic_sp != sp:
+    if _uses_critic(cfg) and critic_sp != sp:
         raise ConfigError(
             f"critic.ulysses_sequence_parallel_size={critic_sp} differs from the actor's "
             f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}; both train on the same data "
             f"layout, so set them equal (critic.ulysses_sequence_parallel_size={sp})."
         )
-    uses_ref = actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    ref_sp = actor_rollout_ref.ref.ulysses_sequence_parallel_size if uses_ref else None
+    ref_sp = actor_rollout_ref.ref.ulysses_sequence_parallel_size if _uses_reference(cfg) else None
     if ref_sp is not None and ref_sp != sp:
         raise ConfigError(
             f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref_sp} differs from the actor's "
@@ -145,7 +152,7 @@ def parallel_dims(cfg: Config, world_size: int | None = None) -> ParallelDims:
         )
     if sp > 1:  # the sp forward splits packed rows (verl's rule too)
         packing = {"actor_rollout_ref.model.use_remove_padding": actor_rollout_ref.model.use_remove_padding}
-        if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS:
+        if _uses_critic(cfg):
             packing["critic.model.use_remove_padding"] = cfg.critic.model.use_remove_padding
         for key, value in packing.items():
             if not value:
@@ -161,8 +168,28 @@ def parallel_dims(cfg: Config, world_size: int | None = None) -> ParallelDims:
 
 
 @dataclass(frozen=True)
+class ForwardSpec:  # one no-grad forward: old log-probs, reference log-probs, values
+    micro_batch_size: int  # samples per micro batch
+    max_token_len: int | None  # use_dynamic_bsz: valid tokens per micro batch (budget x sp); None: fixed-size
+    use_remove_padding: bool
+
+
+@dataclass(frozen=True)
+class UpdateSpec:  # one model's update, verl's fallbacks to the actor's settings applied
+    epochs: int
+    mini_batch_size: int  # samples per optimizer step per rank
+    micro_batch_size: int  # samples per micro batch (ignored when max_token_len is set)
+    max_token_len: int | None
+    shuffle: bool
+    loss_agg_mode: str
+    use_remove_padding: bool
+    grad_clip: float
+
+
+@dataclass(frozen=True)
 class BatchPlan:
-    """How one step's prompts become samples and how the samples are cut for training."""
+    """How one step's prompts become samples, and how each role's forward and update cuts them. Every
+    verl "null means the actor's value" is resolved here, once."""
 
     train_batch_size: int  # prompts per step
     n: int  # samples per prompt
@@ -170,23 +197,11 @@ class BatchPlan:
     samples_per_rollout_group: int
     total_samples: int
     samples_per_rank: int  # each training-dp rank's share of the step's samples
-    ppo_mini_batch_size_per_rank: int  # samples per optimizer step per rank (the seed's 120)
-    num_mini_batches: int  # optimizer steps per ppo epoch
-    ppo_micro_batch_size_per_gpu: int
-    grad_accum_steps: int  # micro batches per mini batch
-    log_prob_micro_batch_size_per_gpu: int
-    log_prob_micro_steps: int  # forward passes per rank to recompute old log-probs
-    critic_ppo_mini_batch_size_per_rank: int | None
-    critic_ppo_micro_batch_size_per_gpu: int | None
-    critic_grad_accum_steps: int | None
-    # use_dynamic_bsz: each forward's micro batches hold at most this many valid tokens (the per-gpu
-    # budget x sp: an sp group shares them), not a fixed number of samples; None where that forward
-    # cuts fixed-size micro batches
-    ppo_max_token_len_per_gpu: int | None = None
-    log_prob_max_token_len_per_gpu: int | None = None
-    ref_log_prob_max_token_len_per_gpu: int | None = None
-    critic_ppo_max_token_len_per_gpu: int | None = None
-    critic_forward_max_token_len_per_gpu: int | None = None
+    old_log_prob: ForwardSpec  # the actor's (rollout.log_prob_*)
+    ref_log_prob: ForwardSpec | None  # ref.log_prob_*; None: no reference model (no KL loss, no KL in reward)
+    values: ForwardSpec | None  # the critic's (critic.forward_*); None: no critic
+    actor_update: UpdateSpec
+    critic_update: UpdateSpec | None  # None: no critic
 
 
 def _token_budget(key: str, budget: int, sequence_len: int, micro: int, sp: int) -> int:
@@ -205,8 +220,8 @@ def _token_budget(key: str, budget: int, sequence_len: int, micro: int, sp: int)
 
 def _mini_micro(
     prefix: str, mini: int, micro: int | None, tbs: int, n: int, dims: ParallelDims
-) -> tuple[int, int, int]:
-    """Normalise one model's mini batch (prompts) to samples per rank; check its micro batch."""
+) -> tuple[int, int]:
+    """One model's mini batch (prompts) as samples per rank, and its micro batch (null: the mini batch), checked."""
     if mini < 1 or mini > tbs or tbs % mini != 0:
         ok = [d for d in _divisors(tbs) if (d * n) % dims.train_dp == 0]
         raise ConfigError(
@@ -228,7 +243,7 @@ def _mini_micro(
             f"{per_rank} (= ppo_mini_batch_size {mini} x n {n} / {dims.train_dp} ranks) so every "
             f"gradient-accumulation step is full. Valid values: {', '.join(map(str, _divisors(per_rank)))}."
         )
-    return per_rank, micro, per_rank // micro
+    return per_rank, micro
 
 
 def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
@@ -238,7 +253,7 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
     n = actor_rollout_ref.rollout.n
     if n < 1:
         raise ConfigError(f"actor_rollout_ref.rollout.n={n} must be >= 1 (samples per prompt).")
-    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and n < 2:
+    if adv_estimator_traits(cfg.algorithm.adv_estimator).compares_group and n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of the same prompt, "
             f"so actor_rollout_ref.rollout.n={n} must be >= 2 (e.g. rollout.n=8), or use adv_estimator=gae."
@@ -268,11 +283,28 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
             f"x actor_rollout_ref.rollout.n={n} over the {dims.train_dp} training ranks. Nearest valid: "
             f"{_nearest_multiples(gen, step)}.")
 
-    actor = actor_rollout_ref.actor
-    mini, micro, accum = _mini_micro(
+    # Each role's settings; a null key means the actor's value (verl's defaults), resolved here once.
+    actor, ref, rollout, critic = actor_rollout_ref.actor, actor_rollout_ref.ref, actor_rollout_ref.rollout, cfg.critic
+    packed = actor_rollout_ref.model.use_remove_padding  # the actor's and the reference model's forwards
+    sequence_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+
+    def budget(key: str, value: int, dynamic: bool, micro: int) -> int | None:
+        """use_dynamic_bsz: micro batches of at most this many valid tokens (checked); else None."""
+        return _token_budget(key, value, sequence_len, micro, dims.sp) if dynamic else None
+
+    def resolve(value: Any, default: Any) -> Any:  # a null key means `default` (mostly the actor's value)
+        return default if value is None else value
+
+    mini, micro = _mini_micro(
         "actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, tbs, n, dims
     )
-    lp_micro = actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+    actor_update = UpdateSpec(
+        epochs=actor.ppo_epochs, mini_batch_size=mini, micro_batch_size=micro,
+        max_token_len=budget("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu,
+                             actor.use_dynamic_bsz, micro),
+        shuffle=actor.shuffle, loss_agg_mode=actor.loss_agg_mode, use_remove_padding=packed, grad_clip=actor.grad_clip)
+
+    lp_micro = rollout.log_prob_micro_batch_size_per_gpu
     if lp_micro < 1 or lp_micro > per_rank:
         raise ConfigError(
             f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={lp_micro} must be between 1 and "
@@ -280,49 +312,44 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
             f"training ranks). Valid values: 1..{per_rank}, e.g. {min(8, per_rank)}."
         )
     for key, forward_micro in (("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-                                actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu),
-                               ("critic.forward_micro_batch_size_per_gpu", cfg.critic.forward_micro_batch_size_per_gpu)):
+                                ref.log_prob_micro_batch_size_per_gpu),
+                               ("critic.forward_micro_batch_size_per_gpu", critic.forward_micro_batch_size_per_gpu)):
         if forward_micro is not None and (forward_micro < 1 or forward_micro > per_rank):
             raise ConfigError(
                 f"{key}={forward_micro} must be between 1 and {per_rank} (samples per rank), or null to use "
                 f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu."
             )
 
-    # use_dynamic_bsz: token budgets, each a key of its own that defaults to the actor's (verl's defaults)
-    sequence_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    ref, rollout = actor_rollout_ref.ref, actor_rollout_ref.rollout
-    budgets: dict[str, int | None] = {}
-    if actor.use_dynamic_bsz:
-        budgets["ppo_max_token_len_per_gpu"] = _token_budget(
-            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu, sequence_len, micro,
-            dims.sp)
-    for name, section, prefix in (("log_prob_max_token_len_per_gpu", rollout, "actor_rollout_ref.rollout"),
-                                  ("ref_log_prob_max_token_len_per_gpu", ref, "actor_rollout_ref.ref")):
-        dynamic = actor.use_dynamic_bsz if section.log_prob_use_dynamic_bsz is None else section.log_prob_use_dynamic_bsz
-        budget = section.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu
-        uses_model = section is rollout or actor.use_kl_loss or cfg.algorithm.use_kl_in_reward  # a reference model
-        if dynamic and uses_model:
-            budgets[name] = _token_budget(f"{prefix}.log_prob_max_token_len_per_gpu", budget, sequence_len, lp_micro,
-                                           dims.sp)
+    def log_prob_forward(section: Config, prefix: str, micro: int) -> ForwardSpec:
+        """The old or reference log-probs: the section's log_prob_* keys, null meaning the actor's."""
+        dynamic = resolve(section.log_prob_use_dynamic_bsz, actor.use_dynamic_bsz)
+        max_tokens = resolve(section.log_prob_max_token_len_per_gpu, actor.ppo_max_token_len_per_gpu)
+        return ForwardSpec(micro, budget(f"{prefix}.log_prob_max_token_len_per_gpu", max_tokens, dynamic, micro), packed)
 
-    c_mini = c_micro = c_accum = None
-    if cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS:
-        critic = cfg.critic
-        c_mini, c_micro, c_accum = _mini_micro(
-            "critic",
-            critic.ppo_mini_batch_size or actor.ppo_mini_batch_size,
-            critic.ppo_micro_batch_size_per_gpu,
-            tbs,
-            n,
-            dims,
-        )
-        critic_dynamic = actor.use_dynamic_bsz if critic.use_dynamic_bsz is None else critic.use_dynamic_bsz
-        critic_forward = critic.forward_max_token_len_per_gpu or critic.ppo_max_token_len_per_gpu
-        if critic_dynamic:
-            budgets["critic_ppo_max_token_len_per_gpu"] = _token_budget(
-                "critic.ppo_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu, sequence_len, c_micro, dims.sp)
-            budgets["critic_forward_max_token_len_per_gpu"] = _token_budget(
-                "critic.forward_max_token_len_per_gpu", critic_forward, sequence_len, lp_micro, dims.sp)
+    old_log_prob = log_prob_forward(rollout, "actor_rollout_ref.rollout", lp_micro)
+    ref_log_prob = None
+    if _uses_reference(cfg):  # the ref's micro batch: null means the rollout's log-prob one
+        ref_log_prob = log_prob_forward(ref, "actor_rollout_ref.ref",
+                                        resolve(ref.log_prob_micro_batch_size_per_gpu, lp_micro))
+
+    values = critic_update = None
+    if _uses_critic(cfg):
+        c_mini, c_micro = _mini_micro("critic", resolve(critic.ppo_mini_batch_size, actor.ppo_mini_batch_size),
+                                      critic.ppo_micro_batch_size_per_gpu, tbs, n, dims)
+        critic_dynamic = resolve(critic.use_dynamic_bsz, actor.use_dynamic_bsz)
+        critic_packed = critic.model.use_remove_padding
+        critic_update = UpdateSpec(
+            epochs=resolve(critic.ppo_epochs, actor.ppo_epochs), mini_batch_size=c_mini, micro_batch_size=c_micro,
+            max_token_len=budget("critic.ppo_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu, critic_dynamic,
+                                 c_micro),
+            shuffle=resolve(critic.shuffle, actor.shuffle),
+            loss_agg_mode=resolve(critic.loss_agg_mode, actor.loss_agg_mode),
+            use_remove_padding=critic_packed, grad_clip=critic.grad_clip)
+        # the values' forward: null micro batch means the rollout's log-prob one, null budget the critic update's
+        v_micro = resolve(critic.forward_micro_batch_size_per_gpu, lp_micro)
+        v_tokens = resolve(critic.forward_max_token_len_per_gpu, critic.ppo_max_token_len_per_gpu)
+        values = ForwardSpec(v_micro, budget("critic.forward_max_token_len_per_gpu", v_tokens, critic_dynamic, v_micro),
+                             critic_packed)
     return BatchPlan(
         train_batch_size=tbs,
         n=n,
@@ -330,16 +357,11 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
         samples_per_rollout_group=tbs // dims.rollout_dp * n,
         total_samples=total,
         samples_per_rank=per_rank,
-        ppo_mini_batch_size_per_rank=mini,
-        num_mini_batches=tbs // actor.ppo_mini_batch_size,
-        ppo_micro_batch_size_per_gpu=micro,
-        grad_accum_steps=accum,
-        log_prob_micro_batch_size_per_gpu=lp_micro,
-        log_prob_micro_steps=math.ceil(per_rank / lp_micro),
-        critic_ppo_mini_batch_size_per_rank=c_mini,
-        critic_ppo_micro_batch_size_per_gpu=c_micro,
-        critic_grad_accum_steps=c_accum,
-        **budgets,
+        old_log_prob=old_log_prob,
+        ref_log_prob=ref_log_prob,
+        values=values,
+        actor_update=actor_update,
+        critic_update=critic_update,
     )
 
 
@@ -603,7 +625,7 @@ def describe(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> str:
                      f"{r // dims.infer_tp:>10}  {r % dims.infer_tp:>13}  {r // dims.sp:>13}")
     for g, ranks in enumerate(dm.rollout_tp_groups):
         lines.append(f"  rollout group {g}: ranks {ranks} on node {dm.node_of_rank[ranks[0]]}")
-    p = plan
+    p, mini_prompts = plan, actor_rollout_ref.actor.ppo_mini_batch_size
     lines += [
         "Batch flow per step:",
         f"  data.train_batch_size={p.train_batch_size} prompts -> {dims.rollout_dp} rollout dp groups x "
@@ -612,26 +634,43 @@ def describe(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> str:
         f"  training: {p.total_samples} samples / {dims.train_dp} dp ranks (world {w} / sp {dims.sp}) = "
         f"{p.samples_per_rank} per rank",
         *_dynamic_sampling_lines(cfg, dims),
-        f"  actor mini batch: ppo_mini_batch_size={actor_rollout_ref.actor.ppo_mini_batch_size} x n={p.n} = "
-        f"{actor_rollout_ref.actor.ppo_mini_batch_size * p.n} -> / {dims.train_dp} = {p.ppo_mini_batch_size_per_rank} per rank; "
-        f"{p.num_mini_batches} optimizer step(s) per ppo epoch x {actor_rollout_ref.actor.ppo_epochs} epoch(s)",
-        f"  actor micro batch: {p.ppo_micro_batch_size_per_gpu} per gpu -> {p.grad_accum_steps} "
-        f"gradient-accumulation step(s) per mini batch",
-        f"  old log-probs: log_prob_micro_batch_size_per_gpu={p.log_prob_micro_batch_size_per_gpu} -> "
-        f"{p.log_prob_micro_steps} forward micro step(s) per rank",
+        f"  actor mini batch: ppo_mini_batch_size={mini_prompts} x n={p.n} = {mini_prompts * p.n} -> / "
+        f"{dims.train_dp} = {p.actor_update.mini_batch_size} per rank; "
+        f"{p.samples_per_rank // p.actor_update.mini_batch_size} optimizer step(s) per ppo epoch",
+        *_role_lines(p, dims.sp),
     ]
-    dynamic = {"actor update": p.ppo_max_token_len_per_gpu, "old log-probs": p.log_prob_max_token_len_per_gpu,
-               "ref log-probs": p.ref_log_prob_max_token_len_per_gpu,
-               "critic update": p.critic_ppo_max_token_len_per_gpu, "values": p.critic_forward_max_token_len_per_gpu}
-    for forward, budget in dynamic.items():
-        if budget is not None:
-            per_gpu = f"{budget} per gpu" if dims.sp == 1 else f"{budget} per sp group, {budget // dims.sp} per gpu"
-            lines.append(f"  {forward}: micro batches cut by tokens (use_dynamic_bsz), at most {per_gpu}; "
-                         f"the micro batch sizes above do not apply")
-    if p.critic_ppo_mini_batch_size_per_rank is not None:
-        lines.append(f"  critic: {p.critic_ppo_mini_batch_size_per_rank} per rank per mini batch, micro "
-                     f"{p.critic_ppo_micro_batch_size_per_gpu} -> {p.critic_grad_accum_steps} accumulation step(s)")
     return "\n".join(lines)
+
+
+def _role_lines(plan: BatchPlan, sp: int) -> list[str]:
+    """Each role's forward or update as the trainer runs it, verl's null-means-the-actor's resolved."""
+    def tokens(max_token_len: int | None) -> str:  # use_dynamic_bsz's budget per micro batch, else "-"
+        if max_token_len is None:
+            return "-"
+        return f"{max_token_len}" if sp == 1 else f"{max_token_len} ({max_token_len // sp}/gpu)"
+
+    def yes(flag: bool) -> str:
+        return "yes" if flag else "no"
+
+    lines = ["Per role (sizes in samples per rank; null keys resolved to the actor's values, as verl does):",
+             f"  {'forward':<14} {'micro':>5} {'micro steps':>11}  {'token budget':<18} packed"]
+    forwards = {"old log-probs": plan.old_log_prob, "ref log-probs": plan.ref_log_prob, "values": plan.values}
+    for name, f in forwards.items():
+        if f is not None:
+            steps = "-" if f.max_token_len is not None else str(-(-plan.samples_per_rank // f.micro_batch_size))
+            lines.append(f"  {name:<14} {f.micro_batch_size:>5} {steps:>11}  {tokens(f.max_token_len):<18} "
+                         f"{yes(f.use_remove_padding)}")
+    lines.append(f"  {'update':<14} {'epochs':>6} {'mini':>5} {'micro':>5} {'accum steps':>11}  {'token budget':<18} "
+                 f"{'shuffle':<7}  {'loss_agg_mode':<23} {'grad_clip':>9}  packed")
+    for name, u in {"actor": plan.actor_update, "critic": plan.critic_update}.items():
+        if u is not None:
+            accum = "-" if u.max_token_len is not None else str(u.mini_batch_size // u.micro_batch_size)
+            lines.append(f"  {name:<14} {u.epochs:>6} {u.mini_batch_size:>5} {u.micro_batch_size:>5} {accum:>11}  "
+                         f"{tokens(u.max_token_len):<18} {yes(u.shuffle):<7}  {u.loss_agg_mode:<23} "
+                         f"{u.grad_clip:>9}  {yes(u.use_remove_padding)}")
+    lines.append("  token budget (use_dynamic_bsz): valid tokens per micro batch, per gpu x sp; the micro size then "
+                 "does not apply")
+    return lines
 
 
 def plan_arguments(description: str, example: str) -> argparse.ArgumentParser:

@@ -32,13 +32,12 @@ micro-batch alone, verl's legacy behaviour: tokens in short micro-batches then w
 """
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-from config import LOSS_AGG_MODES
 
 # --- masked statistics ---------------------------------------------------------------------------
 
@@ -100,8 +99,39 @@ def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True,
 
 
 # --- advantage estimators ------------------------------------------------------------------------
+# algorithm.adv_estimator -> implementation and traits. Every estimator takes keyword arguments and
+# ignores the ones it does not use, so the trainer calls them all alike. To add one: write it below
+# under @register_adv_estimator("name", ...) with literal arguments (config.py reads them from this
+# file's text, so the planner knows the names and traits without importing torch), and test it.
 
 
+@dataclass(frozen=True)
+class AdvEstimator:
+    name: str  # algorithm.adv_estimator
+    fn: Callable[..., tuple[Tensor, Tensor]]  # (advantages, returns), (B, T) each
+    needs_critic: bool  # reads `values`: the trainer loads and trains a value model
+    # compares the samples of one prompt (`index`): needs rollout.n >= 2, and the trainer computes it
+    # on the step's whole batch, gathered from every dp rank
+    compares_group: bool
+    # "greedy": one more rollout per prompt, its score passed as `reward_baselines` (ReMax); None: none
+    baseline_rollout: str | None
+
+
+ADV_ESTIMATORS: dict[str, AdvEstimator] = {}
+
+
+def register_adv_estimator(name: str, *, needs_critic: bool = False, compares_group: bool = False,
+                           baseline_rollout: str | None = None) -> Callable[[Callable], Callable]:
+    """Decorator: file the function under algorithm.adv_estimator=`name`, with its traits."""
+    def register(fn: Callable[..., tuple[Tensor, Tensor]]) -> Callable[..., tuple[Tensor, Tensor]]:
+        if name in ADV_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is registered twice")
+        ADV_ESTIMATORS[name] = AdvEstimator(name, fn, needs_critic, compares_group, baseline_rollout)
+        return fn
+    return register
+
+
+@register_adv_estimator("gae", needs_critic=True)
 @torch.no_grad()
 def compute_gae_advantage_return(
     token_level_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam: float,
@@ -147,6 +177,7 @@ def _group_stats(scores: Tensor, group: Tensor) -> tuple[Tensor, Tensor, Tensor]
     return size[group], mean[group], std[group]  # (B,) each
 
 
+@register_adv_estimator("grpo", compares_group=True)
 @torch.no_grad()
 def compute_grpo_outcome_advantage(
     token_level_rewards: Tensor,
@@ -172,6 +203,7 @@ def compute_grpo_outcome_advantage(
     return adv, adv
 
 
+@register_adv_estimator("rloo", compares_group=True)
 @torch.no_grad()
 def compute_rloo_outcome_advantage(
     token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor, **_: Any
@@ -189,6 +221,7 @@ def compute_rloo_outcome_advantage(
     return adv, adv
 
 
+@register_adv_estimator("reinforce_plus_plus")
 @torch.no_grad()
 def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: Tensor, response_mask: Tensor, gamma: float, whiten_group: dist.ProcessGroup | None = None,
@@ -208,6 +241,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return advantages, returns
 
 
+@register_adv_estimator("reinforce_plus_plus_baseline", compares_group=True)
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
     token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor,
@@ -225,6 +259,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     return adv, adv
 
 
+@register_adv_estimator("opo", compares_group=True)
 @torch.no_grad()
 def compute_opo_outcome_advantage(
     token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor, **_: Any
@@ -244,6 +279,7 @@ def compute_opo_outcome_advantage(
     return adv, adv
 
 
+@register_adv_estimator("gpg", compares_group=True)
 @torch.no_grad()
 def compute_gpg_outcome_advantage(
     token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor, f_norm: float = 1.0,
@@ -260,6 +296,7 @@ def compute_gpg_outcome_advantage(
     return adv, adv
 
 
+@register_adv_estimator("remax", baseline_rollout="greedy")
 @torch.no_grad()
 def compute_remax_outcome_advantage(
     token_level_rewards: Tensor, response_mask: Tensor, reward_baselines: Tensor, **_: Any
@@ -272,22 +309,6 @@ def compute_remax_outcome_advantage(
     return advantages, returns
 
 
-# algorithm.adv_estimator -> implementation. Every estimator takes keyword arguments and ignores the
-# ones it does not use, so the trainer calls them all alike. To add one: write it above, register it
-# here, and add its name to config.ADV_ESTIMATORS (and GROUP_ESTIMATORS if it compares the samples
-# of one prompt, so the trainer gathers the step's whole batch first).
-ADV_ESTIMATORS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
-    "gae": compute_gae_advantage_return,
-    "grpo": compute_grpo_outcome_advantage,
-    "rloo": compute_rloo_outcome_advantage,
-    "reinforce_plus_plus": compute_reinforce_plus_plus_outcome_advantage,
-    "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_outcome_advantage,
-    "opo": compute_opo_outcome_advantage,
-    "gpg": compute_gpg_outcome_advantage,
-    "remax": compute_remax_outcome_advantage,
-}
-
-
 def compute_advantage(adv_estimator: str, **kwargs: Any) -> tuple[Tensor, Tensor]:
     """Dispatch on algorithm.adv_estimator. kwargs: token_level_rewards, response_mask and whatever
     any estimator needs (values, index, gamma, lam, norm_adv_by_std_in_grpo, whiten_group, reward_baselines)."""
@@ -295,7 +316,7 @@ def compute_advantage(adv_estimator: str, **kwargs: Any) -> tuple[Tensor, Tensor
         raise ValueError(
             f"unknown algorithm.adv_estimator={adv_estimator!r}; valid: {', '.join(ADV_ESTIMATORS)}"
         )
-    return ADV_ESTIMATORS[adv_estimator](**kwargs)
+    return ADV_ESTIMATORS[adv_estimator].fn(**kwargs)
 
 
 # --- DAPO: overlong reward shaping, dynamic sampling ---------------------------------------------
@@ -321,6 +342,10 @@ def group_has_spread(values: Tensor, index: Sequence[Any] | Tensor) -> Tensor:
 
 
 # --- loss aggregation ----------------------------------------------------------------------------
+
+# actor.loss_agg_mode / critic.loss_agg_mode (agg_loss below implements each)
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
 
 def agg_loss(
     loss_mat: Tensor,
@@ -438,6 +463,30 @@ def compute_policy_loss(
 # ignoring the ones it does not use (the clip ratios, its own policy_loss.* keys, agg_loss's counts;
 # rollout_is_weights, which every loss applies to its per-token losses through _agg),
 # and returns (pg_loss, {metric name: local value}), so the trainer calls them all alike.
+# To add one: write it below under @register_policy_loss("name", keys=(...)) with literal arguments
+# (config.py reads them from this file's text), `keys` naming the actor.policy_loss.* config keys it
+# reads (declare them in config.SCHEMA; the trainer passes exactly those), and test it.
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    name: str  # actor.policy_loss.loss_mode
+    fn: Callable[..., tuple[Tensor, dict[str, Tensor]]]
+    keys: tuple[str, ...]  # the actor.policy_loss.* keys it reads, passed as keyword arguments of the same name
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str, *, keys: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """Decorator: file the function under actor.policy_loss.loss_mode=`name`, with the keys it reads."""
+    def register(fn: Callable[..., tuple[Tensor, dict[str, Tensor]]]) -> Callable[..., tuple[Tensor, dict[str, Tensor]]]:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is registered twice")
+        POLICY_LOSSES[name] = PolicyLoss(name, fn, tuple(keys))
+        return fn
+    return register
+
 
 _AGG_KEYS = ("global_num_tokens", "global_num_seqs", "dp_size", "loss_scale_factor")
 
@@ -452,6 +501,7 @@ def _agg(loss_mat: Tensor, mask: Tensor, loss_agg_mode: str, kwargs: dict[str, A
     return agg_loss(loss_mat, mask, loss_agg_mode, **{k: kwargs[k] for k in _AGG_KEYS if k in kwargs})
 
 
+@register_policy_loss("vanilla")
 def policy_loss_vanilla(
     old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
     *, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float = 3.0, **kwargs: Any,
@@ -464,6 +514,7 @@ def policy_loss_vanilla(
     return pg_loss, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": clipfrac_lower}
 
 
+@register_policy_loss("gspo")
 def policy_loss_gspo(
     old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
     loss_agg_mode: str = "seq-mean-token-mean", *, clip_ratio_low: float, clip_ratio_high: float, **kwargs: Any,
@@ -485,6 +536,7 @@ def policy_loss_gspo(
         "actor/pg_clipfrac": pg_clipfrac, "actor/ppo_kl": masked_mean(-log_ratio, mask)}
 
 
+@register_policy_loss("cispo")
 def policy_loss_cispo(
     old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
     *, clip_ratio_low: float, clip_ratio_high: float, **kwargs: Any,
@@ -509,6 +561,7 @@ def _centred_product(advantages: Tensor, log_prob: Tensor, mask: Tensor) -> Tens
     return (advantages - masked_mean(advantages, mask)) * (log_prob - masked_mean(log_prob, mask))  # (B, T)
 
 
+@register_policy_loss("clip_cov", keys=("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"))
 def policy_loss_clip_cov(
     old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
     *, clip_ratio_low: float, clip_ratio_high: float, clip_cov_ratio: float = 0.0002, clip_cov_lb: float = 1.0,
@@ -536,6 +589,7 @@ def policy_loss_clip_cov(
         "actor/pg_clipfrac": masked_mean(1.0 - keep, mask), "actor/ppo_kl": masked_mean(-log_ratio, mask)}
 
 
+@register_policy_loss("kl_cov", keys=("kl_cov_ratio", "ppo_kl_coef"))
 def policy_loss_kl_cov(
     old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
     *, kl_cov_ratio: float = 0.0002, ppo_kl_coef: float = 0.1, **kwargs: Any,
@@ -556,24 +610,12 @@ def policy_loss_kl_cov(
     return _agg(pg_losses, mask, loss_agg_mode, kwargs), {"actor/ppo_kl": masked_mean(log_ratio.abs(), mask)}
 
 
-# actor.policy_loss.loss_mode -> implementation. To add one: write it above with the same arguments
-# and results, register it here, and add its name to config.POLICY_LOSS_MODES (its own keys, if
-# any, under actor.policy_loss in config.SCHEMA, passed on by train_ppo.update_actor).
-POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
-    "vanilla": policy_loss_vanilla,
-    "gspo": policy_loss_gspo,
-    "cispo": policy_loss_cispo,
-    "clip_cov": policy_loss_clip_cov,
-    "kl_cov": policy_loss_kl_cov,
-}
-
-
 def policy_loss(loss_mode: str, old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
                 loss_agg_mode: str = "token-mean", **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
     """Dispatch on actor.policy_loss.loss_mode. Returns (pg_loss, {'actor/...': local metric})."""
     if loss_mode not in POLICY_LOSSES:
         raise ValueError(f"unknown actor.policy_loss.loss_mode={loss_mode!r}; valid: {', '.join(POLICY_LOSSES)}")
-    return POLICY_LOSSES[loss_mode](old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, **kwargs)
+    return POLICY_LOSSES[loss_mode].fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, **kwargs)
 
 
 def compute_value_loss(
@@ -633,7 +675,8 @@ def _straight_through(forward: Callable[[Tensor], Tensor]) -> Callable[[Tensor],
     return estimator
 
 
-# algorithm.kl_penalty / actor.kl_loss_type -> estimator of the log-ratio (names from config.KL_ESTIMATORS)
+# algorithm.kl_penalty / actor.kl_loss_type -> estimator of the log-ratio. A plain literal dict: config.py
+# reads its keys from this file's text (to add one, add its entry here)
 KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
     "kl": _kl_k1, "k1": _kl_k1, "abs": _kl_abs, "mse": _kl_k2, "k2": _kl_k2, "low_var_kl": _kl_k3, "k3": _kl_k3,
     "k1+": _straight_through(_kl_k1), "k3+": _straight_through(_kl_k3),

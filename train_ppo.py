@@ -52,7 +52,16 @@ import ppo_core as core
 import rollout_correction
 import ulysses
 from checkpoint import find_resume_path, load_checkpoint, save_checkpoint, step_seed
-from config import Config, ConfigError, load_config, non_defaults, sampling_truncates, to_yaml, unread_keys
+from config import (
+    Config,
+    ConfigError,
+    check_supported,
+    load_config,
+    non_defaults,
+    sampling_truncates,
+    to_yaml,
+    unread_keys,
+)
 from data import Prompt, PromptSampler, load_prompts
 from lora import LoraSpec, iter_sync_params, lora_config, sync_modules
 from memory_plan import LOADED, OffloadFlags, plan_moves
@@ -788,8 +797,9 @@ def build_run(cfg: Config, env: DistEnv) -> Run:
 
     tokenizer, train_prompts, val_prompts, reward_fn = load_data(cfg, dims, env)
     # a step draws data.train_batch_size prompts; under dynamic sampling, generation batches of data.gen_batch_size
+    size_key = "data.train_batch_size" if cfg.data.gen_batch_size is None else "data.gen_batch_size"
     sampler = PromptSampler(len(train_prompts), cfg.data.gen_batch_size or cfg.data.train_batch_size, cfg.data.seed,
-                            cfg.data.shuffle)
+                            cfg.data.shuffle, size_key=size_key)
     steps = cfg.trainer.total_training_steps
     total_steps = sampler.batches_per_epoch * cfg.trainer.total_epochs if steps is None else steps
     param_dtype, _ = default_dtypes(env.device_type)
@@ -964,6 +974,7 @@ def finish(run: Run) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    check_supported(cfg)  # the config-only checks (nccl_timeout among them) before the process group
     env = init_distributed(timeout_s=cfg.actor_rollout_ref.nccl_timeout)
     run = build_run(cfg, env)
     tc = cfg.trainer

@@ -55,7 +55,7 @@ def main() -> None:
             "sp_shape": list(meshes.sp.mesh.shape) if meshes.sp is not None else None,
             "train_dp_group": (group_ranks(meshes.sp, "dp") if meshes.sp is not None
                                else dist.get_process_group_ranks(train_dp_group(meshes))),
-            "ppo_mini_batch_size_per_rank": plan.ppo_mini_batch_size_per_rank,
+            "ppo_mini_batch_size_per_rank": plan.actor_update.mini_batch_size,
             # every group's timeout as its gloo backend holds it
             "group_timeouts_s": sorted({
                 mesh.get_group(name)._get_backend(torch.device("cpu")).options._timeout.total_seconds()

@@ -2,9 +2,10 @@
 import pytest
 from conftest import ROOT
 
-from config import ConfigError, flat_keys, load_config, parse_override
+from config import ConfigError, algorithm_traits, check_supported, flat_keys, load_config, parse_override
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+DATA = "data.train_files=train.parquet"  # a run needs training data; the checks below look at the config alone
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -80,23 +81,65 @@ def test_every_key_has_a_default_of_its_type():
         assert isinstance(default, types), key
 
 
-def test_choices_equal_what_ppo_core_implements():
-    """config.py names the choices (and stays free of torch); ppo_core.py implements exactly those."""
-    import subprocess
-    import sys
-
+def test_the_source_reading_equals_ppo_core_registries():
+    """config.algorithm_traits reads ppo_core.py's registrations from its text; importing it must agree."""
     import config
     import ppo_core
 
-    assert tuple(ppo_core.ADV_ESTIMATORS) == config.ADV_ESTIMATORS
-    assert tuple(ppo_core.KL_ESTIMATORS) == config.KL_ESTIMATORS
-    assert tuple(ppo_core.POLICY_LOSSES) == config.POLICY_LOSS_MODES
-    assert set(config.GROUP_ESTIMATORS) | set(config.CRITIC_ESTIMATORS) <= set(config.ADV_ESTIMATORS)
-    assert ppo_core.LOSS_AGG_MODES is config.LOSS_AGG_MODES
-    for mode in config.LOSS_AGG_MODES:  # each accepted mode aggregates without error
-        ppo_core.agg_loss(ppo_core.torch.ones(2, 3), ppo_core.torch.ones(2, 3), mode)
-    code = "import sys, config; sys.exit('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], cwd=config.Path(config.__file__).parent).returncode == 0
+    traits = config.algorithm_traits()
+    assert {name: (e.name, e.needs_critic, e.compares_group, e.baseline_rollout)
+            for name, e in ppo_core.ADV_ESTIMATORS.items()} == {
+        name: (t.name, t.needs_critic, t.compares_group, t.baseline_rollout) for name, t in traits.adv_estimators.items()}
+    assert list(traits.adv_estimators) == list(ppo_core.ADV_ESTIMATORS)  # the order the errors list them in
+    assert {name: (p.name, p.keys) for name, p in ppo_core.POLICY_LOSSES.items()} == {
+        name: (t.name, t.keys) for name, t in traits.policy_losses.items()}
+    assert list(traits.policy_losses) == list(ppo_core.POLICY_LOSSES)
+    assert traits.kl_estimators == tuple(ppo_core.KL_ESTIMATORS)
+    assert traits.loss_agg_modes == ppo_core.LOSS_AGG_MODES
+
+
+def test_the_planner_checks_without_torch():
+    """config and the planner's validation never import torch (the launch scripts' gate)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, config, mesh_utils; mesh_utils.validate(config.load_config('configs/tiny_cpu.yaml', "
+            "['algorithm.adv_estimator=gae'])); sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_the_source_reader_on_a_small_source(tmp_path):
+    """The reader takes each trait from the decorator, else from the register function's default, and
+    refuses what it cannot read."""
+    import config
+
+    source = tmp_path / "core.py"
+    source.write_text('''
+def register_adv_estimator(name, *, needs_critic=False, compares_group=False, baseline_rollout=None): ...
+def register_policy_loss(name, *, keys=()): ...
+@register_adv_estimator("mine", compares_group=True)
+@other_decorator()
+def mine(): ...
+@register_adv_estimator("critic_one", needs_critic=True, baseline_rollout="greedy")
+def critic_one(): ...
+@register_policy_loss("loss", keys=("a", "b"))
+def loss(): ...
+KL_ESTIMATORS: dict = {"k1": f, "k3": g}
+LOSS_AGG_MODES = ("token-mean",)
+''')
+    traits = config.algorithm_traits(source)
+    assert traits.adv_estimators == {"mine": config.EstimatorTraits("mine", False, True, None),
+                                     "critic_one": config.EstimatorTraits("critic_one", True, False, "greedy")}
+    assert traits.policy_losses == {"loss": config.PolicyLossTraits("loss", ("a", "b"))}
+    assert (traits.kl_estimators, traits.loss_agg_modes) == (("k1", "k3"), ("token-mean",))
+    not_literal = tmp_path / "not_literal.py"  # (algorithm_traits caches by path)
+    not_literal.write_text(source.read_text().replace("compares_group=True", "compares_group=FLAG"))
+    with pytest.raises(RuntimeError, match=r"not_literal.py:4: .* literal arguments here, got 'FLAG'"):
+        config.algorithm_traits(not_literal)
+    twice = tmp_path / "twice.py"
+    twice.write_text(source.read_text().replace('"critic_one"', '"mine"'))
+    with pytest.raises(RuntimeError, match=r"twice.py:7: .* must name one new string"):
+        config.algorithm_traits(twice)
 
 
 def test_verl_defaults():
@@ -121,7 +164,7 @@ def test_unsupported_values_are_refused_with_the_key(override, fragment):
     from config import check_supported
 
     with pytest.raises(ConfigError, match=None) as err:
-        check_supported(load_config(None, [override]))
+        check_supported(load_config(None, [DATA, override]))
     assert fragment in str(err.value)
 
 
@@ -148,21 +191,88 @@ def test_config_records_the_keys_a_program_reads():
      "kl_cov_ratio=2.0"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "actor_rollout_ref.actor.policy_loss.clip_cov_lb=6"],
      "clip_cov_lb=6.0"),
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=ppo"], "vanilla, gspo, cispo, clip_cov, kl_cov"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=ppo"], ", ".join(algorithm_traits().policy_losses)),
+    # a key of another mode would be ignored
+    (["actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.001"],
+     "clip_cov_ratio=0.001 is read by loss_mode=clip_cov only, not by actor_rollout_ref.actor.policy_loss.loss_mode="
+     "vanilla"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "actor_rollout_ref.actor.policy_loss.ppo_kl_coef=1"],
+     "ppo_kl_coef=1.0 is read by loss_mode=kl_cov only"),
 ])
 def test_algorithm_keys_that_only_work_together(overrides, fragment):
     from config import check_supported
 
     with pytest.raises(ConfigError) as err:
-        check_supported(load_config(None, overrides))
+        check_supported(load_config(None, [DATA, *overrides]))
     assert fragment in str(err.value)
 
 
 def test_gen_batch_size_must_split_like_train_batch_size():
     from mesh_utils import validate
 
-    base = ["algorithm.filter_groups.enable=true", "trainer.n_gpus_per_node=6", "data.train_batch_size=60",
+    base = [DATA, "algorithm.filter_groups.enable=true", "trainer.n_gpus_per_node=6", "data.train_batch_size=60",
             "actor_rollout_ref.actor.ppo_mini_batch_size=60", "actor_rollout_ref.rollout.n=12"]
     validate(load_config(None, [*base, "data.gen_batch_size=180"]))  # DAPO's 3x, on the seed's layout
     with pytest.raises(ConfigError, match="data.gen_batch_size=31 .* Nearest valid: 30"):
         validate(load_config(None, [*base, "data.gen_batch_size=31"]))
+
+
+# Values no run can use, each refused before anything loads with the key, the value and a valid value
+# (the schema's default); before these checks some trained an epoch, others ended in a torch traceback.
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.nccl_timeout=0", "actor_rollout_ref.nccl_timeout=0 must be > 0 (seconds a collective may "
+     "wait for the slowest rank); e.g. actor_rollout_ref.nccl_timeout=1800 (the default)."),
+    ("data.train_files=null", "data.train_files=null: no training data."),
+    ("data.train_files=[]", "data.train_files=[]: no training data."),
+    ("trainer.total_training_steps=-1", "trainer.total_training_steps=-1 must be >= 0 (0: no training step, "
+     "set-up only; null: trainer.total_epochs x the batches of an epoch); e.g. trainer.total_training_steps=null"),
+    ("actor_rollout_ref.actor.optim.lr=-1", "actor_rollout_ref.actor.optim.lr=-1.0 must be >= 0; e.g. "
+     "actor_rollout_ref.actor.optim.lr=1e-06 (the default)."),
+    ("critic.optim.lr=-1e-5", "critic.optim.lr=-1e-05 must be >= 0; e.g. critic.optim.lr=1e-05 (the default)."),
+    ("critic.optim.weight_decay=-0.1", "critic.optim.weight_decay=-0.1 must be >= 0; e.g. "
+     "critic.optim.weight_decay=0.01"),
+    ("actor_rollout_ref.actor.optim.betas=[0.9,1.0]", "actor_rollout_ref.actor.optim.betas=[0.9, 1.0] must be two "
+     "numbers in [0, 1), Adam's decay rates of its moments; e.g. actor_rollout_ref.actor.optim.betas=[0.9,0.999]"),
+    ("critic.optim.betas=[0.9]", "critic.optim.betas=[0.9] must be two numbers in [0, 1)"),
+    ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=1.5", "lr_warmup_steps_ratio=1.5 must be in [0, 1]"),
+    ("critic.optim.total_training_steps=0", "critic.optim.total_training_steps=0 must be -1 (the run's length) or "
+     ">= 1; e.g. critic.optim.total_training_steps=-1"),
+    ("actor_rollout_ref.actor.ppo_epochs=0", "actor_rollout_ref.actor.ppo_epochs=0 must be >= 1; e.g. "
+     "actor_rollout_ref.actor.ppo_epochs=1"),
+    ("critic.ppo_epochs=0", "critic.ppo_epochs=0 must be >= 1; e.g. critic.ppo_epochs=null (the default)."),
+    ("actor_rollout_ref.actor.clip_ratio=-0.2", "actor_rollout_ref.actor.clip_ratio=-0.2 must be in [0, 1); e.g. "
+     "actor_rollout_ref.actor.clip_ratio=0.2"),
+    ("actor_rollout_ref.actor.clip_ratio_low=1", "clip_ratio_low=1.0 must be in [0, 1)"),
+    ("actor_rollout_ref.actor.clip_ratio_c=1", "clip_ratio_c=1.0 must be > 1"),
+    ("actor_rollout_ref.actor.grad_clip=0", "actor_rollout_ref.actor.grad_clip=0.0 must be > 0"),
+    ("actor_rollout_ref.rollout.temperature=-1", "actor_rollout_ref.rollout.temperature=-1.0: training samples"),
+    ("actor_rollout_ref.rollout.val_kwargs.temperature=-1", "val_kwargs.temperature=-1.0 must be >= 0 (0: greedy)"),
+    ("actor_rollout_ref.rollout.top_p=0", "actor_rollout_ref.rollout.top_p=0.0 must be in (0, 1]"),
+    ("actor_rollout_ref.rollout.top_k=-2", "actor_rollout_ref.rollout.top_k=-2 must be >= -1"),
+    ("actor_rollout_ref.rollout.gpu_memory_utilization=1.5", "gpu_memory_utilization=1.5 must be in (0, 1]"),
+    ("actor_rollout_ref.rollout.val_kwargs.n=0", "actor_rollout_ref.rollout.val_kwargs.n=0 must be >= 1"),
+    ("data.max_response_length=0", "data.max_response_length=0 must be >= 1; e.g. data.max_response_length=512"),
+    ("data.max_prompt_length=-3", "data.max_prompt_length=-3 must be >= 1"),
+    ("algorithm.gamma=1.5", "algorithm.gamma=1.5 must be in [0, 1]"),
+    ("algorithm.kl_ctrl.kl_coef=-0.001", "algorithm.kl_ctrl.kl_coef=-0.001 must be >= 0"),
+    ("critic.cliprange_value=-0.5", "critic.cliprange_value=-0.5 must be >= 0"),
+    ("trainer.save_freq=-2", "trainer.save_freq=-2 must be >= -1 (-1 or 0: never; k: every k steps and at the "
+     "last); e.g. trainer.save_freq=-1"),
+    ("trainer.max_consecutive_skipped_steps=0", "trainer.max_consecutive_skipped_steps=0 must be >= 1"),
+    ("trainer.max_actor_ckpt_to_keep=0", "trainer.max_actor_ckpt_to_keep=0 must be >= 1 (null keeps every "
+     "checkpoint)"),
+])
+def test_values_that_cannot_work_are_refused(override, message):
+    with pytest.raises(ConfigError) as err:
+        check_supported(load_config(None, [DATA, override]))
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("override", [
+    "trainer.total_training_steps=0",  # verl: 0 steps (set-up, then exit); null: total_epochs x batches per epoch
+    "trainer.total_epochs=0", "trainer.save_freq=0", "trainer.test_freq=-1", "actor_rollout_ref.actor.optim.lr=0",
+    "actor_rollout_ref.actor.clip_ratio_high=10", "actor_rollout_ref.rollout.top_k=0", "algorithm.lam=0",
+    "actor_rollout_ref.rollout.val_kwargs.temperature=0",
+])
+def test_edge_values_that_work_are_accepted(override):
+    check_supported(load_config(None, [DATA, override]))

@@ -24,8 +24,11 @@ def test_sampler_is_deterministic_reshuffles_and_resumes():
     resumed = PromptSampler(10, 4, seed=3)
     resumed.load_state_dict(c.state_dict())
     assert [resumed.next_batch() for _ in range(2)] == batches[3:]
-    with pytest.raises(ConfigError, match="data.train_batch_size=11"):
+    with pytest.raises(ConfigError, match="data.train_batch_size=11 is larger than the 10 training prompts"):
         PromptSampler(10, 11, seed=0)
+    # under dynamic sampling the size is data.gen_batch_size's, and the error names that key
+    with pytest.raises(ConfigError, match="data.gen_batch_size=30 is larger than the 10 .* at most 10"):
+        PromptSampler(10, 30, seed=0, size_key="data.gen_batch_size")
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 
@@ -9,14 +10,15 @@ import pytest
 from conftest import ROOT
 
 from config import ConfigError, load_config
-from mesh_utils import plan_device_map, validate
+from mesh_utils import ForwardSpec, UpdateSpec, plan_device_map, validate
 
 SEED_1 = ROOT / "configs" / "gsm8k_grpo_1node_6gpu.yaml"
 SEED_2 = ROOT / "configs" / "gsm8k_grpo_2node_6gpu.yaml"
 
 
 def plan(path=SEED_1, *overrides, world=None):
-    return validate(load_config(path, list(overrides)), world)
+    data = ["data.train_files=train.parquet"] if path is None else []  # the built-in defaults have no data
+    return validate(load_config(path, [*data, *overrides]), world)
 
 
 def test_seed_six_gpu_numbers():
@@ -25,8 +27,7 @@ def test_seed_six_gpu_numbers():
     assert dm.rollout_tp_groups == [[0, 1], [2, 3], [4, 5]]
     assert dm.fsdp_groups == [[0, 1, 2, 3, 4, 5]]
     assert (p.prompts_per_rollout_group, p.samples_per_rollout_group, p.total_samples) == (20, 240, 720)
-    assert p.ppo_mini_batch_size_per_rank == 120 and p.samples_per_rank == 120
-    assert p.log_prob_micro_steps == 15  # 120 samples / 8 per micro batch, rounded up
+    assert p.actor_update.mini_batch_size == 120 and p.samples_per_rank == 120
 
 
 @pytest.mark.parametrize("fsdp_size, groups", [
@@ -45,7 +46,7 @@ def test_ulysses_divides_the_per_rank_batch():
     assert (dims.train_dp, dims.sp) == (3, 2)
     assert plan_device_map(dims).sp_groups == [[0, 1], [2, 3], [4, 5]]
     assert plan_device_map(dims).train_dp_groups == [[0, 2, 4], [1, 3, 5]]
-    assert p.ppo_mini_batch_size_per_rank == 720 // 3
+    assert p.actor_update.mini_batch_size == 720 // 3
     assert plan_device_map(plan()[0]).train_dp_groups == [[0, 1, 2, 3, 4, 5]]
 
 
@@ -54,7 +55,7 @@ def test_ulysses_token_budgets_are_per_gpu_times_sp():
     budget need only hold 1/sp of the longest sample."""
     _, p = plan(SEED_1, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
                 "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=768")
-    assert p.ppo_max_token_len_per_gpu == p.log_prob_max_token_len_per_gpu == 1536
+    assert p.actor_update.max_token_len == p.old_log_prob.max_token_len == p.ref_log_prob.max_token_len == 1536
 
 
 def test_two_nodes_keep_tp_pairs_on_one_node():
@@ -64,10 +65,10 @@ def test_two_nodes_keep_tp_pairs_on_one_node():
     for group in dm.rollout_tp_groups:
         assert len({dm.node_of_rank[r] for r in group}) == 1
     assert dm.node_of_rank == [0] * 6 + [1] * 6
-    assert p.total_samples == 720 and p.ppo_mini_batch_size_per_rank == 60
+    assert p.total_samples == 720 and p.actor_update.mini_batch_size == 60
 
 
-def simulate(tbs, n, mini, world, tp, sp, lp_micro):
+def simulate(tbs, n, mini, world, tp, sp):
     """The batch flow done by hand with explicit lists, to check the closed-form plan against."""
     prompts = list(range(tbs))
     groups = world // tp
@@ -78,8 +79,7 @@ def simulate(tbs, n, mini, world, tp, sp, lp_micro):
               for r in range(train_ranks)]
     # a mini batch is `mini` prompts' samples, spread evenly over the training ranks
     mini_samples = mini * n
-    steps = -(-len(shares[0]) // lp_micro)
-    return len(per_group[0]), len(per_group[0]) * n, len(samples), len(shares[0]), mini_samples // train_ranks, steps
+    return len(per_group[0]), len(per_group[0]) * n, len(samples), len(shares[0]), mini_samples // train_ranks
 
 
 @pytest.mark.parametrize("world, tp, sp, n", [
@@ -87,16 +87,17 @@ def simulate(tbs, n, mini, world, tp, sp, lp_micro):
     if w % tp == 0 and w % sp == 0 and 24 % (w // tp) == 0 and (12 * n) % (w // sp) == 0
 ])
 def test_plan_matches_simulation(world, tp, sp, n):
-    tbs, mini, lp = 24, 12, 3
+    tbs, mini = 24, 12
     _, p = plan(None, f"data.train_batch_size={tbs}", f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
                 f"actor_rollout_ref.rollout.n={n}", f"trainer.n_gpus_per_node={world}",
                 f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
                 f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}",
                 f"critic.ulysses_sequence_parallel_size={sp}",
-                f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={lp}")
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3")
     got = (p.prompts_per_rollout_group, p.samples_per_rollout_group, p.total_samples, p.samples_per_rank,
-           p.ppo_mini_batch_size_per_rank, p.log_prob_micro_steps)
-    assert got == simulate(tbs, n, mini, world, tp, sp, lp)
+           p.actor_update.mini_batch_size)
+    assert got == simulate(tbs, n, mini, world, tp, sp)
+    assert p.critic_update.mini_batch_size == p.actor_update.mini_batch_size  # the default estimator, gae
 
 
 # Each of the seed's pitfalls (and verl's), as the error a user gets; each names the key and numbers.
@@ -148,18 +149,75 @@ PITFALLS = [
 def test_token_budgets_follow_verl_defaults():
     """Off by default; on, each forward's budget defaults to the actor's (the critic's own: 32768)."""
     _, p = plan(SEED_1, "algorithm.adv_estimator=gae")
-    assert (p.ppo_max_token_len_per_gpu, p.log_prob_max_token_len_per_gpu, p.critic_forward_max_token_len_per_gpu) == (
-        None, None, None)
+    assert (p.actor_update.max_token_len, p.old_log_prob.max_token_len, p.values.max_token_len) == (None, None, None)
     _, p = plan(SEED_1, "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_dynamic_bsz=true",
                 "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=4096")
-    assert (p.ppo_max_token_len_per_gpu, p.log_prob_max_token_len_per_gpu, p.ref_log_prob_max_token_len_per_gpu,
-            p.critic_ppo_max_token_len_per_gpu, p.critic_forward_max_token_len_per_gpu) == (
-        16384, 16384, 4096, 32768, 32768)
+    assert (p.actor_update.max_token_len, p.old_log_prob.max_token_len, p.ref_log_prob.max_token_len,
+            p.critic_update.max_token_len, p.values.max_token_len) == (16384, 16384, 4096, 32768, 32768)
     _, p = plan(SEED_1, "actor_rollout_ref.actor.use_dynamic_bsz=true",
                 "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false")
-    assert (p.ppo_max_token_len_per_gpu, p.log_prob_max_token_len_per_gpu) == (16384, None)
-    _, p = plan(SEED_1, "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.use_kl_loss=false")
-    assert p.ref_log_prob_max_token_len_per_gpu is None  # no reference model, no budget to show
+    assert (p.actor_update.max_token_len, p.old_log_prob.max_token_len, p.ref_log_prob.max_token_len) == (
+        16384, None, 16384)
+    _, p = plan(SEED_1, "algorithm.adv_estimator=gae", "critic.use_dynamic_bsz=true",
+                "critic.forward_max_token_len_per_gpu=2000")
+    assert (p.actor_update.max_token_len, p.critic_update.max_token_len, p.values.max_token_len) == (
+        None, 32768, 2000)
+
+
+# verl's rules, written out: a null key of a role means the actor's value (the ref's and the values'
+# micro batch: the rollout's log-prob one). The seed config: 120 samples per rank, actor micro 8,
+# log-prob micro 8, use_kl_loss (a reference model), use_remove_padding.
+SEED_ACTOR = UpdateSpec(epochs=1, mini_batch_size=120, micro_batch_size=8, max_token_len=None, shuffle=False,
+                        loss_agg_mode="token-mean", use_remove_padding=True, grad_clip=1.0)
+
+
+def test_seed_roles():
+    _, p = plan(SEED_1)
+    assert p.old_log_prob == p.ref_log_prob == ForwardSpec(micro_batch_size=8, max_token_len=None,
+                                                           use_remove_padding=True)
+    assert p.actor_update == SEED_ACTOR
+    assert p.values is None and p.critic_update is None  # GRPO: no critic
+
+
+def test_critic_nulls_take_the_actors_values():
+    _, p = plan(SEED_1, "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.ppo_epochs=2",
+                "actor_rollout_ref.actor.shuffle=true", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+                "critic.grad_clip=0.5", "critic.model.use_remove_padding=false")
+    # mini batch: the actor's 60 prompts x 12 / 6 ranks; micro null: the whole mini batch
+    assert p.critic_update == UpdateSpec(epochs=2, mini_batch_size=120, micro_batch_size=120, max_token_len=None,
+                                         shuffle=True, loss_agg_mode="seq-mean-token-mean", use_remove_padding=False,
+                                         grad_clip=0.5)
+    assert p.values == ForwardSpec(micro_batch_size=8, max_token_len=None, use_remove_padding=False)
+    assert p.actor_update.epochs == 2 and p.actor_update.shuffle
+
+
+def test_critic_and_ref_keys_of_their_own():
+    _, p = plan(SEED_1, "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.ppo_epochs=2",
+                "actor_rollout_ref.actor.shuffle=true", "critic.ppo_epochs=3", "critic.shuffle=false",
+                "critic.loss_agg_mode=seq-mean-token-sum", "critic.ppo_mini_batch_size=30",
+                "critic.ppo_micro_batch_size_per_gpu=20", "critic.forward_micro_batch_size_per_gpu=4",
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2")
+    assert p.critic_update == UpdateSpec(epochs=3, mini_batch_size=60, micro_batch_size=20, max_token_len=None,
+                                         shuffle=False, loss_agg_mode="seq-mean-token-sum", use_remove_padding=True,
+                                         grad_clip=1.0)
+    assert p.values == ForwardSpec(4, None, True)
+    assert p.ref_log_prob == ForwardSpec(2, None, True) and p.old_log_prob == ForwardSpec(8, None, True)
+
+
+@pytest.mark.parametrize("kl_loss, kl_in_reward, has_ref", [(True, False, True), (False, True, True),
+                                                            (False, False, False)])
+def test_a_reference_model_only_for_a_kl_term(kl_loss, kl_in_reward, has_ref):
+    _, p = plan(SEED_1, f"actor_rollout_ref.actor.use_kl_loss={kl_loss}", f"algorithm.use_kl_in_reward={kl_in_reward}")
+    assert (p.ref_log_prob is not None) == has_ref
+
+
+def test_dynamic_bsz_nulls_follow_the_actor():
+    _, p = plan(SEED_1, "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4000",
+                "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=false", "critic.ppo_max_token_len_per_gpu=5000")
+    assert p.old_log_prob == ForwardSpec(8, 4000, True)  # rollout's budget null: the actor's
+    assert p.ref_log_prob == ForwardSpec(8, None, True)  # its own switch, off
+    assert p.critic_update.max_token_len == 5000 and p.values == ForwardSpec(8, 5000, True)  # critic's switch null
 
 
 @pytest.mark.parametrize("path, overrides, fragments", PITFALLS, ids=lambda x: None)
@@ -185,8 +243,14 @@ def test_planner_cli_prints_the_seed_numbers():
     assert out.returncode == 0, out.stderr
     text = out.stdout
     for fragment in ["TP groups [[0,1], [2,3], [4,5]]", "3 rollout dp groups x 20 prompts",
-                     "240 samples per group, 720 in all", "= 120 per rank", "15 forward micro step(s)"]:
+                     "240 samples per group, 720 in all", "= 120 per rank"]:
         assert fragment in text, fragment
+    # per role: micro 8 -> 15 forward micro steps for each log-prob forward; the actor's 1 epoch of mini
+    # batches of 120 in micro batches of 8 (15 accumulation steps), no token budget, no shuffle
+    assert re.search(r"old log-probs +8 +15 +- +yes", text) and re.search(r"ref log-probs +8 +15 +- +yes", text)
+    assert re.search(r"actor +1 +120 +8 +15 +- +no +token-mean +1.0 +yes", text), text
+    roles = text.split("Per role")[1].split("Memory plan")[0]
+    assert not re.search(r"^ +values ", roles, re.M) and not re.search(r"^ +critic ", roles, re.M)  # GRPO: no critic
 
 
 def test_planner_cli_json_is_the_layout_and_batch_plan():
@@ -201,3 +265,15 @@ def test_planner_cli_refuses_a_bad_config():
     out = planner("--config", str(SEED_1), "actor_rollout_ref.rollout.tensor_model_parallel_size=4")
     assert out.returncode == 1
     assert "tensor_model_parallel_size=4" in out.stderr and out.stdout == ""
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("actor_rollout_ref.nccl_timeout=0", "actor_rollout_ref.nccl_timeout=0 must be > 0"),
+    ("data.train_files=null", "data.train_files=null: no training data"),
+    ("trainer.total_training_steps=-5", "trainer.total_training_steps=-5 must be >= 0"),
+    ("actor_rollout_ref.actor.optim.lr=-1", "actor_rollout_ref.actor.optim.lr=-1.0 must be >= 0"),
+    ("actor_rollout_ref.rollout.n=0", "actor_rollout_ref.rollout.n=0 must be >= 1"),
+])
+def test_planner_refuses_what_the_trainer_refuses(override, fragment):
+    out = planner("--config", str(ROOT / "configs" / "tiny_cpu.yaml"), override)
+    assert out.returncode == 1 and fragment in out.stderr, out.stderr

@@ -13,7 +13,8 @@ from mesh_utils import plan_device_map, validate
 
 WORKER = ROOT / "tests" / "dist_mesh_check.py"
 BASE = "data.train_batch_size=12 actor_rollout_ref.actor.ppo_mini_batch_size=6 actor_rollout_ref.rollout.n=2 " \
-       "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1 algorithm.adv_estimator=grpo"
+       "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1 algorithm.adv_estimator=grpo " \
+       "data.train_files=train.parquet"
 
 # world size -> layouts run in one launch (one process group, several mesh sets)
 LAYOUTS = {
@@ -61,7 +62,7 @@ def expected_groups(layout: str, world: int, rank: int) -> dict:
         "rollout_dp_rank": next(i for i, g in enumerate(dm.rollout_tp_groups) if rank in g),
         "sp_group": member(dm.sp_groups) if dims.sp > 1 else None,
         "train_dp_group": member(dm.train_dp_groups),
-        "ppo_mini_batch_size_per_rank": plan.ppo_mini_batch_size_per_rank,
+        "ppo_mini_batch_size_per_rank": plan.actor_update.mini_batch_size,
     }
 
 

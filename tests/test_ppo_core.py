@@ -163,8 +163,9 @@ def test_compute_advantage_dispatch_and_unknown_name():
     rewards, mask = group_batch()
     got, _ = pc.compute_advantage("rloo", token_level_rewards=rewards, response_mask=mask, index=GROUP_INDEX)
     assert torch.equal(got, pc.compute_rloo_outcome_advantage(rewards, mask, GROUP_INDEX)[0])
-    with pytest.raises(ValueError, match="gae, grpo, rloo, reinforce_plus_plus"):
+    with pytest.raises(ValueError, match="unknown algorithm.adv_estimator='ppo2'") as err:
         pc.compute_advantage("ppo2", token_level_rewards=rewards)
+    assert all(name in str(err.value) for name in pc.ADV_ESTIMATORS)
 
 
 # --- policy and value losses ---------------------------------------------------------------------
@@ -589,16 +590,51 @@ def _loss_batch(seed, spread=1.5, lengths=(6, 3, 1, 5)):
     return old, new, adv, mask, list(lengths)
 
 
-def test_policy_loss_registry_names_and_vanilla():
+def test_unknown_policy_loss_names_every_registered_one():
+    old, new, adv, mask, _ = _loss_batch(40)
+    with pytest.raises(ValueError, match="unknown actor.policy_loss.loss_mode='ppo3'") as err:
+        pc.policy_loss("ppo3", old, new, adv, mask)
+    assert all(name in str(err.value) for name in pc.POLICY_LOSSES)
+
+
+# a value for every actor.policy_loss.* key, none of them the default
+OWN_KEYS = {"clip_cov_ratio": 0.5, "clip_cov_lb": 0.0, "clip_cov_ub": 10.0, "kl_cov_ratio": 0.5, "ppo_kl_coef": 0.3}
+
+
+def test_every_policy_loss_key_is_a_config_key_some_mode_reads():
+    import config
+
+    schema = config.SCHEMA["actor_rollout_ref"]["actor"]["policy_loss"]
+    claimed = [key for loss in pc.POLICY_LOSSES.values() for key in loss.keys]
+    assert sorted(claimed) == sorted(set(schema) - {"loss_mode"}) == sorted(OWN_KEYS)
+
+
+@pytest.mark.parametrize("mode", list(pc.POLICY_LOSSES))
+def test_each_policy_loss_reads_exactly_its_registered_keys(mode):
+    """The trainer passes a loss only its registered keys: the loss must then be what it is given them
+    all, and (for a mode with keys) not what it is with their defaults."""
+    old, new, adv, mask, _ = _loss_batch(41, spread=0.5)
+    adv = adv * 3  # clip_cov's covariance window catches tokens
+    clip = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+    keys = pc.POLICY_LOSSES[mode].keys
+
+    def loss(**kwargs):
+        return pc.policy_loss(mode, old, new, adv, mask, "token-mean", generator=torch.Generator().manual_seed(0),
+                              **clip, **kwargs)[0].item()
+
+    own = loss(**{k: OWN_KEYS[k] for k in keys})
+    assert own == loss(**OWN_KEYS)
+    if keys:
+        assert own != loss()
+
+
+def test_vanilla_policy_loss_passes_clip_ratio_c_on():
+    """vanilla is compute_policy_loss (checked against a loop above); its dual-clip bound must be the given one."""
     old, new, adv, mask, _ = _loss_batch(40)
     loss, metrics = pc.policy_loss("vanilla", old, new, adv, mask, "token-mean", clip_ratio_low=0.2,
-                                   clip_ratio_high=0.28, clip_ratio_c=3.0, kl_cov_ratio=0.5)  # others' keys ignored
-    want = pc.compute_policy_loss(old, new, adv, mask, 0.2, 0.28, 3.0)
-    assert loss.item() == want[0].item()
-    assert [metrics[k].item() for k in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")] == [
-        w.item() for w in want[1:]]
-    with pytest.raises(ValueError, match="vanilla, gspo, cispo, clip_cov, kl_cov"):
-        pc.policy_loss("ppo3", old, new, adv, mask)
+                                   clip_ratio_high=0.28, clip_ratio_c=1.5)
+    want = pc.compute_policy_loss(old, new, adv, mask, 0.2, 0.28, 1.5)
+    assert loss.item() == want[0].item() and metrics["actor/pg_clipfrac_lower"].item() == want[3].item() > 0
 
 
 def test_gspo_clips_the_sequence_ratio_and_each_token_keeps_its_gradient():
@@ -698,7 +734,7 @@ def test_kl_cov_penalises_the_tokens_of_largest_covariance():
         statistics.fmean(abs(new[i, t].item() - old[i, t].item()) for i, t in cov))
 
 
-@pytest.mark.parametrize("mode", ["gspo", "cispo", "clip_cov", "kl_cov"])
+@pytest.mark.parametrize("mode", list(pc.POLICY_LOSSES))
 def test_policy_losses_scale_like_agg_loss(mode):
     """Every loss passes the global counts on to agg_loss: sum / count * dp_size."""
     old, new, adv, mask, lengths = _loss_batch(90)

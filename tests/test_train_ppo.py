@@ -144,9 +144,13 @@ def test_gae_with_kl(gae_kl):
 @pytest.mark.slow
 def test_every_config_key_is_read(grpo_tp2, gae_kl):
     """No key is accepted and ignored: between them, the two runs read every key of the schema
-    (algorithm.rollout_correction's: tests/test_train_ppo_rollout_correction.py's two runs)."""
+    (algorithm.rollout_correction's: tests/test_train_ppo_rollout_correction.py's two runs; the keys of
+    the other policy losses, which only their mode reads: tests/test_train_ppo_algorithms.py's)."""
     unread = [set(json.loads((out / "config_unread.json").read_text())) for out in (grpo_tp2, gae_kl)]
-    unread_by_both = {k for k in set.intersection(*unread) if not k.startswith("algorithm.rollout_correction.")}
+    other_losses = {f"actor_rollout_ref.actor.policy_loss.{key}" for loss in config.algorithm_traits().policy_losses.values()
+                    for key in loss.keys}
+    unread_by_both = {k for k in set.intersection(*unread) - other_losses
+                      if not k.startswith("algorithm.rollout_correction.")}
     assert unread_by_both == set(), sorted(unread_by_both)
 
 

@@ -1,8 +1,9 @@
 """train_ppo.py's step functions on real gloo process groups, against references computed another way:
 
-  compute_advantages   every group estimator (GRPO, RLOO, REINFORCE++-baseline, OPO, GPG), when a
-                       prompt's samples sit on both ranks, equals the estimator run on all samples in one
-                       process; GAE whitening spans every rank's share; ReMax uses each sample's baseline
+  compute_advantages   every registered estimator, when a prompt's samples sit on both ranks, equals the
+                       estimator run on all samples in one process: the group ones (GRPO, RLOO, ...) see the
+                       whole group, GAE's and REINFORCE++'s whitening spans every rank's share, ReMax uses
+                       each sample's baseline
   dynamic_sampling     DAPO's filter keeps the first train_batch_size prompts whose groups differ, over
                        several generation batches, the same on every rank, each rank getting its slice
                        of them in prompt-major order (against a plain loop over the whole data)
@@ -43,7 +44,7 @@ def _group_batch(seed: int) -> dict[str, torch.Tensor]:
             "values": torch.randn(6, 5, generator=g), "reward_baselines": torch.rand(6, generator=g)}
 
 
-ESTIMATORS = (*config.GROUP_ESTIMATORS, "gae", "remax")
+ESTIMATORS = tuple(ppo_core.ADV_ESTIMATORS)  # a new estimator is checked here with no edit
 
 
 def _advantages_worker(rank: int, init_file: str, out: str) -> None:
@@ -174,7 +175,7 @@ def _update_worker(rank: int, init_file: str, model_path: str, mode: str, out: s
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mode", config.LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", ppo_core.LOSS_AGG_MODES)
 def test_micro_batch_cut_does_not_change_the_update(mode, tiny_assets, tmp_path):
     run_gloo(_update_worker, WORLD, str(tmp_path / "pg"), str(tiny_assets["tiny-qwen2"]), mode, str(tmp_path / "upd"),
              timeout_s=180)

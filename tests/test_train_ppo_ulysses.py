@@ -37,7 +37,7 @@ def test_grpo_with_sequence_parallel(tiny_assets, sft_model, tmp_path):
 
     dims, plan = validate(load_config(args[1], args[2:]), 2)
     device_map = plan_device_map(dims)
-    assert rows[0]["batch/ppo_mini_batch_size_per_rank"] == plan.ppo_mini_batch_size_per_rank == 128  # 16 x 8 / 1
+    assert rows[0]["batch/ppo_mini_batch_size_per_rank"] == plan.actor_update.mini_batch_size == 128  # 16 x 8 / 1
     for rank in range(2):
         layout = json.loads((out / "layout" / f"rank{rank}.json").read_text())
         for key, groups in (("sp_group", device_map.sp_groups), ("train_dp_group", device_map.train_dp_groups),
