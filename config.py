@@ -697,19 +697,27 @@ def check_supported(cfg: Config) -> None:
 _RC = "algorithm.rollout_correction"
 
 
+def _bounds(text: str, what: str, example: str, reciprocal_lower: bool = False) -> tuple[float | None, float]:
+    """"lower_upper" or one number (the upper bound; lower 1/upper with reciprocal_lower, else None) ->
+    (lower, upper), both positive with lower <= upper. `what` and `example` go into the errors."""
+    try:
+        if "_" in text:
+            lower_text, upper_text = text.split("_", 1)
+            lower, upper = float(lower_text), float(upper_text)
+        else:
+            upper = float(text)
+            lower = 1.0 / upper if reciprocal_lower and upper > 0 else None
+    except ValueError:
+        raise ConfigError(f"{what} is not a number or 'lower_upper' ({example}).") from None
+    if upper <= 0 or (lower is not None and not 0 < lower <= upper):
+        raise ConfigError(f"{what}: bounds must be positive with lower <= upper ({example}).")
+    return lower, upper
+
+
 def parse_is_threshold(spec: float | str) -> tuple[float, float | None]:
     """rollout_is_threshold -> (upper, lower): a number is TIS's upper bound (weights clamped to it,
     lower None); "lower_upper" is IcePop (weights outside [lower, upper] set to 0)."""
-    text = str(spec).strip()
-    try:
-        lower, upper = (float(text.split("_", 1)[0]), float(text.split("_", 1)[1])) if "_" in text else (None,
-                                                                                                           float(text))
-    except ValueError:
-        raise ConfigError(f"{_RC}.rollout_is_threshold={spec!r} is not a number or 'lower_upper' "
-                          f"(e.g. 2.0, or '0.5_5.0').") from None
-    if upper <= 0 or (lower is not None and not 0 < lower <= upper):
-        raise ConfigError(f"{_RC}.rollout_is_threshold={spec!r}: bounds must be positive with lower <= upper "
-                          f"(e.g. 2.0, or '0.5_5.0').")
+    lower, upper = _bounds(str(spec).strip(), f"{_RC}.rollout_is_threshold={spec!r}", "e.g. 2.0, or '0.5_5.0'")
     return upper, lower
 
 
@@ -736,20 +744,9 @@ def parse_rs_thresholds(options: str, spec: float | str | None) -> dict[str, tup
         if not name.endswith("k1") and "_" in text:
             raise ConfigError(f"{_RC}.rollout_rs_threshold {text!r} for {name}: k2 / k3 options take one "
                               f"upper bound, not 'lower_upper'.")
-        try:
-            if name.endswith("k1"):
-                lower_text, upper_text = text.split("_", 1) if "_" in text else (None, text)
-                upper = float(upper_text)
-                lower = 1.0 / upper if lower_text is None else float(lower_text)
-            else:
-                lower, upper = None, float(text)
-        except ValueError:
-            raise ConfigError(f"{_RC}.rollout_rs_threshold {text!r} for {name} is not a number"
-                              f"{' or lower_upper' if name.endswith('k1') else ''}.") from None
-        if upper <= 0 or (lower is not None and not 0 < lower <= upper):
-            raise ConfigError(f"{_RC}.rollout_rs_threshold {text!r} for {name}: bounds must be positive with "
-                              f"lower <= upper.")
-        out[name] = (lower, upper)
+        example = "e.g. '0.5_2.0' or 2.0" if name.endswith("k1") else "e.g. 0.01"
+        out[name] = _bounds(text, f"{_RC}.rollout_rs_threshold {text!r} for {name}", example,
+                            reciprocal_lower=name.endswith("k1"))
     return out
 
 

@@ -36,12 +36,11 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from config import Config, ConfigError, load_config
-from mesh_utils import BatchPlan, ParallelDims, describe, plan_arguments, plan_device_map, validate
+from config import Config
+from mesh_utils import BatchPlan, ParallelDims, describe, plan_arguments, plan_device_map, plan_from_args
 
 if TYPE_CHECKING:
     from lora import LoraSpec
@@ -578,12 +577,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-memory-gb", type=float, default=80.0,
                     help="device memory per GPU that the memory plan is checked against (default 80)")
     args = ap.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        dims, plan = validate(cfg, args.world_size)
-    except ConfigError as e:
-        print(f"invalid config: {e}", file=sys.stderr)
+    planned = plan_from_args(args)
+    if planned is None:
         return 1
+    cfg, dims, plan = planned
     memory = memory_report(cfg, dims, plan, args.gpu_memory_gb)
     if args.json:
         out = {"dims": asdict(dims), "device_map": asdict(plan_device_map(dims)), "batch": asdict(plan),

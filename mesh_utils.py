@@ -684,6 +684,16 @@ def plan_arguments(description: str, example: str) -> argparse.ArgumentParser:
     return ap
 
 
+def plan_from_args(args: argparse.Namespace) -> tuple[Config, ParallelDims, BatchPlan] | None:
+    """The config plan_arguments' command line names, and its plan; None, the error on stderr, if invalid."""
+    try:
+        cfg = load_config(args.config, args.overrides)
+        return (cfg, *validate(cfg, args.world_size))
+    except ConfigError as e:
+        print(f"invalid config: {e}", file=sys.stderr)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = plan_arguments("Explain and validate the device map and batch flow of a config, with no GPU and no "
                         "process group (the memory plan too: memory_plan.py). Exits 1 with the reason when the "
@@ -691,12 +701,10 @@ def main(argv: list[str] | None = None) -> int:
                         "python mesh_utils.py --config configs/gsm8k_grpo_1node_6gpu.yaml "
                         "actor_rollout_ref.actor.fsdp_config.fsdp_size=3")
     args = ap.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        dims, plan = validate(cfg, args.world_size)
-    except ConfigError as e:
-        print(f"invalid config: {e}", file=sys.stderr)
+    planned = plan_from_args(args)
+    if planned is None:
         return 1
+    cfg, dims, plan = planned
     if args.json:
         print(json.dumps({"dims": asdict(dims), "device_map": asdict(plan_device_map(dims)), "batch": asdict(plan)},
                          indent=1))
