@@ -69,13 +69,13 @@ class OffloadFlags:
 
     @classmethod
     def from_config(cls, cfg: Config) -> OffloadFlags:
-        arr = cfg.actor_rollout_ref
-        return cls(actor_param=arr.actor.fsdp_config.param_offload,
-                   actor_optimizer=arr.actor.fsdp_config.optimizer_offload,
+        roles = cfg.actor_rollout_ref
+        return cls(actor_param=roles.actor.fsdp_config.param_offload,
+                   actor_optimizer=roles.actor.fsdp_config.optimizer_offload,
                    critic_param=cfg.critic.fsdp_config.param_offload,
                    critic_optimizer=cfg.critic.fsdp_config.optimizer_offload,
-                   ref_param=arr.ref.fsdp_config.param_offload,
-                   free_cache_engine=arr.rollout.free_cache_engine)
+                   ref_param=roles.ref.fsdp_config.param_offload,
+                   free_cache_engine=roles.rollout.free_cache_engine)
 
 
 def placement(flags: OffloadFlags, phase: str) -> dict[str, str]:
@@ -476,15 +476,15 @@ def verdict(m: MemoryInputs, per_phase: dict[str, dict[str, int]], ppo_mini_per_
 def memory_inputs(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_gb: float) -> MemoryInputs:
     """Read the model shapes (config.json) and the settings; raises OSError/ValueError when the
     model's config cannot be read."""
-    arr = cfg.actor_rollout_ref
-    trust = arr.model.trust_remote_code
-    actor = model_shape(arr.model.path, trust_remote_code=trust)
+    roles = cfg.actor_rollout_ref
+    trust = roles.model.trust_remote_code
+    actor = model_shape(roles.model.path, trust_remote_code=trust)
     critic_update = plan.critic_update  # None: no critic (mesh_utils.BatchPlan resolves each role once)
-    critic = model_shape(cfg.critic.model.path or arr.model.path, value_head=True,
+    critic = model_shape(cfg.critic.model.path or roles.model.path, value_head=True,
                          trust_remote_code=trust) if critic_update is not None else None
     from lora import LoraSpec  # imported here (torch, peft): a plan without a model stays instant
 
-    spec = LoraSpec.from_config(arr.model)
+    spec = LoraSpec.from_config(roles.model)
     return MemoryInputs(
         # with LoRA the reference is the actor with its adapter disabled: no copy of its own
         actor=actor, critic=critic, use_ref=plan.ref_log_prob is not None and spec is None,
@@ -492,10 +492,10 @@ def memory_inputs(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_g
         engine_bytes=2, prompt_len=cfg.data.max_prompt_length, response_len=cfg.data.max_response_length,
         ppo_micro=plan.actor_update.micro_batch_size, log_prob_micro=plan.old_log_prob.micro_batch_size,
         critic_micro=critic_update.micro_batch_size if critic_update else None,
-        actor_checkpointing=arr.model.enable_gradient_checkpointing,
+        actor_checkpointing=roles.model.enable_gradient_checkpointing,
         critic_checkpointing=cfg.critic.model.enable_gradient_checkpointing,
-        gpu_memory_utilization=arr.rollout.gpu_memory_utilization, gpu_memory_bytes=int(gpu_memory_gb * GIB),
-        adapter=adapter_shapes(arr.model.path, spec, trust) if spec else None, sp=dims.sp,
+        gpu_memory_utilization=roles.rollout.gpu_memory_utilization, gpu_memory_bytes=int(gpu_memory_gb * GIB),
+        adapter=adapter_shapes(roles.model.path, spec, trust) if spec else None, sp=dims.sp,
         actor_packed=plan.actor_update.use_remove_padding,
         critic_packed=critic_update is not None and critic_update.use_remove_padding,
         ppo_max_tokens=plan.actor_update.max_token_len, log_prob_max_tokens=plan.old_log_prob.max_token_len,

@@ -328,13 +328,13 @@ def _actor_micro_batch(actor: torch.nn.Module, loss: ActorLoss, loss_agg_mode: s
     and (rows, log-probs, entropy, cut log-probs) are appended for the caller."""
     dp_group, sp_group = groups
     own_old = forwards is not None
-    log_prob, entropy, *cut = compute_log_probs(
+    log_prob, entropy, *truncated = compute_log_probs(
         actor, mb, loss.temperature, len(mb["responses"]), loss.entropy_coeff != 0 or own_old,
         use_remove_padding=use_remove_padding, sp_group=sp_group,
         truncation=loss.truncation if own_old else None)  # (b, R) each, one forward
     if own_old:
         mb = dict(mb, old_log_probs=log_prob.detach())
-        sampling_log_prob = cut[0] if cut else log_prob  # (b, R) under the engine's cut, when it has one
+        sampling_log_prob = truncated[0] if truncated else log_prob  # (b, R) under the engine's cut, if any
         forwards.append((mb["row_index"], log_prob.detach(), entropy.detach(), sampling_log_prob.detach()))
     return actor_loss(mb, log_prob, entropy, loss, loss_agg_mode, dict(scale, loss_scale_factor=loss.loss_scale_factor),
                       generator, dp_group)
@@ -756,11 +756,11 @@ def old_policy_forward(run: Run, batch: Batch) -> PolicyForward:
     spec, truncation = run.plan.old_log_prob, run.actor_loss.truncation
     run.actor.eval()
     with torch.no_grad():
-        log_probs, entropy, *cut = compute_log_probs(
+        log_probs, entropy, *truncated = compute_log_probs(
             run.actor, batch, run.actor_loss.temperature, spec.micro_batch_size, calc_entropy=True,
             max_token_len=spec.max_token_len, use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group,
             truncation=truncation)
-    return PolicyForward(log_probs, entropy, cut[0] if cut else log_probs)
+    return PolicyForward(log_probs, entropy, truncated[0] if truncated else log_probs)
 
 
 def step_metrics(run: Run, batch: Batch, step_seconds: float) -> dict[str, float]:

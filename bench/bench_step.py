@@ -115,7 +115,7 @@ def run_point(name: str, model_spec: str, n: int, response_length: int, args: ar
         "max_response_length": response_length, "samples_per_step": samples, "samples_per_rank": samples // world,
         "world": world,
         "steps_measured": len(measured), "step_s": step_s, "phases_s": phases,
-        # 1: no old_log_prob phase, the update's forward gives the old log-probs (train_ppo.on_policy_shortcut)
+        # 1: no old_log_prob phase, the update's forward gives the old log-probs (train_ppo.old_log_prob_source)
         "on_policy_shortcut": mean("actor/on_policy_shortcut"),
         "other_s": step_s - sum(phases.values()),  # the engine fingerprint, batching, metric reduction
         "response_length_mean": mean_len, "generated_tokens_per_step": samples * mean_len,

@@ -317,3 +317,37 @@ def test_config_error_exits_2_with_one_line(tiny_assets, tmp_path):
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     errors = [line for line in proc.stdout.splitlines() if "config error" in line]
     assert len(errors) == 1 and expect in errors[0] and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+
+
+# One step, called in-process: build_run resumes from step 1's checkpoint and train_step(run, 2) gives the
+# metrics the uninterrupted run logged for step 2 (everything but timings and memory).
+REPLAY_DRIVER = """
+import json, sys
+import train_ppo
+from config import load_config
+from mesh_utils import init_distributed
+cfg = load_config("configs/tiny_cpu.yaml", json.loads(sys.argv[1]))
+run = train_ppo.build_run(cfg, init_distributed(timeout_s=cfg.actor_rollout_ref.nccl_timeout))
+assert run.start_step == 1, run.start_step
+train_ppo.move_to(run, "sync")
+metrics = train_ppo.train_step(run, 2)
+print("METRICS" + json.dumps(metrics))
+"""
+
+
+@pytest.mark.slow
+def test_one_step_replays_in_process(tiny_assets, sft_model, tmp_path):
+    out = tmp_path / "run"
+    common = [*tiny(tiny_assets, out, sft_model), "trainer.n_gpus_per_node=1", "data.train_batch_size=8",
+              "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+              "trainer.val_before_train=false", "trainer.test_freq=-1"]
+    run([sys.executable, "train_ppo.py", "--config", "configs/tiny_cpu.yaml", *common, "trainer.total_training_steps=2",
+         "trainer.save_freq=1"], timeout=600)
+    logged = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
+    replay = [*common[:3], f"trainer.default_local_dir={tmp_path / 'replay'}", *common[4:],
+              "trainer.resume_mode=resume_path", f"trainer.resume_from_path={out / 'global_step_1'}"]
+    proc = run([sys.executable, "-c", REPLAY_DRIVER, json.dumps(replay)], timeout=600)
+    got = json.loads(proc.stdout.split("METRICS", 1)[1].splitlines()[0])
+    compared = {k for k in logged[2] if not k.startswith(("timing_s/", "perf/")) and k != "step"}
+    assert logged[2]["actor/grad_norm"] > 0 and len(compared) > 30
+    assert {k: got[k] for k in compared} == {k: logged[2][k] for k in compared}

@@ -4,7 +4,7 @@ log-probs, values, the critic's and the actor's updates) runs packed and cut by 
 / gloo ranks and the real vLLM CPU engine, 3 steps each, compared through their metrics files.
 
 One mini batch per step, so the packed run takes its old log-probs from the actor update's own
-forward (train_ppo.on_policy_shortcut); the padded run is kept off that path by a rollout rejection
+forward (train_ppo.old_log_prob_source); the padded run is kept off that path by a rollout rejection
 band no token comes near (ratios 0.5-2 where the engine and the actor agree to 1e-5), which changes
 no number but needs the old log-probs before the update: the shortcut is checked against the
 separate forward, too."""
