@@ -335,10 +335,39 @@ class RolloutBatch:
         return RolloutBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
 
-def sample_seed(base_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
-    """A per-request seed that depends only on what is sampled, never on the parallel layout."""
-    key = f"{base_seed}/{step}/{prompt_index}/{sample_index}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1  # 63 bits
+def sample_seed(base_seed: int, step: int, prompt_index: int, sample_index: int, turn: int = 0) -> int:
+    """A per-request seed that depends only on what is sampled, never on the parallel layout. Turns
+    after the first (multi-turn rollouts) key on the turn too; the first keeps the single-turn key."""
+    key = f"{base_seed}/{step}/{prompt_index}/{sample_index}" + (f"/{turn}" if turn else "")
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1  # 63 bits
+
+
+@dataclass
+class Turn:
+    """One request's sampled tokens, the engine's log-prob of each, and why it stopped."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: str  # "stop": a stop token (kept, last) ended it; "length": max_tokens did
+
+
+def sample_turns(llm: LLM, prompt_token_ids: Sequence[Sequence[int]], seeds: Sequence[int], *, temperature: float,
+                 top_p: float, top_k: int, max_tokens: int | Sequence[int], stop_token_ids: list[int]) -> list[Turn]:
+    """One engine call: a response per prompt (each with its own seed, and max_tokens if a list). All
+    TP ranks of a group must make the same call; they get the same turns back."""
+    limits = [max_tokens] * len(seeds) if isinstance(max_tokens, int) else list(max_tokens)
+    requests = [{"prompt_token_ids": list(prompt)} for prompt in prompt_token_ids]
+    # With skip_tokenizer_init vLLM knows no EOS id: without stop_token_ids, nothing stops early.
+    params = [SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=limit,
+                             stop_token_ids=stop_token_ids, logprobs=0, seed=seed)
+              for seed, limit in zip(seeds, limits, strict=True)]
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    turns = []
+    for out in outputs:
+        sampled = out.outputs[0]
+        log_probs = [entry[tok].logprob for tok, entry in zip(sampled.token_ids, sampled.logprobs, strict=True)]
+        turns.append(Turn(list(sampled.token_ids), log_probs, "stop" if sampled.finish_reason == "stop" else "length"))
+    return turns
 
 
 def generate(
@@ -367,25 +396,13 @@ def generate(
     prompt_indices = list(range(len(prompt_token_ids))) if prompt_indices is None else list(prompt_indices)
     if len(prompt_indices) != len(prompt_token_ids):
         raise ValueError(f"{len(prompt_indices)} prompt_indices for {len(prompt_token_ids)} prompts")
-    requests, params = [], []
-    for prompt, index in zip(prompt_token_ids, prompt_indices, strict=True):
-        for sample in range(n):
-            requests.append({"prompt_token_ids": list(prompt)})
-            params.append(SamplingParams(
-                n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                # With skip_tokenizer_init vLLM knows no EOS id: without this, nothing stops early.
-                stop_token_ids=[eos_token_id], logprobs=0, seed=sample_seed(seed, step, index, sample),
-            ))
-    outputs = llm.generate(requests, params, use_tqdm=False)
-    responses = [list(out.outputs[0].token_ids) for out in outputs]
-    log_probs = [
-        [entry[tok].logprob for tok, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True)]
-        for out in outputs
-    ]
     sample_prompts = [list(p) for p in prompt_token_ids for _ in range(n)]
     sample_indices = [i for i in prompt_indices for _ in range(n)]
-    return pad_rollout(sample_prompts, responses, log_probs, sample_indices, max_tokens, pad_token_id,
-                       max_prompt_length)
+    seeds = [sample_seed(seed, step, index, sample) for index in prompt_indices for sample in range(n)]
+    turns = sample_turns(llm, sample_prompts, seeds, temperature=temperature, top_p=top_p, top_k=top_k,
+                         max_tokens=max_tokens, stop_token_ids=[eos_token_id])
+    return pad_rollout(sample_prompts, [t.token_ids for t in turns], [t.log_probs for t in turns], sample_indices,
+                       max_tokens, pad_token_id, max_prompt_length)
 
 
 def pad_rollout(

@@ -1,0 +1,180 @@
+"""Multi-turn rollouts: the policy and an environment (tools, a game, a simulated user) take turns.
+
+Batched turn by turn, in-process (verl's `rollout.mode=async` is accepted and means the same here):
+each turn is one engine call over the dp group's trajectories still running, each prompt being the
+trajectory's ids so far (token in, token out: sampled ids are never decoded and re-encoded for
+training; only the environment's replies are tokenized, as the chat template renders them after the
+assistant's end of turn). Every rank of a rollout TP group holds every trajectory of the group and
+makes the same engine calls; trajectory j's environment lives on TP rank j % tp alone, and its
+replies reach the other ranks through one all-gather per turn, so a tool runs once and a slow or
+failing tool cannot put the ranks out of step (agent.ToolEnvironment turns errors into text).
+
+    batch = generate_multi_turn(llm, rows, prompt_indices, settings, step=step, tp_group=group)
+
+Returns a rollout.RolloutBatch whose response_mask is 1 on the tokens the policy sampled only (the
+environment's are attended, not trained) and whose rollout_log_probs are 0 on them, plus per-sample
+counts (MultiTurnStats) and each trajectory's turns, for the reward and the logs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+    from agent import Environment, ObservationRenderer, StepResult
+    from rollout import RolloutBatch
+
+
+@dataclass(frozen=True)
+class MultiTurnSettings:
+    """One step's sampling and the turn limits (actor_rollout_ref.rollout and its multi_turn section)."""
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_response_length: int  # the whole trajectory's budget: sampled and environment tokens together
+    max_prompt_length: int
+    pad_token_id: int
+    stop_token_ids: list[int]  # end of an assistant turn (agent.end_of_turn_ids)
+    seed: int
+    max_assistant_turns: int | None = None
+    max_user_turns: int | None = None
+
+
+@dataclass
+class Trajectory:
+    """One sample as it grows: the prompt, then assistant and environment tokens in turn."""
+
+    row: Any  # the dataset row (data.Prompt)
+    prompt_index: int
+    sample: int
+    response: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)  # 1 on tokens the policy sampled
+    log_probs: list[float] = field(default_factory=list)  # the engine's, 0 on environment tokens
+    assistant_turns: int = 0
+    user_turns: int = 0
+    calls: int = 0
+    failed_calls: int = 0
+    tool_reward: float = 0.0
+    turns: list[dict[str, Any]] = field(default_factory=list)  # role, text, tokens, trained
+    done: bool = False
+
+    def add(self, ids: list[int], sampled: bool, log_probs: list[float] | None = None) -> None:
+        self.response += ids
+        self.loss_mask += [int(sampled)] * len(ids)
+        self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
+
+
+@dataclass
+class MultiTurnStats:
+    """Per sample, (B*n,) each: turns as verl counts them (user + assistant + 1), tool calls, failed calls,
+    and the step rewards the environment gave; plus each trajectory's turns."""
+
+    num_turns: torch.Tensor
+    tool_calls: torch.Tensor
+    tool_failures: torch.Tensor
+    tool_rewards: torch.Tensor
+    turns: list[list[dict[str, Any]]]
+
+
+def _gather_results(mine: dict[int, Any], group: dist.ProcessGroup | None) -> dict[int, Any]:
+    """Every rank's {trajectory: result} of the TP group, merged (each trajectory has one owner)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return mine
+    every_rank: list[dict[int, Any]] = [{} for _ in range(dist.get_world_size(group))]
+    dist.all_gather_object(every_rank, mine, group=group)
+    return {j: result for part in every_rank for j, result in part.items()}
+
+
+def generate_multi_turn(llm: LLM, rows: Sequence[Any], prompt_indices: Sequence[int], settings: MultiTurnSettings, *,
+                        step: int, make_env: Callable[[Any], Environment], renderer: ObservationRenderer,
+                        decode: Callable[[list[int]], str],
+                        tp_group: dist.ProcessGroup | None = None) -> tuple[RolloutBatch, MultiTurnStats]:
+    """settings.n trajectories per row of this rollout dp group, prompt-major, turn by turn until each
+    ends: a turn with no call (or a reply the environment ends on), the token budget, a turn cut by
+    it, a turn limit, or an environment reply that does not fit what is left. make_env(row) builds a
+    reset environment; it runs on this rank for the trajectories it owns. Collective over tp_group."""
+    import rollout
+
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    trajs = [Trajectory(row, index, s) for row, index in zip(rows, prompt_indices, strict=True)
+             for s in range(settings.n)]
+    envs = {j: make_env(t.row) for j, t in enumerate(trajs) if j % tp_size == tp_rank}
+    budget = settings.max_response_length
+    for turn in itertools.count():
+        active = [j for j, t in enumerate(trajs) if not t.done]
+        if not active:
+            break
+        results = rollout.sample_turns(
+            llm, [list(trajs[j].row.token_ids) + trajs[j].response for j in active],
+            [rollout.sample_seed(settings.seed, step, trajs[j].prompt_index, trajs[j].sample, turn) for j in active],
+            temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+            max_tokens=[budget - len(trajs[j].response) for j in active], stop_token_ids=settings.stop_token_ids)
+        replying = []
+        for j, result in zip(active, results, strict=True):
+            t = trajs[j]
+            t.add(result.token_ids, True, result.log_probs)
+            t.assistant_turns += 1
+            t.turns.append({"role": "assistant", "text": decode(result.token_ids), "tokens": len(result.token_ids),
+                            "trained": True})
+            turn_limit = settings.max_assistant_turns is not None and t.assistant_turns >= settings.max_assistant_turns
+            t.done = result.finish_reason != "stop" or len(t.response) >= budget or turn_limit
+            if not t.done:
+                replying.append(j)
+        # the environments answer on their owner ranks; every rank of the group gets every answer
+        answers = _gather_results({j: _as_plain(envs[j].step(trajs[j].turns[-1]["text"]))
+                                   for j in replying if j in envs}, tp_group)
+        for j in replying:
+            _take_answer(trajs[j], answers[j], renderer, settings, budget)
+    closing = _gather_results({j: float(sum(env.close().values())) for j, env in envs.items()}, tp_group)
+    for j, t in enumerate(trajs):
+        t.tool_reward += closing[j]
+    batch = rollout.pad_rollout([list(t.row.token_ids) for t in trajs], [t.response for t in trajs],
+                                [t.log_probs for t in trajs], [t.prompt_index for t in trajs], budget,
+                                settings.pad_token_id, settings.max_prompt_length,
+                                loss_masks=[t.loss_mask for t in trajs])
+    stats = MultiTurnStats(
+        num_turns=torch.tensor([t.user_turns + t.assistant_turns + 1 for t in trajs], dtype=torch.float32),
+        tool_calls=torch.tensor([t.calls for t in trajs], dtype=torch.float32),
+        tool_failures=torch.tensor([t.failed_calls for t in trajs], dtype=torch.float32),
+        tool_rewards=torch.tensor([t.tool_reward for t in trajs], dtype=torch.float32),
+        turns=[t.turns for t in trajs])
+    return batch, stats
+
+
+def _as_plain(result: StepResult) -> dict[str, Any]:
+    """A StepResult as plain data, for the all-gather."""
+    return {"messages": result.messages, "calls": result.num_calls, "failed": result.num_failed_calls,
+            "reward": float(result.reward)}
+
+
+def _take_answer(t: Trajectory, answer: dict[str, Any], renderer: ObservationRenderer, settings: MultiTurnSettings,
+                 budget: int) -> None:
+    """Append the environment's reply to a trajectory, or end it (no reply, a limit, no room)."""
+    t.calls += answer["calls"]
+    t.failed_calls += answer["failed"]
+    t.tool_reward += answer["reward"]
+    if answer["messages"] is None:  # no parsable call, or the environment is done
+        t.done = True
+        return
+    if settings.max_user_turns is not None and t.user_turns >= settings.max_user_turns:
+        t.done = True
+        return
+    ids = renderer(answer["messages"])
+    if len(t.response) + len(ids) >= budget:  # the reply does not fit, with room for an answer to it (verl)
+        t.done = True
+        return
+    t.add(ids, False)
+    t.user_turns += 1
+    t.turns.append({"role": "tool", "text": "\n".join(str(m.get("content", "")) for m in answer["messages"]),
+                    "tokens": len(ids), "trained": False})
