@@ -77,6 +77,9 @@ SCHEMA: dict[str, Any] = {
         "shuffle": (bool, True),
         "seed": (int, 1),
         "max_val_samples": (_INT_OR_NONE, None),
+        # verl: hand the raw chat to the rollout. Accepted, either value: here every Prompt keeps the row's
+        # messages, and the prompt ids are always rendered with the chat template
+        "return_raw_chat": (bool, True),
     },
     "actor_rollout_ref": {
         "hybrid_engine": (bool, True),
@@ -150,6 +153,23 @@ SCHEMA: dict[str, Any] = {
             "log_prob_use_dynamic_bsz": (_BOOL_OR_NONE, None),  # null: actor.use_dynamic_bsz
             "log_prob_max_token_len_per_gpu": (_INT_OR_NONE, None),  # null: actor.ppo_max_token_len_per_gpu
             "cpu_kv_cache_space_gb": (int, 1),  # VLLM_CPU_KVCACHE_SPACE (whole GiB) on the CPU backend
+            # verl: sync (LLM) | async (AsyncLLM servers). Accepted, either value: the engine here is in-process
+            # and a multi-turn rollout runs batched, one generate call per turn
+            "mode": (str, "async"),
+            "multi_turn": {  # verl 0.9's names and defaults; agent.py has the tools, parsers and environments
+                "enable": (bool, False),
+                "max_assistant_turns": (_INT_OR_NONE, None),  # null: no limit but the token budget
+                "max_user_turns": (_INT_OR_NONE, None),  # tool / user turns appended; null: no limit
+                "max_parallel_calls": (int, 1),  # calls executed per assistant turn; the rest are dropped
+                "max_tool_response_length": (int, 256),  # in characters of the tool's text, not tokens
+                "tool_response_truncate_side": (str, "middle"),  # the side that is cut (verl >= 0.8)
+                "tool_config_path": (_STR_OR_NONE, None),  # verl's tool YAML: tools: [{class_name, config, ...}]
+                "function_tool_path": (_STR_OR_NONE, None),  # a .py file of typed, docstring'd functions
+                "format": (str, "hermes"),  # the tool-call parser: TOOL_CALL_FORMATS
+                # project key (no verl equivalent): seconds one tool call may take before it becomes an error
+                # observation; far below nccl_timeout, since the TP group waits for the slowest rank's tools
+                "tool_timeout_s": (float, 30.0),
+            },
             "val_kwargs": {
                 "n": (int, 1),
                 "temperature": (float, 0.0),
@@ -687,6 +707,7 @@ def check_supported(cfg: Config) -> None:
             f"as it is). Greedy decoding is for validation: rollout.val_kwargs.do_sample=false.")
     check_rollout_correction(cfg)
     check_algorithm(cfg)
+    check_multi_turn(cfg)
     unknown = [name for name in cfg.trainer.logger if name not in LOGGERS]
     if unknown:
         raise ConfigError(f"trainer.logger has unknown entries {unknown}; valid: {', '.join(LOGGERS)}.")
@@ -815,6 +836,42 @@ def check_algorithm(cfg: Config) -> None:
     if not lower < upper:
         raise ConfigError(f"{prefix}clip_cov_lb={lower} must be below clip_cov_ub={upper}: clip_cov draws its "
                           f"tokens from the covariances between them (defaults 1.0, 5.0).")
+
+
+# agent.PARSERS implements each (tests/test_agent.py checks the two agree); said here so that config
+# stays free of the tool machinery and a typo fails before anything loads.
+TOOL_CALL_FORMATS = ("hermes", "demo")
+
+
+def check_multi_turn(cfg: Config) -> None:
+    """actor_rollout_ref.rollout.multi_turn (and the verl keys multi-turn examples set), before any model loads."""
+    rollout, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout.multi_turn"
+    mt, nccl_timeout = rollout.multi_turn, cfg.actor_rollout_ref.nccl_timeout
+    _ = cfg.data.return_raw_chat  # accepted either way; read, so a run does not report it unused
+    if rollout.mode not in ("sync", "async"):
+        raise ConfigError(f"actor_rollout_ref.rollout.mode={rollout.mode!r}; valid: sync, async (both mean the "
+                          f"in-process engine here, multi-turn batched turn by turn).")
+    if mt.format not in TOOL_CALL_FORMATS:
+        raise ConfigError(f"{key}.format={mt.format!r} names no tool-call parser; valid: {', '.join(TOOL_CALL_FORMATS)}.")
+    if mt.tool_response_truncate_side not in ("left", "right", "middle"):
+        raise ConfigError(f"{key}.tool_response_truncate_side={mt.tool_response_truncate_side!r}; valid: left "
+                          f"(cut the head), right (cut the tail), middle (keep both ends).")
+    if not 0 < mt.tool_timeout_s <= nccl_timeout / 4:
+        raise ConfigError(
+            f"{key}.tool_timeout_s={mt.tool_timeout_s:g} must be > 0 and at most a quarter of "
+            f"actor_rollout_ref.nccl_timeout={nccl_timeout} s: the ranks of a TP group wait in a collective while "
+            f"one of them runs its tools, so a slow tool must become an error observation long before the "
+            f"collective times out. Lower tool_timeout_s or raise nccl_timeout.")
+    for name in ("max_parallel_calls", "max_tool_response_length", "max_assistant_turns", "max_user_turns"):
+        if mt[name] is not None and mt[name] < 1:
+            raise ConfigError(f"{key}.{name}={mt[name]} must be >= 1{' or null (no limit)' if 'turns' in name else ''}.")
+    paths = {name: mt[name] for name in ("tool_config_path", "function_tool_path")}
+    if mt.enable and not any(paths.values()):
+        raise ConfigError(f"{key}.enable=true needs tools: set {key}.tool_config_path (verl's tool YAML) and/or "
+                          f"{key}.function_tool_path (a .py file of functions).")
+    for name, path in paths.items():
+        if path is not None and not Path(path).expanduser().is_file():
+            raise ConfigError(f"{key}.{name}={path!r}: no such file (relative paths are from {Path.cwd()}).")
 
 
 def non_defaults(cfg: dict[str, Any]) -> dict[str, Any]:

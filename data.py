@@ -34,6 +34,9 @@ class Prompt:
     data_source: str  # chooses the built-in reward rule
     text: str  # the prompt after the chat template, for logs and reward errors
     extra_info: dict[str, Any] = field(default_factory=dict)  # the row's extra_info, for the reward function
+    # the row's chat as given (verl's raw_prompt), for a multi-turn rollout's messages and tools_kwargs
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    agent_name: str | None = None  # the row's agent_name (verl: tool_agent, single_turn_agent); None: not set
 
 
 def _num_rows(path: Path) -> int:
@@ -144,7 +147,8 @@ def load_prompts(
                     f"or data.truncation=left|right."
                 )
             ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
-        prompts.append(Prompt(ids, ground_truth, str(row.get("data_source", "unknown")), text, dict(extra_info)))
+        prompts.append(Prompt(ids, ground_truth, str(row.get("data_source", "unknown")), text, dict(extra_info),
+                              [dict(m) for m in messages], row.get("agent_name")))
     if not prompts:
         raise ConfigError(
             f"{key}: all {len(rows)} prompts are longer than data.max_prompt_length={max_prompt_length} and "

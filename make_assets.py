@@ -11,6 +11,8 @@ The tokenizer is character level: every printable ASCII character and "\\n" is o
 transformers config with a fixed seed and saved in float32 safetensors with the tokenizer beside
 them, so any of them loads with `from_pretrained(path)` and with vLLM. The demo task is one-digit
 addition in verl's row format (data_source `arithmetic`), answered as `#### N` like GSM8K.
+`tiny-chatml-tokenizer` is the same characters with Qwen2.5's special tokens and a tool-calling
+ChatML template (CHATML_TEMPLATE), for testing multi-turn rendering and hermes tool calls offline.
 """
 
 import argparse
@@ -46,6 +48,51 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
 )
 
+# Qwen2.5-style ChatML with tools, written for this repo: tool schemas in the system turn, assistant
+# tool calls as hermes <tool_call> blocks, and consecutive `tool` messages grouped into one user turn
+# of <tool_response> blocks. Every turn ends with <|im_end|> and a newline; the model samples the
+# <|im_end|>, the newline belongs to whatever follows.
+CHATML_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou can call these functions (one JSON signature per line):\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nTo call one, write a JSON object with its name and arguments between tags:\\n"
+    "<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' %}"
+    "{%- if not loop.first %}{{- '<|im_start|>system\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls %}"
+    "{%- if call.function is defined %}{%- set call = call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}"
+    "{%- if call.arguments is string %}{{- call.arguments }}{%- else %}{{- call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Qwen2.5's specials, first so that ids 0/1/2 line up with model_config's pad/eos/bos: <|endoftext|>
+# is the tokenizer's eos and pad (as in a Qwen base model), <|im_end|> ends a turn (the eos of
+# Qwen's generation_config). The tool tags are ordinary added tokens (not special), as in Qwen2.5,
+# so decoding with skip_special_tokens keeps them for the tool-call parser.
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>", UNK]
+CHATML_TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
 # head_dim stays >= 32: vLLM's CPU attention supports head sizes 32, 64, 80, ... only.
 PRESETS = {
     "tiny": dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256),  # ~0.3 M parameters
@@ -80,6 +127,38 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def build_chatml_tokenizer() -> PreTrainedTokenizerFast:
+    """The character-level tokenizer with Qwen2.5's ChatML special tokens and a tool template."""
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    symbols = [byte_level.pre_tokenize_str(c)[0][0] for c in chars]
+    vocab = {tok: i for i, tok in enumerate(CHATML_SPECIALS + CHATML_TOOL_TAGS + symbols)}
+    assert len(vocab) <= VOCAB_SIZE  # fits the tiny models' embedding, so one can be built beside it
+    core = Tokenizer(BPE(vocab=vocab, merges=[], unk_token=UNK))
+    core.pre_tokenizer = byte_level
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        unk_token=UNK,
+        extra_special_tokens=["<|im_start|>", "<|im_end|>"],
+        padding_side="left",
+    )
+    tokenizer.add_tokens(CHATML_TOOL_TAGS, special_tokens=False)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def build_chatml_tokenizer_dir(out_dir: Path, force: bool = False) -> bool:
+    """Write build_chatml_tokenizer() to out_dir; False if it existed."""
+    if (out_dir / "tokenizer.json").exists() and not force:
+        return False
+    build_chatml_tokenizer().save_pretrained(out_dir)
+    print(f"wrote {out_dir}")
+    return True
 
 
 def model_config(
@@ -163,11 +242,12 @@ def write_arithmetic_dataset(out_dir: str | Path, num_train: int = 2000, num_val
 
 
 def build_default_assets(out: Path, force: bool = False, seed: int = 0) -> dict[str, Path]:
-    """The tokenizer, tiny-qwen2 (untied), tiny-llama-tied (a second architecture, tied) and the
-demo data set (data/train.parquet, data/val.parquet)."""
+    """The tokenizer, tiny-qwen2 (untied), tiny-llama-tied (a second architecture, tied), the ChatML
+tokenizer (tiny-chatml-tokenizer) and the demo data set (data/train.parquet, data/val.parquet)."""
     tiny = PRESETS["tiny"]
-    paths = {name: out / name for name in ("tokenizer", "tiny-qwen2", "tiny-llama-tied")}
+    paths = {name: out / name for name in ("tokenizer", "tiny-qwen2", "tiny-llama-tied", "tiny-chatml-tokenizer")}
     build_tokenizer_dir(paths["tokenizer"], force)
+    build_chatml_tokenizer_dir(paths["tiny-chatml-tokenizer"], force)
     build_model(paths["tiny-qwen2"], model_config("qwen2", **tiny, tied=False), seed, force)
     build_model(paths["tiny-llama-tied"], model_config("llama", **tiny, tied=True), seed + 1, force)
     # The demo task's prompts, in verl's row format (data.py): train/val parquet under data/.
