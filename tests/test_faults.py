@@ -93,8 +93,8 @@ def test_stopped_rank_is_named_and_the_job_ends(phase, tmp_path):
     proc = launch(HANG_JOB, 3, "--out", str(tmp_path), "--steps", "1000", "--hang-timeout", str(HANG_TIMEOUT_S),
                   "--stop", f"1:2:{phase}")
     try:
-        wait_for(lambda: f"phase {phase}" in (logs / "rank1.progress").read_text().split("step 2 ", 1)[-1]
-                 if (logs / "rank1.progress").exists() else False, 120, "rank 1 entering the stop phase")
+        wait_for(lambda: (logs / "rank1.progress").exists()
+                 and f"step 2 phase {phase} " in (logs / "rank1.progress").read_text(), 120, "rank 1 stopping")
         stopped_at = time.time()
         pids = {r: heartbeat(logs, r)["pid"] for r in range(3)}
         wait_for(lambda: not alive(pids[0]) and not alive(pids[2]),
@@ -128,8 +128,8 @@ def test_healthy_run_with_a_slow_phase_and_sigusr1(tmp_path):
     proc = launch(HANG_JOB, 3, "--out", str(tmp_path), "--steps", "3", "--hang-timeout", str(HANG_TIMEOUT_S),
                   "--slow", f"0:2:save:{slow}:{4 * HANG_TIMEOUT_S}")
     try:
-        wait_for(lambda: "step 2 phase save" in (logs / "rank1.progress").read_text()
-                 if (logs / "rank1.progress").exists() else False, 120, "rank 1 reaching step 2's save")
+        wait_for(lambda: (logs / "rank1.progress").exists()
+                 and "step 2 phase save " in (logs / "rank1.progress").read_text(), 120, "rank 1 reaching step 2's save")
         os.kill(heartbeat(logs, 1)["pid"], signal.SIGUSR1)
         output, _ = proc.communicate(timeout=120)
     finally:
