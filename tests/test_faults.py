@@ -409,3 +409,31 @@ def test_hang_timeout_must_come_before_the_collective_timeout():
             check_supported(load_config(None, bad))
     with pytest.raises(ConfigError, match=r"reward_model\.timeout_s=-1 must be >= 0"):
         check_supported(load_config(None, ["reward_model.timeout_s=-1"]))
+
+
+@pytest.mark.slow
+def test_the_trainer_names_a_stopped_rank(tiny_assets, sft_model, tmp_path):
+    """The real trainer (2 ranks, the vLLM engine): rank 1 is SIGSTOPped from outside once it enters the
+    update of step 2. The job ends within trainer.hang_timeout_s + 60 s, not at the collective timeout,
+    and its output names rank 1 and the phase its progress file last shows."""
+    out, hang_timeout = tmp_path / "run", 10
+    logs = out / "logs"
+    args = ["--config", "configs/tiny_cpu.yaml", f"actor_rollout_ref.model.path={sft_model}",
+            f"data.train_files={tiny_assets['train']}", f"data.val_files={tiny_assets['val']}",
+            f"trainer.default_local_dir={out}", "trainer.total_training_steps=50", "trainer.test_freq=-1",
+            "trainer.val_before_train=false", f"trainer.hang_timeout_s={hang_timeout}"]
+    proc = launch(ROOT / "train_ppo.py", 2, *args)
+    try:
+        wait_for(lambda: (logs / "rank1.progress").exists()
+                 and "step 2 phase update " in (logs / "rank1.progress").read_text(), 600, "rank 1 updating")
+        pid = heartbeat(logs, 1)["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        last = (logs / "rank1.progress").read_text().strip().splitlines()[-1]  # "step S phase P t=..."
+        output, _ = proc.communicate(timeout=hang_timeout + 60)
+        ended = time.time() - stopped_at
+    finally:
+        end_job(proc)
+    step, phase = re.match(r"step (\d+) phase (\w+) ", last).groups()
+    assert proc.returncode != 0 and ended <= hang_timeout + 60, (ended, output[-3000:])
+    assert re.search(rf"rank 1 \(pid {pid} on .+?\): step {step} phase {phase}, entered", output), output[-5000:]
