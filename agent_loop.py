@@ -19,6 +19,7 @@ counts (MultiTurnStats) and each trajectory's turns, for the reward and the logs
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -64,7 +65,9 @@ class Trajectory:
     user_turns: int = 0
     calls: int = 0
     failed_calls: int = 0
-    tool_reward: float = 0.0
+    tool_reward: float = 0.0  # the environment's step rewards, summed
+    final_rewards: dict[str, float] = field(default_factory=dict)  # its rewards at the end (calc_reward by tool)
+    tool_seconds: float = 0.0
     turns: list[dict[str, Any]] = field(default_factory=list)  # role, text, tokens, trained
     done: bool = False
 
@@ -76,14 +79,20 @@ class Trajectory:
 
 @dataclass
 class MultiTurnStats:
-    """Per sample, (B*n,) each: turns as verl counts them (user + assistant + 1), tool calls, failed calls,
-    and the step rewards the environment gave; plus each trajectory's turns."""
+    """Per sample: (B*n,) tensors of the turns as verl counts them (user + assistant + 1), the tool
+    calls and the failed ones; what the reward function gets in extra_info (num_turns,
+    rollout_reward_scores: the final rewards by name, tool_rewards: the step rewards); the turns."""
 
     num_turns: torch.Tensor
     tool_calls: torch.Tensor
     tool_failures: torch.Tensor
-    tool_rewards: torch.Tensor
+    reward_info: list[dict[str, Any]]
     turns: list[list[dict[str, Any]]]
+    tool_seconds: float  # this rank's time in its environments
+
+    def rows(self, index: slice) -> MultiTurnStats:
+        return MultiTurnStats(self.num_turns[index], self.tool_calls[index], self.tool_failures[index],
+                              self.reward_info[index], self.turns[index], self.tool_seconds)
 
 
 def _gather_results(mine: dict[int, Any], group: dist.ProcessGroup | None) -> dict[int, Any]:
@@ -132,13 +141,18 @@ def generate_multi_turn(llm: LLM, rows: Sequence[Any], prompt_indices: Sequence[
             if not t.done:
                 replying.append(j)
         # the environments answer on their owner ranks; every rank of the group gets every answer
-        answers = _gather_results({j: _as_plain(envs[j].step(trajs[j].turns[-1]["text"]))
-                                   for j in replying if j in envs}, tp_group)
+        mine = {}
+        for j in replying:
+            if j in envs:
+                start = time.perf_counter()
+                mine[j] = _as_plain(envs[j].step(trajs[j].turns[-1]["text"]))
+                trajs[j].tool_seconds += time.perf_counter() - start
+        answers = _gather_results(mine, tp_group)
         for j in replying:
             _take_answer(trajs[j], answers[j], renderer, settings, budget)
-    closing = _gather_results({j: float(sum(env.close().values())) for j, env in envs.items()}, tp_group)
+    closing = _gather_results({j: env.close() for j, env in envs.items()}, tp_group)
     for j, t in enumerate(trajs):
-        t.tool_reward += closing[j]
+        t.final_rewards = closing[j]
     batch = rollout.pad_rollout([list(t.row.token_ids) for t in trajs], [t.response for t in trajs],
                                 [t.log_probs for t in trajs], [t.prompt_index for t in trajs], budget,
                                 settings.pad_token_id, settings.max_prompt_length,
@@ -147,8 +161,9 @@ def generate_multi_turn(llm: LLM, rows: Sequence[Any], prompt_indices: Sequence[
         num_turns=torch.tensor([t.user_turns + t.assistant_turns + 1 for t in trajs], dtype=torch.float32),
         tool_calls=torch.tensor([t.calls for t in trajs], dtype=torch.float32),
         tool_failures=torch.tensor([t.failed_calls for t in trajs], dtype=torch.float32),
-        tool_rewards=torch.tensor([t.tool_reward for t in trajs], dtype=torch.float32),
-        turns=[t.turns for t in trajs])
+        reward_info=[{"num_turns": t.user_turns + t.assistant_turns + 1, "rollout_reward_scores": t.final_rewards,
+                      "tool_rewards": t.tool_reward} for t in trajs],
+        turns=[t.turns for t in trajs], tool_seconds=sum(t.tool_seconds for t in trajs))
     return batch, stats
 
 

@@ -104,11 +104,14 @@ def load_prompts(
     filter_overlong: bool,
     truncation: str,
     require_ground_truth: bool = True,
+    tools: list[dict] | None = None,
 ) -> tuple[list[Prompt], int]:
     """Tokenise every row's prompt; returns (prompts, number dropped or truncated for length).
 
     require_ground_truth: every row must have reward_model.ground_truth, as the built-in rule rewards
     need; pass False when custom_reward_function.path is set (a custom function may not need one).
+    tools: the tool schemas a multi-turn rollout offers, rendered into each prompt by the chat template
+    (so data.max_prompt_length counts them).
     """
     rows = load_rows(files, key)
     if not rows:
@@ -132,7 +135,7 @@ def load_prompts(
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         else:  # a base model: the user turns' text, as written
             text = "\n".join(m["content"] for m in messages)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]

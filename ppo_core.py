@@ -233,10 +233,11 @@ def compute_reinforce_plus_plus_outcome_advantage(
     running = torch.zeros_like(token_level_rewards[:, 0])  # (B,)
     returns = []
     for t in reversed(range(token_level_rewards.shape[1])):
-        # reset on masked steps so rewards in the padding never flow back into the response
-        running = torch.where(mask[:, t], token_level_rewards[:, t] + gamma * running, 0.0)  # (B,)
+        # masked steps (padding, a multi-turn rollout's tool replies) carry the return past them unchanged,
+        # as verl 0.9 does; what they hold never enters it
+        running = torch.where(mask[:, t], token_level_rewards[:, t] + gamma * running, running)  # (B,)
         returns.append(running)
-    returns = torch.stack(returns[::-1], dim=1)  # (B, T)
+    returns = torch.where(mask, torch.stack(returns[::-1], dim=1), 0.0)  # (B, T)
     advantages = torch.where(mask, masked_whiten(returns, mask, group=whiten_group), 0.0)  # (B, T)
     return advantages, returns
 

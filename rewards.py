@@ -305,7 +305,8 @@ _NUM_TURNS = 2
 
 
 def score_batch(
-    reward_fn: RewardFn, tokenizer: Any, responses: torch.Tensor, response_mask: torch.Tensor, prompts: list[Prompt]
+    reward_fn: RewardFn, tokenizer: Any, responses: torch.Tensor, response_mask: torch.Tensor, prompts: list[Prompt],
+    rollout_info: list[dict[str, Any]] | None = None,
 ) -> tuple[list[str], list[float], list[dict[str, float]]]:
     """Decode each response and score it against its prompt's row.
 
@@ -316,19 +317,20 @@ def score_batch(
     `acc`; {} for a float), so a key's mean is over the samples that have it. Text extras (`pred`) are
     not kept.
     Raises RewardError showing the sample when the function raises or its score is not a finite number.
+    rollout_info: per sample, what a multi-turn rollout adds to extra_info (num_turns, rollout_reward_scores).
     """
     texts = tokenizer.batch_decode([r[m.bool()] for r, m in zip(responses, response_mask, strict=True)],
                                    skip_special_tokens=True)
-    scores, extras = _score_texts(reward_fn, texts, prompts)
+    scores, extras = _score_texts(reward_fn, texts, prompts, rollout_info or [{}] * len(texts))
     return texts, scores, extras
 
 
-def _score_texts(reward_fn: RewardFn, texts: list[str],
-                 prompts: list[Prompt]) -> tuple[list[float], list[dict[str, float]]]:
+def _score_texts(reward_fn: RewardFn, texts: list[str], prompts: list[Prompt],
+                 rollout_info: list[dict[str, Any]]) -> tuple[list[float], list[dict[str, float]]]:
     scores, extras = [], []
-    for text, prompt in zip(texts, prompts, strict=True):
+    for text, prompt, info in zip(texts, prompts, rollout_info, strict=True):
         extras.append({})
-        extra_info = {**prompt.extra_info, "num_turns": _NUM_TURNS, "rollout_reward_scores": {}}
+        extra_info = {**prompt.extra_info, "num_turns": _NUM_TURNS, "rollout_reward_scores": {}, **info}
         try:
             result = reward_fn(data_source=prompt.data_source, solution_str=text, ground_truth=prompt.ground_truth,
                                extra_info=extra_info)
@@ -367,7 +369,8 @@ def _describe(reward_fn: RewardFn, what: str, prompt: Prompt, response: str) -> 
 
 
 def score_samples(reward_fn: RewardFn, tokenizer: Any, rows: dict[str, torch.Tensor], prompts: list[Prompt],
-                  reward_cfg: Config, max_response_length: int) -> tuple[torch.Tensor, list[dict[str, float]]]:
+                  reward_cfg: Config, max_response_length: int,
+                  rollout_info: list[dict[str, Any]] | None = None) -> tuple[torch.Tensor, list[dict[str, float]]]:
     """A score per sample of `rows` (responses, attention_mask, response_mask, prompt_index), (B,), and the
     reward function's extras. With reward_model.reward_manager=dapo, as verl's DAPO manager: each score
     is also an `acc` extra (unless the function returned one), and reward_model.overlong_buffer adds its
@@ -379,7 +382,7 @@ def score_samples(reward_fn: RewardFn, tokenizer: Any, rows: dict[str, torch.Ten
     width = rows["responses"].shape[1]
     response_tokens = rows["attention_mask"][:, -width:]  # (B, R) every real response token
     samples = [prompts[i] for i in rows["prompt_index"].tolist()]
-    _, scores, extras = score_batch(reward_fn, tokenizer, rows["responses"], response_tokens, samples)
+    _, scores, extras = score_batch(reward_fn, tokenizer, rows["responses"], response_tokens, samples, rollout_info)
     scores = torch.tensor(scores, dtype=torch.float32)  # (B,)
     if reward_cfg.reward_manager == "dapo":
         for sample_extras, score in zip(extras, scores.tolist(), strict=True):

@@ -473,18 +473,21 @@ def shard_for_dp(items: Sequence, dp_rank: int, dp_size: int) -> list:
     return list(items[dp_rank * per_group:(dp_rank + 1) * per_group])
 
 
-def split_for_training(batch: RolloutBatch, infer_tp_rank: int, infer_tp_size: int) -> RolloutBatch:
-    """Training is data parallel over all ranks: TP rank r of a group keeps slice r of the
-    group's B*n samples. Compute anything that needs all n samples of a prompt (GRPO group
-    baselines) before this, or keep B divisible by infer_tp_size so a prompt's samples stay
-    together."""
-    if len(batch) % infer_tp_size:
+def training_rows(num_samples: int, infer_tp_rank: int, infer_tp_size: int) -> slice:
+    """Training is data parallel over all ranks: TP rank r of a group keeps slice r of the group's
+    B*n samples (prompt-major, so a prompt's samples stay together when B divides by the TP size)."""
+    if num_samples % infer_tp_size:
         raise ValueError(
-            f"{len(batch)} samples of a rollout group cannot be split evenly over its {infer_tp_size} "
+            f"{num_samples} samples of a rollout group cannot be split evenly over its {infer_tp_size} "
             f"ranks; make (prompts per dp group x actor_rollout_ref.rollout.n) a multiple of {TP_KEY}."
         )
-    per_rank = len(batch) // infer_tp_size
-    return batch.rows(slice(infer_tp_rank * per_rank, (infer_tp_rank + 1) * per_rank))
+    per_rank = num_samples // infer_tp_size
+    return slice(infer_tp_rank * per_rank, (infer_tp_rank + 1) * per_rank)
+
+
+def split_for_training(batch: RolloutBatch, infer_tp_rank: int, infer_tp_size: int) -> RolloutBatch:
+    """This TP rank's rows of the group's batch (training_rows)."""
+    return batch.rows(training_rows(len(batch), infer_tp_rank, infer_tp_size))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -108,6 +108,7 @@ from tracking import (
     print0,
     reduce_metrics,
     route_library_logs,
+    stats,
     summary,
     timed,
     truncate_metrics,
@@ -117,6 +118,7 @@ from tracking import (
 if TYPE_CHECKING:
     from vllm import LLM
 
+    from agent_loop import MultiTurnStats
     from rollout import RolloutBatch
 
 Batch = dict[str, torch.Tensor]
@@ -493,6 +495,39 @@ def dynamic_sampling(generate_and_score: Callable[[int], tuple[Batch, list[dict[
 
 
 @dataclass
+class MultiTurn:
+    """What multi-turn rollouts need beside the engine (actor_rollout_ref.rollout.multi_turn)."""
+
+    section: Config
+    tools: dict[str, Any]  # name -> agent.BaseTool
+    schemas: list[dict[str, Any]]  # the tools' schemas, rendered into every prompt
+    renderer: Any  # agent.ObservationRenderer: a tool reply -> the ids that follow the assistant's turn
+    stop_token_ids: list[int]  # what ends an assistant turn
+
+    def environment(self, row: Prompt) -> Any:
+        """A fresh agent.ToolEnvironment for one trajectory of `row`."""
+        import agent
+
+        env = agent.ToolEnvironment.from_config(self.section, self.tools)
+        env.reset(row)
+        return env
+
+
+def load_multi_turn(cfg: Config, tokenizer: Any) -> MultiTurn | None:
+    """The tools (verl's tool_config_path YAML, function_tool_path functions) and the chat template's
+    observation renderer, when multi-turn rollouts are on."""
+    section = cfg.actor_rollout_ref.rollout.multi_turn
+    if not section.enable:
+        return None
+    import agent
+
+    tools = agent.load_tools(section.tool_config_path, section.function_tool_path)
+    schemas = agent.tool_schemas(tools)
+    return MultiTurn(section, tools, schemas, agent.ObservationRenderer(tokenizer, schemas),
+                     agent.end_of_turn_ids(tokenizer))
+
+
+@dataclass
 class Run:
     """Everything a run holds between steps; build_run makes it, train_step and main use it."""
 
@@ -532,6 +567,7 @@ class Run:
     actor_probe: Batch = field(default_factory=dict)  # its last tokens, for the actor's side of that check
     stale_check: Any = None  # rollout.StaleWeightsCheck
     lora_modules: set[str] | None = None  # with LoRA: what syncs after the first (full) sync
+    multi_turn: MultiTurn | None = None  # actor_rollout_ref.rollout.multi_turn.enable: tools and their replies
     tracker: Tracker | None = None
     placement: str = LOADED  # the memory phase the models and engine are placed for (memory_plan.placement)
     synced_once: bool = False
@@ -573,13 +609,27 @@ def sync_weights(run: Run) -> float:
 
 
 def generate(run: Run, prompts: list[Prompt], prompt_indices: list[int], step: int,
-             sampling: dict[str, Any]) -> RolloutBatch:
+             sampling: dict[str, Any]) -> tuple[RolloutBatch, MultiTurnStats | None]:
     """The rollout seam, for training, ReMax's baseline and validation: this rollout dp group's prompts,
-    sampling["n"] responses each, prompt-major; every rank of the TP group makes the same call."""
+    sampling["n"] responses each, prompt-major; every rank of the TP group makes the same call. With
+    multi_turn.enable the policy and its tools take turns (agent_loop.py), and per-sample stats come too."""
     import rollout
 
-    return rollout.generate(run.llm, [p.token_ids for p in prompts], step=step, prompt_indices=prompt_indices,
-                            **sampling)
+    if run.multi_turn is None:
+        return rollout.generate(run.llm, [p.token_ids for p in prompts], step=step, prompt_indices=prompt_indices,
+                                **sampling), None
+    from agent_loop import MultiTurnSettings, generate_multi_turn
+
+    section = run.multi_turn.section
+    settings = MultiTurnSettings(
+        n=sampling["n"], temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=sampling["top_k"],
+        max_response_length=sampling["max_tokens"], max_prompt_length=sampling["max_prompt_length"],
+        pad_token_id=sampling["pad_token_id"], stop_token_ids=run.multi_turn.stop_token_ids, seed=sampling["seed"],
+        max_assistant_turns=section.max_assistant_turns, max_user_turns=section.max_user_turns)
+    return generate_multi_turn(run.llm, prompts, prompt_indices, settings, step=step,
+                               make_env=run.multi_turn.environment, renderer=run.multi_turn.renderer,
+                               decode=functools.partial(run.tokenizer.decode, skip_special_tokens=True),
+                               tp_group=run.meshes.rollout.get_group("infer_tp"))
 
 
 def rollout_step(run: Run, step: int, gen_batch: int,
@@ -596,16 +646,22 @@ def rollout_step(run: Run, step: int, gen_batch: int,
         prompt_indices = run.sampler.next_batch()  # the same on every rank
         group_indices = rollout.shard_for_dp(prompt_indices, rollout_mesh.get_local_rank("dp"), run.dims.rollout_dp)
         group_prompts = [run.train_prompts[i] for i in group_indices]
-        generated = generate(run, group_prompts, group_indices, step, sampling)  # prompt-major
+        generated, turn_stats = generate(run, group_prompts, group_indices, step, sampling)  # prompt-major
         if baseline_rollout == "greedy":
-            greedy = generate(run, group_prompts, group_indices, step, dict(sampling, n=1, temperature=0.0))
-    rows = dict(vars(rollout.split_for_training(generated, rollout_mesh.get_local_rank("infer_tp"), run.dims.infer_tp)))
+            greedy, greedy_stats = generate(run, group_prompts, group_indices, step, dict(sampling, n=1, temperature=0.0))
+    tp_rows = rollout.training_rows(len(generated), rollout_mesh.get_local_rank("infer_tp"), run.dims.infer_tp)
+    rows = dict(vars(generated.rows(tp_rows)))
     score = functools.partial(score_samples, run.reward_fn, run.tokenizer, prompts=run.train_prompts,
                               reward_cfg=cfg.reward_model, max_response_length=cfg.data.max_response_length)
+    if turn_stats is not None:  # multi-turn: per-sample counts travel with the rows, for the step's metrics
+        turn_stats = turn_stats.rows(tp_rows)
+        rows.update(num_turns=turn_stats.num_turns, tool_calls=turn_stats.tool_calls,
+                    tool_failures=turn_stats.tool_failures)
+        metrics["timing_s/tool"] = metrics.get("timing_s/tool", 0.0) + turn_stats.tool_seconds
     with timed(metrics, "reward"):
-        rows["scores"], extras = score(rows)  # (B,)
+        rows["scores"], extras = score(rows, rollout_info=turn_stats and turn_stats.reward_info)  # (B,)
         if baseline_rollout == "greedy":
-            greedy_scores, _ = score(vars(greedy))
+            greedy_scores, _ = score(vars(greedy), rollout_info=greedy_stats and greedy_stats.reward_info)
             baseline = dict(zip(greedy.prompt_index.tolist(), greedy_scores.tolist(), strict=True))
             rows["reward_baselines"] = torch.tensor([baseline[i] for i in rows["prompt_index"].tolist()])  # (B,)
     return rows, extras
@@ -619,16 +675,19 @@ def run_validation(run: Run, step: int) -> dict[str, float]:
     rollout_mesh, prompts = run.meshes.rollout, run.val_prompts
     dp, dp_rank = rollout_mesh.size(0), rollout_mesh.get_local_rank("dp")
     indices = list(range(len(prompts) * dp_rank // dp, len(prompts) * (dp_rank + 1) // dp))
-    generated = generate(run, [prompts[i] for i in indices], indices, step, run.val_sampling)
+    generated, turn_stats = generate(run, [prompts[i] for i in indices], indices, step, run.val_sampling)
     rows = [prompts[i] for i in generated.prompt_index.tolist()]
     response_tokens = generated.attention_mask[:, -generated.responses.shape[1]:]  # (B, R)
-    texts, scores, extras = score_batch(run.reward_fn, run.tokenizer, generated.responses, response_tokens, rows)
+    texts, scores, extras = score_batch(run.reward_fn, run.tokenizer, generated.responses, response_tokens, rows,
+                                        turn_stats and turn_stats.reward_info)
     if rollout_mesh.get_local_rank("infer_tp") == 0:
         (run.out_dir / "val_generations").mkdir(parents=True, exist_ok=True)
         with open(run.out_dir / "val_generations" / f"step{step}_dp{dp_rank}.jsonl", "w") as f:
-            for prompt, text, score in zip(rows, texts, scores, strict=True):
-                f.write(json.dumps({"prompt": prompt.text, "response": text, "ground_truth": prompt.ground_truth,
-                                    "score": score}) + "\n")
+            for i, (prompt, text, score) in enumerate(zip(rows, texts, scores, strict=True)):
+                record = {"prompt": prompt.text, "response": text, "ground_truth": prompt.ground_truth, "score": score}
+                if turn_stats is not None:  # every turn: role, text, token count, whether it was trained on
+                    record["turns"] = turn_stats.turns[i]
+                f.write(json.dumps(record) + "\n")
     # Means over every rank's samples (the TP ranks of a group hold the same ones, which leaves means
     # unchanged); mean@n: over all n samples of every prompt.
     n = run.val_sampling["n"]
@@ -773,6 +832,12 @@ def step_metrics(run: Run, batch: Batch, step_seconds: float) -> dict[str, float
     metrics["perf/padding_fraction"] = padding_fraction(batch["attention_mask"],
                                                         run.cfg.actor_rollout_ref.model.use_remove_padding)
     metrics.setdefault("actor/skipped_steps", 0)
+    if "num_turns" in batch:  # multi-turn (verl's and TRL's names); the failure share over every rank's calls
+        metrics.update(stats("num_turns", batch["num_turns"]))
+        metrics["tools/call_frequency"] = batch["tool_calls"].float().mean().item()
+        counts = torch.stack([batch["tool_failures"].sum(), batch["tool_calls"].sum()]).double()
+        dist.all_reduce(counts, group=run.dp_group)
+        metrics["tools/failure_frequency"] = (counts[0] / counts[1].clamp(min=1)).item()
     return metrics
 
 
@@ -795,7 +860,7 @@ def build_run(cfg: Config, env: DistEnv) -> Run:
     random.seed(cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
 
-    tokenizer, train_prompts, val_prompts, reward_fn = load_data(cfg, dims, env)
+    tokenizer, train_prompts, val_prompts, reward_fn, multi_turn = load_data(cfg, dims, env)
     # a step draws data.train_batch_size prompts; under dynamic sampling, generation batches of data.gen_batch_size
     size_key = "data.train_batch_size" if cfg.data.gen_batch_size is None else "data.gen_batch_size"
     sampler = PromptSampler(len(train_prompts), cfg.data.gen_batch_size or cfg.data.train_batch_size, cfg.data.seed,
@@ -810,7 +875,8 @@ def build_run(cfg: Config, env: DistEnv) -> Run:
               sp_group=meshes.sp.get_group("sp") if meshes.sp is not None else None, out_dir=out_dir,
               tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts, reward_fn=reward_fn,
               sampler=sampler, total_steps=total_steps, actor_loss=ActorLoss.from_config(cfg),
-              param_dtype=param_dtype, offload=OffloadFlags.from_config(cfg), old_log_probs_from=source, **models)
+              param_dtype=param_dtype, offload=OffloadFlags.from_config(cfg), old_log_probs_from=source,
+              multi_turn=multi_turn, **models)
     resume(run)
     build_engine(run)
     run.tracker = Tracker(out_dir, cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
@@ -820,8 +886,10 @@ def build_run(cfg: Config, env: DistEnv) -> Run:
     return run
 
 
-def load_data(cfg: Config, dims: ParallelDims, env: DistEnv) -> tuple[Any, list[Prompt], list[Prompt], RewardFn]:
-    """The tokenizer, the training and validation prompts, and the reward function (checked against the data)."""
+def load_data(cfg: Config, dims: ParallelDims,
+              env: DistEnv) -> tuple[Any, list[Prompt], list[Prompt], RewardFn, MultiTurn | None]:
+    """The tokenizer, the training and validation prompts, the reward function (checked against the data),
+    and with multi-turn rollouts their tools."""
     from transformers import AutoTokenizer
 
     data_cfg, model_cfg = cfg.data, cfg.actor_rollout_ref.model
@@ -834,10 +902,11 @@ def load_data(cfg: Config, dims: ParallelDims, env: DistEnv) -> tuple[Any, list[
                                               trust_remote_code=model_cfg.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    multi_turn = load_multi_turn(cfg, tokenizer)
     rule_reward = cfg.custom_reward_function.path is None  # the built-in rules need each row's ground truth
     load_kwargs = dict(prompt_key=data_cfg.prompt_key, max_prompt_length=data_cfg.max_prompt_length,
                        filter_overlong=data_cfg.filter_overlong_prompts, truncation=data_cfg.truncation,
-                       require_ground_truth=rule_reward)
+                       require_ground_truth=rule_reward, tools=multi_turn.schemas if multi_turn else None)
     train_prompts, overlong = load_prompts(data_cfg.train_files, tokenizer, key="data.train_files", **load_kwargs)
     print0(f"data: {len(train_prompts)} training prompts ({overlong} over data.max_prompt_length="
            f"{data_cfg.max_prompt_length}, {'dropped' if data_cfg.filter_overlong_prompts else 'truncated'})")
@@ -848,7 +917,7 @@ def load_data(cfg: Config, dims: ParallelDims, env: DistEnv) -> tuple[Any, list[
     reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
     if rule_reward:  # a data source without a rule fails now, not at the first rollout
         check_data_sources(p.data_source for p in train_prompts + val_prompts)
-    return tokenizer, train_prompts, val_prompts, reward_fn
+    return tokenizer, train_prompts, val_prompts, reward_fn, multi_turn
 
 
 def load_models(cfg: Config, meshes: Meshes, env: DistEnv, total_steps: int) -> dict[str, Any]:

@@ -159,6 +159,16 @@ def test_reinforce_plus_plus_matches_loop():
     assert torch.all(adv[mask == 0] == 0)
 
 
+def test_reinforce_plus_plus_carries_the_return_through_tool_replies():
+    """verl #7278's case: a multi-turn mask [1,1,0,0,1,1], reward 1 at the end, gamma 1: every sampled
+    token's return is 1 (a reset at the reply would give the first turn 0); what the reply's tokens
+    hold (NaN here) never enters the return."""
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0]])
+    rewards = torch.tensor([[0.0, 0.0, NAN, NAN, 0.0, 1.0, NAN]])
+    _, ret = pc.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, 1.0)
+    assert ret.tolist() == [[1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]]
+
+
 def test_compute_advantage_dispatch_and_unknown_name():
     rewards, mask = group_batch()
     got, _ = pc.compute_advantage("rloo", token_level_rewards=rewards, response_mask=mask, index=GROUP_INDEX)

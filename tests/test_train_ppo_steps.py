@@ -296,3 +296,14 @@ def test_old_log_probs_come_from_the_update_only_where_it_is_exact():
     # the critic (GAE), the KL loss and dynamic sampling need no old log-probs before the update
     assert why("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
                "algorithm.filter_groups.enable=true") is None
+
+
+def test_the_score_sits_on_the_last_sampled_token():
+    """Multi-turn rows have holes in the loss mask (tool replies): the score goes to the last token the
+    policy sampled, not to position mask.sum() - 1 (inside the reply here); an empty row keeps it at 0."""
+    import train_ppo
+
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0], [0] * 8])
+    placed = train_ppo.place_scores(torch.tensor([2.0, 3.0, 5.0]), mask)
+    assert placed.nonzero().tolist() == [[0, 5], [1, 2], [2, 0]]
+    assert placed.sum(-1).tolist() == [2.0, 3.0, 5.0]
