@@ -191,5 +191,6 @@ def _take_answer(t: Trajectory, answer: dict[str, Any], renderer: ObservationRen
         return
     t.add(ids, False)
     t.user_turns += 1
-    t.turns.append({"role": "tool", "text": "\n".join(str(m.get("content", "")) for m in answer["messages"]),
+    t.turns.append({"role": answer["messages"][-1].get("role", "tool"),
+                    "text": "\n".join(str(m.get("content", "")) for m in answer["messages"]),
                     "tokens": len(ids), "trained": False})

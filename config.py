@@ -169,6 +169,9 @@ SCHEMA: dict[str, Any] = {
                 # project key (no verl equivalent): seconds one tool call may take before it becomes an error
                 # observation; far below nccl_timeout, since the TP group waits for the slowest rank's tools
                 "tool_timeout_s": (float, 30.0),
+                # project key: "module.Class" of an agent.Environment (a game, a simulated user) built with no
+                # arguments, one per trajectory; null: the tools above (agent.ToolEnvironment)
+                "environment": (_STR_OR_NONE, None),
             },
             "val_kwargs": {
                 "n": (int, 1),
@@ -866,9 +869,12 @@ def check_multi_turn(cfg: Config) -> None:
         if mt[name] is not None and mt[name] < 1:
             raise ConfigError(f"{key}.{name}={mt[name]} must be >= 1{' or null (no limit)' if 'turns' in name else ''}.")
     paths = {name: mt[name] for name in ("tool_config_path", "function_tool_path")}
-    if mt.enable and not any(paths.values()):
+    if mt.enable and not any(paths.values()) and mt.environment is None:
         raise ConfigError(f"{key}.enable=true needs tools: set {key}.tool_config_path (verl's tool YAML) and/or "
-                          f"{key}.function_tool_path (a .py file of functions).")
+                          f"{key}.function_tool_path (a .py file of functions), or {key}.environment "
+                          f"(module.Class of an agent.Environment).")
+    if mt.environment is not None and "." not in mt.environment:
+        raise ConfigError(f"{key}.environment={mt.environment!r} must be module.Class (e.g. agent.GuessNumberEnv).")
     for name, path in paths.items():
         if path is not None and not Path(path).expanduser().is_file():
             raise ConfigError(f"{key}.{name}={path!r}: no such file (relative paths are from {Path.cwd()}).")

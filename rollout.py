@@ -140,6 +140,10 @@ def build_rollout_engine(
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
         if rollout_mesh.size(1) > 1:
             clear_stale_cpu_shm()
+        # A prompt split over scheduler steps (chunked prefill) has its first sample discarded and its
+        # seeded generator rewound, which CPU generators cannot do ("CPU Generator does not use offset"):
+        # long multi-turn prompts hit it. Unsplit, a prompt that does not fit a step waits for the next.
+        engine_kwargs.setdefault("enable_chunked_prefill", False)
     return LLM(
         model=model_path,
         tensor_parallel_size=rollout_mesh.size(1),

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib
 import itertools
 import json
 import os
@@ -501,14 +502,18 @@ class MultiTurn:
     section: Config
     tools: dict[str, Any]  # name -> agent.BaseTool
     schemas: list[dict[str, Any]]  # the tools' schemas, rendered into every prompt
-    renderer: Any  # agent.ObservationRenderer: a tool reply -> the ids that follow the assistant's turn
+    renderer: Any  # agent.ObservationRenderer: a reply -> the ids that follow the assistant's turn
     stop_token_ids: list[int]  # what ends an assistant turn
+    environment_class: type | None = None  # multi_turn.environment; None: agent.ToolEnvironment
 
     def environment(self, row: Prompt) -> Any:
-        """A fresh agent.ToolEnvironment for one trajectory of `row`."""
+        """A fresh environment for one trajectory of `row`, reset."""
         import agent
 
-        env = agent.ToolEnvironment.from_config(self.section, self.tools)
+        if self.environment_class is not None:
+            env = self.environment_class()
+        else:
+            env = agent.ToolEnvironment.from_config(self.section, self.tools)
         env.reset(row)
         return env
 
@@ -521,10 +526,19 @@ def load_multi_turn(cfg: Config, tokenizer: Any) -> MultiTurn | None:
         return None
     import agent
 
-    tools = agent.load_tools(section.tool_config_path, section.function_tool_path)
+    tools = (agent.load_tools(section.tool_config_path, section.function_tool_path)
+             if section.tool_config_path or section.function_tool_path else {})
     schemas = agent.tool_schemas(tools)
-    return MultiTurn(section, tools, schemas, agent.ObservationRenderer(tokenizer, schemas),
-                     agent.end_of_turn_ids(tokenizer))
+    environment_class = None
+    if section.environment is not None:
+        module, _, name = section.environment.rpartition(".")
+        try:
+            environment_class = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.environment={section.environment!r}: cannot "
+                              f"import it ({e}); give module.Class on the run's import path.") from e
+    return MultiTurn(section, tools, schemas, agent.ObservationRenderer(tokenizer, schemas or None),
+                     agent.end_of_turn_ids(tokenizer), environment_class)
 
 
 @dataclass

@@ -86,6 +86,19 @@ MUTATIONS = (
          'group_indices = prompt_indices'),
         ('run.train_sampling = dict(n=rollout_cfg.n,', 'run.train_sampling = dict(n=rollout_cfg.n // run.dims.rollout_dp,')),
         "tests/test_train_ppo.py::test_seed_six_rank_job"),
+    Mutation("multi-turn: the tool replies' tokens left in the loss", "agent_loop.py", ((
+        '    t.add(ids, False)\n', '    t.add(ids, True)\n'),),
+        "tests/test_train_ppo.py::test_multi_turn_rollouts_train_on_what_the_policy_sampled"),
+    Mutation("multi-turn: every TP rank runs every trajectory's environment", "agent_loop.py", ((
+        'envs = {j: make_env(t.row) for j, t in enumerate(trajs) if j % tp_size == tp_rank}',
+        'envs = {j: make_env(t.row) for j, t in enumerate(trajs)}'),),
+        "tests/test_train_ppo.py::test_multi_turn_rollouts_train_on_what_the_policy_sampled"),
+    Mutation("the score placed at response_mask.sum() - 1", "train_ppo.py", ((
+        'last = length - 1 - response_mask.flip(-1).argmax(-1)', 'last = response_mask.sum(-1) - 1'),),
+        "tests/test_train_ppo_steps.py::test_the_score_sits_on_the_last_sampled_token"),
+    Mutation("REINFORCE++ resets the return at tool replies", "ppo_core.py", ((
+        'token_level_rewards[:, t] + gamma * running, running)', 'token_level_rewards[:, t] + gamma * running, 0.0)'),),
+        "tests/test_ppo_core.py::test_reinforce_plus_plus_carries_the_return_through_tool_replies"),
     Mutation("packed forward lets attention cross sequences (one position run over the row)", "models.py", ((
         '"position_ids": inputs["position_ids"][valid][None]}',
         '"position_ids": torch.arange(int(valid.sum()), device=valid.device)[None]}'),),

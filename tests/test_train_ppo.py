@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run, torchrun, torchrun_cmd
+from conftest import clean_env, run, torchrun, torchrun_cmd
 from safetensors.torch import load_file
 
 import config
@@ -351,3 +351,33 @@ def test_one_step_replays_in_process(tiny_assets, sft_model, tmp_path):
     compared = {k for k in logged[2] if not k.startswith(("timing_s/", "perf/")) and k != "step"}
     assert logged[2]["actor/grad_norm"] > 0 and len(compared) > 30
     assert {k: got[k] for k in compared} == {k: logged[2][k] for k in compared}
+
+
+@pytest.mark.slow
+def test_multi_turn_rollouts_train_on_what_the_policy_sampled(tiny_assets, sft_model, tmp_path):
+    """Two GRPO steps at TP=2 where a scripted user (tests/multi_turn_env.py) answers each response twice:
+    the actor's log-probs of every sampled token equal the engine's (the end-to-end check that masks,
+    positions and the user's ids are what vLLM saw), three assistant turns and two user turns make
+    num_turns 6, the user's turns are logged untrained, and each trajectory's environment ran on exactly
+    one rank of the TP group (the resets across ranks equal the trajectories generated)."""
+    out, log_dir = tmp_path / "run", tmp_path / "users"
+    log_dir.mkdir()
+    env = clean_env(PYTHONPATH=str(Path(__file__).parent), SCRIPTED_USER_LOG=str(log_dir))
+    run(torchrun_cmd(2, "train_ppo.py", "--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model),
+                     "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "data.max_response_length=48",
+                     "actor_rollout_ref.rollout.multi_turn.enable=true",
+                     "actor_rollout_ref.rollout.multi_turn.environment=multi_turn_env.AskAgain",
+                     "trainer.total_training_steps=2", "trainer.test_freq=2", "data.max_val_samples=16"),
+        timeout=900, env=env)
+    rows = step_rows(out)
+    assert len(rows) == 2
+    for r in rows:
+        assert r["rollout/logprob_diff_max"] < 1e-4, r
+        assert r["num_turns/max"] == 6 and r["num_turns/min"] >= 2 and r["actor/grad_norm"] > 0, r
+    records = [json.loads(line) for f in (out / "val_generations").glob("step2_*.jsonl")
+               for line in f.read_text().splitlines()]
+    turns = [t for r in records for t in r["turns"]]
+    assert {(t["role"], t["trained"]) for t in turns} == {("assistant", True), ("user", False)}
+    resets = [line for f in log_dir.glob("*.log") for line in f.read_text().splitlines() if line.endswith("reset")]
+    assert len(list(log_dir.glob("*.log"))) == 2  # both TP ranks own some trajectories
+    assert len(resets) == 2 * 32 * 8 + 2 * 16  # 2 steps x 32 prompts x n=8, validation before and at step 2
