@@ -15,7 +15,14 @@ again from its path on resume and export), and the optimizer state exists for th
 
 Every rank writes its shards into `global_step_N.tmp`; after a barrier rank 0 writes the trainer
 state last and renames the directory, which is atomic on one filesystem. Old checkpoints beyond
-trainer.max_actor_ckpt_to_keep are removed only after that rename.
+trainer.max_actor_ckpt_to_keep are removed only after that rename. A save that fails on any rank (a
+full disk) fails on every rank with a CheckpointError naming the cause, and leaves no `.tmp` behind.
+
+The trainer state also lists every file of the checkpoint with its size and CRC-32 (`files`), each
+rank hashing the shards it wrote while they are still in the page cache. Resume checks the sizes
+(auto mode falls back to the newest checkpoint whose files are whole, and says so) and load_checkpoint
+the CRCs: a damaged file is an error naming it, never a silent load of garbage. Checkpoints written
+before this record load unchecked.
 
 What is not saved, because nothing needs it: random-number-generator states. Every random choice
 is a pure function of (trainer.seed, step, ...): vLLM's per-request sampling seeds, the mini-batch
@@ -33,19 +40,26 @@ import json
 import os
 import re
 import shutil
+import zlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from config import ConfigError
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 STATE_FILE = "trainer_state.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read as it is; the message names the file and the cause."""
 
 
 def save_checkpoint(
@@ -57,32 +71,142 @@ def save_checkpoint(
     keep: int | None = None,
 ) -> Path:
     """Collective: every rank calls it. `models` maps 'actor'/'critic' to (model, optimizer, scheduler).
-    hf_source: objects with save_pretrained(dir) (the HF config, the tokenizer, a LoRA adapter's config)."""
+    hf_source: objects with save_pretrained(dir) (the HF config, the tokenizer, a LoRA adapter's config).
+    Raises CheckpointError on every rank when any rank fails to write (the previous checkpoints stay)."""
     root = Path(root)
     final, tmp = root / f"global_step_{step}", root / f"global_step_{step}.tmp"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt that died mid-write
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    for name, (model, optimizer, _) in models.items():
-        model_sd, optim_sd = _state_dicts(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / name))
-    dist.barrier()  # every shard is on disk before the checkpoint becomes visible
-    if dist.get_rank() == 0:
-        state = dict(trainer_state, step=step, world_size=dist.get_world_size(),
-                     schedulers={name: s.state_dict() for name, (_, _, s) in models.items()})
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
-        for item in hf_source or ():
-            item.save_pretrained(tmp / "hf")
-        if final.exists():  # re-saving a step (after a resume): replace it only now
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        if keep is not None and keep > 0:
-            for old in complete_checkpoints(root)[:-keep]:
-                shutil.rmtree(old)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failure = None
+    if rank == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt that died mid-write
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            failure = f"rank 0: {e}"
+    _raise_if_any(failure, tmp, step)
+    digests: dict[str, list[Any]] = {}  # "actor/__0_0.distcp": [size, [CRC-32 of each piece]]
+    try:
+        for name, (model, optimizer, _) in models.items():
+            model_sd, optim_sd = _state_dicts(model, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / name))
+            digests.update(_digests(tmp, name, rank))  # this rank's shards, hot in the page cache
+    except (Exception, CheckpointException) as e:  # DCP raises the same CheckpointException on every rank
+        failure = _describe_failure(e, rank)
+    _raise_if_any(failure, tmp, step)  # also the barrier: every shard is on disk before rank 0 goes on
+    every_rank: list[Any] = [None] * world
+    dist.all_gather_object(every_rank, digests)
+    if rank == 0:
+        try:
+            for item in hf_source or ():
+                item.save_pretrained(tmp / "hf")
+            files = {k: v for part in every_rank for k, v in part.items()}
+            files.update(_digests(tmp, "hf", None) if (tmp / "hf").is_dir() else {})
+            state = dict(trainer_state, step=step, world_size=world, files=dict(sorted(files.items())),
+                         schedulers={name: s.state_dict() for name, (_, _, s) in models.items()})
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))  # the completion marker, written last
+            if final.exists():  # re-saving a step (after a resume): replace it only now
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(root)
+        except OSError as e:
+            failure = f"rank 0: {e}"
+    _raise_if_any(failure, tmp, step)
+    if rank == 0 and keep is not None and keep > 0:
+        for old in complete_checkpoints(root)[:-keep]:
+            shutil.rmtree(old)
     dist.barrier()
     return final
+
+
+def _describe_failure(e: BaseException, rank: int) -> str:
+    """One line per failed rank: DCP's CheckpointException carries every rank's exception."""
+    if isinstance(e, CheckpointException):
+        return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
+    return f"rank {rank}: {type(e).__name__}: {e}"
+
+
+def _raise_if_any(failure: str | None, tmp: Path, step: int) -> None:
+    """Collective: if any rank failed, every rank raises (rank 0 first removes the partial `.tmp`)."""
+    failures: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    failed = [f for f in dict.fromkeys(failures) if f is not None]
+    if not failed:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # frees the space a full disk needs back
+    dist.barrier()  # before any rank raises: torchrun ends the others when the first one exits
+    try:
+        usage = shutil.disk_usage(tmp.parent)
+        free = f"{_size(usage.free)} free of {_size(usage.total)} on {tmp.parent}"
+    except OSError:
+        free = f"{tmp.parent} unreadable"
+    previous = complete_checkpoints(tmp.parent)
+    kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "there is no earlier checkpoint"
+    raise CheckpointError(f"checkpoint step {step} could not be written to {tmp}: {'; '.join(failed)} ({free}). "
+                          f"Nothing of it was kept, {kept}. Free space, or point trainer.default_local_dir elsewhere "
+                          f"(trainer.max_actor_ckpt_to_keep prunes old checkpoints).")
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
+def _digests(root: Path, sub: str, rank: int | None) -> dict[str, list[Any]]:
+    """{"sub/name": [size, [CRC-32 of each 64 MiB piece]]} of the files under root/sub that `rank` wrote
+    (DCP names each rank's `__<rank>_*`; rank 0 also writes `.metadata`); rank None: all of them."""
+    out = {}
+    for path in sorted((root / sub).rglob("*")):
+        name = path.relative_to(root / sub).as_posix()
+        mine = (rank is None or name.startswith((f"__{rank}_", f"__{rank}."))
+                or (rank == 0 and not name.startswith("__")))
+        if path.is_file() and mine:
+            out[f"{sub}/{name}"] = [path.stat().st_size, _crc32(path)]
+    return out
+
+
+_CRC_CHUNK = 64 << 20
+
+
+def _crc32(path: Path) -> list[int]:
+    """The CRC-32 of each 64 MiB piece of the file, computed on a few threads (zlib and reads release
+    the GIL; one thread does ~3.5 GB/s, and a rank's share of a 7B run with Adam is ~10 GB)."""
+    def piece(offset: int) -> int:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return zlib.crc32(f.read(_CRC_CHUNK))
+
+    offsets = range(0, max(path.stat().st_size, 1), _CRC_CHUNK)
+    if len(offsets) == 1:
+        return [piece(0)]
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1, len(offsets))) as pool:
+        return list(pool.map(piece, offsets))
+
+
+def check_files(path: str | Path, deep: bool = False, part: tuple[int, int] = (0, 1)) -> list[str]:
+    """What is wrong with the files of checkpoint `path` against its trainer state's record: one line
+    per missing file, wrong size, or (deep) wrong CRC-32; [] when whole, or when it predates the record.
+    part=(i, n): check only every n-th file from the i-th (ranks share the reading)."""
+    path = Path(path)
+    try:
+        files = json.loads((path / STATE_FILE).read_text()).get("files")
+    except (OSError, ValueError) as e:
+        return [f"{path / STATE_FILE}: unreadable ({e})"]
+    problems = []
+    for name, (size, crc) in list((files or {}).items())[part[0]::part[1]]:
+        file = path / name
+        try:
+            actual = file.stat().st_size
+        except OSError:
+            problems.append(f"{file}: missing")
+            continue
+        if actual != size:
+            how = "truncated" if actual < size else "grown"
+            problems.append(f"{file}: {actual} bytes, {size} when written ({how})")
+        elif deep and (now := _crc32(file)) != crc:
+            at = next(i for i, (a, b) in enumerate(zip(now, crc, strict=True)) if a != b) * _CRC_CHUNK
+            problems.append(f"{file}: its content changed since it was written (CRC-32 mismatch in bytes "
+                            f"{at}..{min(at + _CRC_CHUNK, size)})")
+    return problems
 
 
 def _fsync_dir(path: Path) -> None:
@@ -104,7 +228,8 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
 
 
 def find_resume_path(mode: str, root: str | Path, resume_from_path: str | None) -> Path | None:
-    """trainer.resume_mode: auto (latest complete under root, else start fresh), disable, resume_path."""
+    """trainer.resume_mode: auto (latest complete under root whose files are whole, else start fresh),
+    disable, resume_path. In auto mode a damaged newer checkpoint is skipped, and said so."""
     if mode == "disable":
         return None
     if mode == "resume_path":
@@ -116,18 +241,45 @@ def find_resume_path(mode: str, root: str | Path, resume_from_path: str | None) 
                 f"trainer.resume_from_path={resume_from_path!r} is not a complete checkpoint (no {STATE_FILE}); "
                 f"complete ones under it: {[p.name for p in complete_checkpoints(path.parent)]}."
             )
+        problems = check_files(path)
+        if problems:
+            raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}. Resume from another one "
+                                  f"(complete ones: {[p.name for p in complete_checkpoints(path.parent)]}).")
         return path
-    found = complete_checkpoints(root)
-    return found[-1] if found else None
+    skipped = []
+    for path in reversed(complete_checkpoints(root)):
+        problems = check_files(path)
+        if not problems:
+            if skipped:
+                _print0(f"warning: skipping damaged checkpoint(s): {'; '.join(skipped)}. Resuming from {path} instead.")
+            return path
+        skipped.append(f"{path.name} ({'; '.join(problems)})")
+    if skipped:  # starting over silently would throw the run away
+        raise CheckpointError(f"every checkpoint under {root} is damaged: {'; '.join(skipped)}. Set "
+                              f"trainer.resume_mode=disable to start fresh.")
+    return None
+
+
+def _print0(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
 
 
 def load_checkpoint(
     path: str | Path, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]]
 ) -> dict[str, Any]:
-    """Collective: load every model/optimizer (resharding to this world size) and return the
-    trainer state (its schedulers already restored)."""
+    """Collective: check every file's CRC-32 (the ranks share the reading), load every model/optimizer
+    (resharding to this world size) and return the trainer state (its schedulers already restored)."""
     path = Path(path)
     state = json.loads((path / STATE_FILE).read_text())
+    problems = check_files(path, deep=True, part=(dist.get_rank(), dist.get_world_size()))
+    every_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, problems)
+    problems = [p for part in every_rank for p in part]
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged, not loading it: {'; '.join(problems)}. Resume from an "
+                              f"earlier one: trainer.resume_mode=resume_path trainer.resume_from_path=<one of "
+                              f"{[p.name for p in complete_checkpoints(path.parent) if p != path]}>.")
     for name, (model, optimizer, sched) in models.items():
         if not (path / name).is_dir():
             raise ConfigError(f"checkpoint {path} has no {name!r} state (was it written by a run without a {name}?).")

@@ -212,6 +212,8 @@ SCHEMA: dict[str, Any] = {
             "penalty_factor": (float, 1.0),
             "log": (bool, False),  # log reward_extra/overlong_reward and reward_extra/overlong
         },
+        # project key (verl has none): seconds a reward function may take on one sample; 0: no limit
+        "timeout_s": (float, 300.0),
     },
     "custom_reward_function": {
         "path": (_STR_OR_NONE, None),
@@ -264,6 +266,8 @@ SCHEMA: dict[str, Any] = {
         "default_local_dir": (str, "outputs/run"),
         "seed": (int, 1),
         "max_consecutive_skipped_steps": (int, 3),
+        # project key: a rank in one phase this long ends the job with a report (watchdog.py); 0: off
+        "hang_timeout_s": (float, 600.0),
     },
 }
 
@@ -711,6 +715,7 @@ def check_supported(cfg: Config) -> None:
     check_rollout_correction(cfg)
     check_algorithm(cfg)
     check_multi_turn(cfg)
+    check_timeouts(cfg)
     unknown = [name for name in cfg.trainer.logger if name not in LOGGERS]
     if unknown:
         raise ConfigError(f"trainer.logger has unknown entries {unknown}; valid: {', '.join(LOGGERS)}.")
@@ -878,6 +883,19 @@ def check_multi_turn(cfg: Config) -> None:
     for name, path in paths.items():
         if path is not None and not Path(path).expanduser().is_file():
             raise ConfigError(f"{key}.{name}={path!r}: no such file (relative paths are from {Path.cwd()}).")
+
+
+def check_timeouts(cfg: Config) -> None:
+    """trainer.hang_timeout_s and reward_model.timeout_s: >= 0, and the watchdog before the collectives."""
+    hang, collective = cfg.trainer.hang_timeout_s, cfg.actor_rollout_ref.nccl_timeout
+    if not 0 <= hang <= collective:
+        raise ConfigError(
+            f"trainer.hang_timeout_s={hang:g} must be in 0..actor_rollout_ref.nccl_timeout={collective}: the watchdog "
+            f"must end a hang, with a report of who is behind, before the collective timeout ends it without one "
+            f"(0 turns the watchdog off). Lower trainer.hang_timeout_s or raise actor_rollout_ref.nccl_timeout.")
+    if cfg.reward_model.timeout_s < 0:
+        raise ConfigError(f"reward_model.timeout_s={cfg.reward_model.timeout_s:g} must be >= 0 seconds per sample "
+                          f"(0: no limit).")
 
 
 def non_defaults(cfg: dict[str, Any]) -> dict[str, Any]:

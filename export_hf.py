@@ -24,18 +24,20 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from checkpoint import STATE_FILE, complete_checkpoints
+from checkpoint import STATE_FILE, check_files, complete_checkpoints
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or a run directory whose latest complete checkpoint is taken."""
+    """A checkpoint directory, or a run directory whose latest complete checkpoint is taken; its files
+    checked against the sizes and CRCs recorded at save."""
     path = Path(path)
-    if (path / STATE_FILE).is_file():
-        return path
-    found = complete_checkpoints(path)
+    found = [path] if (path / STATE_FILE).is_file() else complete_checkpoints(path)
     if not found:
         raise SystemExit(f"export_hf: {path} is neither a complete checkpoint (no {STATE_FILE}) nor a run "
                          f"directory holding one (global_step_N/).")
+    problems = check_files(found[-1], deep=True)
+    if problems:
+        raise SystemExit(f"export_hf: checkpoint {found[-1]} is damaged, not exporting it: {'; '.join(problems)}.")
     return found[-1]
 
 

@@ -18,7 +18,10 @@ implementation of its behaviour, tested against it):
 Any other data_source needs `custom_reward_function.path` (a .py file) and `.name`. `score_batch`
 decodes a batch of responses and scores it, for training and validation alike. A function that
 raises or returns a non-number stops the run and shows the sample: a reward bug silently scored 0
-would look like a model that cannot learn.
+would look like a model that cannot learn. So does one that runs longer than reward_model.timeout_s
+on a sample (a hung sandbox, a regex that backtracks without end): a SIGALRM timer on the main thread
+interrupts it, so no thread is left running it; a function that sets SIGALRM itself (math_verify's
+own timeout) replaces that timer while it runs.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import importlib.util
 import math
 import numbers
 import re
+import signal
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,7 +47,29 @@ RewardFn = Callable[..., Any]  # (data_source, solution_str, ground_truth, extra
 
 
 class RewardError(RuntimeError):
-    """A reward function failed or returned a non-number; the message shows the sample."""
+    """A reward function failed, hung, or returned a non-number; the message shows the sample."""
+
+
+class _RewardTimeout(BaseException):  # not an Exception: a reward function's `except Exception` cannot swallow it
+    pass
+
+
+def _on_alarm(signum: int, frame: Any) -> None:
+    raise _RewardTimeout
+
+
+def _call_with_timeout(reward_fn: RewardFn, timeout_s: float, **kwargs: Any) -> Any:
+    """reward_fn(**kwargs), interrupted by _RewardTimeout after timeout_s (> 0) seconds. SIGALRM reaches
+    the main thread only: elsewhere the call runs unbounded (the trainer scores on the main thread)."""
+    if timeout_s <= 0 or threading.current_thread() is not threading.main_thread():
+        return reward_fn(**kwargs)
+    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return reward_fn(**kwargs)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 # -----------------------------------------------------------------------------
@@ -306,7 +333,7 @@ _NUM_TURNS = 2
 
 def score_batch(
     reward_fn: RewardFn, tokenizer: Any, responses: torch.Tensor, response_mask: torch.Tensor, prompts: list[Prompt],
-    rollout_info: list[dict[str, Any]] | None = None,
+    rollout_info: list[dict[str, Any]] | None = None, timeout_s: float = 0.0,
 ) -> tuple[list[str], list[float], list[dict[str, float]]]:
     """Decode each response and score it against its prompt's row.
 
@@ -316,24 +343,28 @@ def score_batch(
     float per sample, and per sample the extra numbers its function returned in a dict (math_dapo's
     `acc`; {} for a float), so a key's mean is over the samples that have it. Text extras (`pred`) are
     not kept.
-    Raises RewardError showing the sample when the function raises or its score is not a finite number.
+    Raises RewardError showing the sample when the function raises, runs longer than timeout_s (> 0,
+    reward_model.timeout_s) on it, or its score is not a finite number.
     rollout_info: per sample, what a multi-turn rollout adds to extra_info (num_turns, rollout_reward_scores).
     """
     texts = tokenizer.batch_decode([r[m.bool()] for r, m in zip(responses, response_mask, strict=True)],
                                    skip_special_tokens=True)
-    scores, extras = _score_texts(reward_fn, texts, prompts, rollout_info or [{}] * len(texts))
+    scores, extras = _score_texts(reward_fn, texts, prompts, rollout_info or [{}] * len(texts), timeout_s)
     return texts, scores, extras
 
 
-def _score_texts(reward_fn: RewardFn, texts: list[str], prompts: list[Prompt],
-                 rollout_info: list[dict[str, Any]]) -> tuple[list[float], list[dict[str, float]]]:
+def _score_texts(reward_fn: RewardFn, texts: list[str], prompts: list[Prompt], rollout_info: list[dict[str, Any]],
+                 timeout_s: float = 0.0) -> tuple[list[float], list[dict[str, float]]]:
     scores, extras = [], []
     for text, prompt, info in zip(texts, prompts, rollout_info, strict=True):
         extras.append({})
         extra_info = {**prompt.extra_info, "num_turns": _NUM_TURNS, "rollout_reward_scores": {}, **info}
         try:
-            result = reward_fn(data_source=prompt.data_source, solution_str=text, ground_truth=prompt.ground_truth,
-                               extra_info=extra_info)
+            result = _call_with_timeout(reward_fn, timeout_s, data_source=prompt.data_source, solution_str=text,
+                                        ground_truth=prompt.ground_truth, extra_info=extra_info)
+        except _RewardTimeout:
+            raise RewardError(_describe(reward_fn, f"did not return within reward_model.timeout_s={timeout_s:g} s",
+                                        prompt, text)) from None
         except Exception as e:
             raise RewardError(_describe(reward_fn, f"raised {type(e).__name__}: {e}", prompt, text)) from e
         score = result
@@ -382,7 +413,8 @@ def score_samples(reward_fn: RewardFn, tokenizer: Any, rows: dict[str, torch.Ten
     width = rows["responses"].shape[1]
     response_tokens = rows["attention_mask"][:, -width:]  # (B, R) every real response token
     samples = [prompts[i] for i in rows["prompt_index"].tolist()]
-    _, scores, extras = score_batch(reward_fn, tokenizer, rows["responses"], response_tokens, samples, rollout_info)
+    _, scores, extras = score_batch(reward_fn, tokenizer, rows["responses"], response_tokens, samples, rollout_info,
+                                    reward_cfg.timeout_s)
     scores = torch.tensor(scores, dtype=torch.float32)  # (B,)
     if reward_cfg.reward_manager == "dapo":
         for sample_extras, score in zip(extras, scores.tolist(), strict=True):

@@ -52,6 +52,7 @@ import torch.distributed as dist
 import ppo_core as core
 import rollout_correction
 import ulysses
+import watchdog
 from checkpoint import find_resume_path, load_checkpoint, save_checkpoint, step_seed
 from config import (
     Config,
@@ -583,6 +584,7 @@ class Run:
     lora_modules: set[str] | None = None  # with LoRA: what syncs after the first (full) sync
     multi_turn: MultiTurn | None = None  # actor_rollout_ref.rollout.multi_turn.enable: tools and their replies
     tracker: Tracker | None = None
+    progress: watchdog.Progress = field(default_factory=lambda: watchdog.Progress(None))  # off until started
     placement: str = LOADED  # the memory phase the models and engine are placed for (memory_plan.placement)
     synced_once: bool = False
     consecutive_skips: int = 0
@@ -693,7 +695,7 @@ def run_validation(run: Run, step: int) -> dict[str, float]:
     rows = [prompts[i] for i in generated.prompt_index.tolist()]
     response_tokens = generated.attention_mask[:, -generated.responses.shape[1]:]  # (B, R)
     texts, scores, extras = score_batch(run.reward_fn, run.tokenizer, generated.responses, response_tokens, rows,
-                                        turn_stats and turn_stats.reward_info)
+                                        turn_stats and turn_stats.reward_info, run.cfg.reward_model.timeout_s)
     if rollout_mesh.get_local_rank("infer_tp") == 0:
         (run.out_dir / "val_generations").mkdir(parents=True, exist_ok=True)
         with open(run.out_dir / "val_generations" / f"step{step}_dp{dp_rank}.jsonl", "w") as f:
@@ -733,7 +735,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     generator = torch.Generator().manual_seed(step_seed(cfg.trainer.seed, step, dist.get_rank(run.dp_group)))
 
     # 1. weight sync: the engine samples from the current actor; check the update reached it
+    run.progress.enter(step, "sync")  # every rank records its phases: a hang names the rank behind
     metrics["timing_s/sync_weights"] = sync_weights(run)
+    run.progress.enter(step, "generate")
     move_to(run, "generate")  # param_offload: the actor's (and critic's) shards to the host for the engine
 
     # 2-3. generate and score: each rollout dp group samples n responses for its prompts, each rank
@@ -746,6 +750,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         metrics.update(sampling_metrics)
     else:
         rows, reward_extras = rollout_step(run, step, 0, metrics)
+    run.progress.enter(step, "log_prob")
     move_to(run, "log_prob")  # free_cache_engine: the engine sleeps; param_offload: the shards come back
     batch = {k: v.to(run.env.device) for k, v in rows.items()}
     if run.sp_group is not None:  # Ulysses: every rank of an sp group trains on the group's slices
@@ -784,6 +789,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
                                         run.dp_group))
 
     # 6. updates: critic first (verl's order), then the actor; Adam's moments may live on the host between
+    run.progress.enter(step, "update")
     move_to(run, "update")  # optimizer_offload: Adam's state to the device for the steps
     if run.critic is not None:
         with timed(metrics, "update_critic"):
@@ -1061,9 +1067,12 @@ def main(argv: list[str] | None = None) -> None:
     env = init_distributed(timeout_s=cfg.actor_rollout_ref.nccl_timeout)
     run = build_run(cfg, env)
     tc = cfg.trainer
+    # a rank that stops ends the job within trainer.hang_timeout_s, named, with every rank's stacks
+    run.progress = watchdog.start(run.out_dir, env.rank, env.world_size, tc.hang_timeout_s)
 
     move_to(run, "sync")
     if tc.val_before_train and run.val_prompts and run.start_step < run.total_steps:  # on resume, too
+        run.progress.enter(run.start_step, "validate")
         sync_weights(run)
         val_metrics = run_validation(run, run.start_step)
         print0(f"validation before training: val/score {val_metrics['val/score']:.3f}")
@@ -1072,12 +1081,15 @@ def main(argv: list[str] | None = None) -> None:
         metrics = train_step(run, step)
         last = step == run.total_steps
         if run.val_prompts and tc.test_freq > 0 and (step % tc.test_freq == 0 or last):
+            run.progress.enter(step, "validate")
             sync_weights(run)  # validate the weights just trained, not the ones this step sampled from
             with timed(metrics, "testing"):
                 metrics.update(run_validation(run, step))
         run.tracker.log(step, metrics)
         if tc.save_freq > 0 and (step % tc.save_freq == 0 or last):
+            run.progress.enter(step, "save")
             save(run, step)
+    run.progress.stop()
     finish(run)
 
 

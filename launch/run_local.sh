@@ -39,4 +39,14 @@ if [[ $NNODES != 1 ]]; then
   exit 1
 fi
 
+# PyTorch's NCCL flight recorder: on a collective timeout every rank dumps its last collectives into
+# the run's logs/ (read them with torchfrtrace, docs/hangs.md). Set any of these to override.
+OUT_DIR=$(python -c 'import sys; from config import load_config
+print(load_config(sys.argv[1], sys.argv[2:]).trainer.default_local_dir)' "$CONFIG" "$@")
+[[ $OUT_DIR == /* ]] || OUT_DIR=$PWD/$OUT_DIR
+export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$OUT_DIR/logs/nccl_trace_rank_}
+mkdir -p "$OUT_DIR/logs"
+
 torchrun --standalone --nproc_per_node="$NPROC" train_ppo.py --config "$CONFIG" "$@"

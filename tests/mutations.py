@@ -113,6 +113,31 @@ MUTATIONS = (
         "if (result[\"score\"] if isinstance(result, dict) else result) != 1.0:",
         "if result is None:"),),
         "tests/test_prepare_data.py::test_dapo_rows_are_checked_and_copied"),
+    # faults (tests/test_faults.py): each feature off, its fault test must fail
+    Mutation("fault: the watchdog sees the hang but never ends the job", "watchdog.py", ((
+        'if why is not None and self._state != "done":', 'if False:'),),
+        "tests/test_faults.py -k stopped_rank and generate"),
+    Mutation("fault: a checkpoint is visible before it is complete (written in place, any dir counts)",
+             "checkpoint.py", (
+        ('final, tmp = root / f"global_step_{step}", root / f"global_step_{step}.tmp"',
+         'final = tmp = root / f"global_step_{step}"'),
+        ('            if final.exists():  # re-saving a step (after a resume): replace it only now\n'
+         '                shutil.rmtree(final)\n            os.replace(tmp, final)\n', ''),
+        ('if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]',
+         'if (m := _STEP_DIR.match(p.name))]')),
+        "tests/test_faults.py::test_rank_killed_while_saving_keeps_the_previous_checkpoint"),
+    Mutation("fault: resume trusts file sizes it does not check", "checkpoint.py", ((
+        '        problems = check_files(path)\n        if not problems:', '        problems = []\n        if not problems:'),),
+        "tests/test_faults.py::test_damaged_shards_are_named_and_never_loaded"),
+    Mutation("fault: load skips the CRC check", "checkpoint.py", ((
+        'problems = check_files(path, deep=True, part=(dist.get_rank(), dist.get_world_size()))', 'problems = []'),),
+        "tests/test_faults.py::test_damaged_shards_are_named_and_never_loaded"),
+    Mutation("fault: a failed save surfaces as DCP's raw exception and leaves its .tmp", "checkpoint.py", ((
+        'except (Exception, CheckpointException) as e:  # DCP raises', 'except ZeroDivisionError as e:  # DCP raises'),),
+        "tests/test_faults.py::test_full_disk_during_save_is_a_clear_error"),
+    Mutation("fault: reward_model.timeout_s is ignored", "rewards.py", ((
+        'if timeout_s <= 0 or threading.current_thread() is not threading.main_thread():', 'if True:'),),
+        "tests/test_faults.py::test_hanging_reward_function_is_stopped_and_named"),
 )
 
 

@@ -28,7 +28,8 @@ import json, os, sys
 with open({log!r}, "a") as f:
     f.write(json.dumps({{"prog": os.path.basename(sys.argv[0]), "argv": sys.argv[1:], "cwd": os.getcwd(),
                         "path0": os.environ["PATH"].split(":")[0],
-                        "srun_cpus_per_task": os.environ.get("SRUN_CPUS_PER_TASK")}}) + "\\n")
+                        "srun_cpus_per_task": os.environ.get("SRUN_CPUS_PER_TASK"),
+                        "torch_nccl": {{k: v for k, v in os.environ.items() if k.startswith("TORCH_NCCL_")}}}}) + "\\n")
 if os.path.basename(sys.argv[0]) == "scontrol":
     print("\\n".join({hosts!r}))
 """
@@ -268,3 +269,21 @@ def test_docs_name_the_scripts_that_exist():
     named = set(re.findall(r"launch/[\w.]*\w", text))
     assert named, "no launch script named in the docs"
     assert all((ROOT / name).is_file() for name in named), sorted(n for n in named if not (ROOT / n).is_file())
+
+
+@pytest.mark.parametrize("launcher", ["slurm_multinode.sbatch", "slurm_1node.sbatch", "run_local.sh"])
+def test_launchers_turn_on_the_flight_recorder(tmp_path, launcher):
+    """PyTorch's NCCL flight recorder on, dumping into the run's logs/ (trainer.default_local_dir, as
+    overridden), unless the user set the variables."""
+    out = tmp_path / "run"
+    args = ["configs/tiny_cpu.yaml", f"trainer.default_local_dir={out}"]
+    if launcher == "run_local.sh":
+        proc, calls = run_local(tmp_path, args, TORCH_NCCL_TRACE_BUFFER_SIZE="500")
+    else:
+        proc, calls = run_sbatch(launcher, tmp_path, args, SLURM_GPUS_ON_NODE="2", SLURM_JOB_NUM_NODES="1",
+                                 TORCH_NCCL_TRACE_BUFFER_SIZE="500")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    launched = calls[-1]
+    assert launched["torch_nccl"] == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "500", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                                      "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{out}/logs/nccl_trace_rank_"}
+    assert (out / "logs").is_dir()
