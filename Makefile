@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: setup setup-gpu demo test test-slurm lint plan clean
+.PHONY: setup setup-gpu demo demo-tools test test-slurm lint plan clean
 
 # Idempotent: reinstalls only when requirements-cpu.txt changes (seconds when done).
 $(STAMP): requirements-cpu.txt
@@ -34,6 +34,21 @@ demo: setup
 	$(PY) sft_warmup.py --model assets/tiny-qwen2 --data assets/data/train.parquet --out assets/tiny-qwen2-sft --steps 75
 	rm -rf outputs/tiny_cpu
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train_ppo.py --config configs/tiny_cpu.yaml $(ARGS)
+
+# The tool-use demo: two-digit multiplication (`37*48=`), which the tiny model cannot do in its head,
+# with a calculator tool (`calc(37*48)`; configs/tools/calculator.yaml). The warm-up trains on tool
+# trajectories (the tool's replies masked out of the loss) mixed with direct answers, so the model
+# calls the tool only some of the time; multi-turn GRPO then raises val/score and tools/call_frequency.
+# The numbers: outputs/tiny_cpu_tools/{summary.txt,metrics.jsonl,demo_result.json}.
+demo-tools: setup
+	$(PY) make_assets.py --out assets
+	$(PY) sft_warmup.py --model assets/tiny-qwen2 --data assets/data/tools_train.parquet --out assets/tiny-qwen2-tools-sft \
+		--tools configs/tools/calculator.yaml --format demo --val assets/data/tools_val.parquet --steps 200 --threads 1
+	rm -rf outputs/tiny_cpu_tools
+	start=$$(date +%s) && \
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train_ppo.py --config configs/tiny_cpu_tools.yaml $(ARGS) && \
+	$(PY) tracking.py outputs/tiny_cpu_tools/metrics.jsonl val/score tools/call_frequency num_turns/mean \
+		critic/score/mean --wall-s $$(( $$(date +%s) - start )) --out outputs/tiny_cpu_tools/demo_result.json
 
 # The whole plan of a config, with no GPU: device map, batch flow, memory per rank and phase
 # (CONFIG=configs/X.yaml, ARGS="key=value ... --gpu-memory-gb 40").

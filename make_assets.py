@@ -10,7 +10,8 @@ The tokenizer is character level: every printable ASCII character and "\\n" is o
 "What is 12+7?" encodes to exactly its 13 characters. Models are randomly initialised from a
 transformers config with a fixed seed and saved in float32 safetensors with the tokenizer beside
 them, so any of them loads with `from_pretrained(path)` and with vLLM. The demo task is one-digit
-addition in verl's row format (data_source `arithmetic`), answered as `#### N` like GSM8K.
+addition in verl's row format (data_source `arithmetic`), answered as `#### N` like GSM8K; the
+tool-use demo's is two-digit multiplication (`37*48=`) with the calculator tool (data/tools_*.parquet).
 `tiny-chatml-tokenizer` is the same characters with Qwen2.5's special tokens and a tool-calling
 ChatML template (CHATML_TEMPLATE), for testing multi-turn rendering and hermes tool calls offline.
 """
@@ -241,9 +242,53 @@ def write_arithmetic_dataset(out_dir: str | Path, num_train: int = 2000, num_val
     return paths
 
 
+# -----------------------------------------------------------------------------
+# The tool-use demo's task: two-digit multiplication, which the tiny model cannot do in its head but
+# can with the calculator (agent.Calculator, tool `calc`): `37*48=` -> `calc(37*48)`, the tool answers
+# `1776`, then `#### 1776`. data_source `arithmetic`, so the built-in `#### N` rule scores it.
+
+
+def multiplication_rows(pairs: list[tuple[int, int]], start_index: int = 0) -> list[dict[str, Any]]:
+    """`a*b=` rows in verl's multi-turn row format: agent_name tool_agent and extra_info.tools_kwargs for
+    the `calc` tool (create_kwargs carries the ground truth, as verl's gsm8k tool example does: parquet
+    cannot store an empty mapping), plus extra_info.expression for sft_warmup.py --tools."""
+    rows = []
+    for i, (a, b) in enumerate(pairs, start_index):
+        answer = str(a * b)
+        rows.append({
+            "data_source": "arithmetic",
+            "agent_name": "tool_agent",
+            "prompt": [{"role": "user", "content": f"{a}*{b}="}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": answer},
+            "extra_info": {"index": i, "expression": f"{a}*{b}", "need_tools_kwargs": True,
+                           "tools_kwargs": {"calc": {"create_kwargs": {"ground_truth": answer}}}},
+        })
+    return rows
+
+
+def write_tools_dataset(out_dir: str | Path, num_train: int = 2000, num_val: int = 128, seed: int = 0) -> dict:
+    """Write tools_train/tools_val parquet files of the tool-use demo (disjoint operand pairs, both in
+    10..99); skip if present."""
+    import datasets
+
+    out = Path(out_dir)
+    paths = {"tools_train": out / "tools_train.parquet", "tools_val": out / "tools_val.parquet"}
+    if all(p.is_file() for p in paths.values()):
+        return paths
+    out.mkdir(parents=True, exist_ok=True)
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    random.Random(seed).shuffle(pairs)
+    splits = {"tools_train": (pairs[:num_train], 0), "tools_val": (pairs[num_train:num_train + num_val], num_train)}
+    for split, (split_pairs, start) in splits.items():
+        datasets.Dataset.from_list(multiplication_rows(split_pairs, start)).to_parquet(str(paths[split]))
+    return paths
+
+
 def build_default_assets(out: Path, force: bool = False, seed: int = 0) -> dict[str, Path]:
     """The tokenizer, tiny-qwen2 (untied), tiny-llama-tied (a second architecture, tied), the ChatML
-tokenizer (tiny-chatml-tokenizer) and the demo data set (data/train.parquet, data/val.parquet)."""
+tokenizer (tiny-chatml-tokenizer), the demo data set (data/train.parquet, data/val.parquet) and the
+tool-use demo's (data/tools_train.parquet, data/tools_val.parquet)."""
     tiny = PRESETS["tiny"]
     paths = {name: out / name for name in ("tokenizer", "tiny-qwen2", "tiny-llama-tied", "tiny-chatml-tokenizer")}
     build_tokenizer_dir(paths["tokenizer"], force)
@@ -252,6 +297,7 @@ tokenizer (tiny-chatml-tokenizer) and the demo data set (data/train.parquet, dat
     build_model(paths["tiny-llama-tied"], model_config("llama", **tiny, tied=True), seed + 1, force)
     # The demo task's prompts, in verl's row format (data.py): train/val parquet under data/.
     paths.update(write_arithmetic_dataset(out / "data"))
+    paths.update(write_tools_dataset(out / "data"))
     return paths
 
 

@@ -219,6 +219,19 @@ def summary(metrics_file: str | Path) -> str:
     return "\n".join(lines)
 
 
+def first_last(metrics_file: str | Path, keys: list[str]) -> dict[str, dict[str, float]]:
+    """{key: {first, first_step, last, last_step}} for each key that some step of the run logged:
+    e.g. val/score before and after training, a demo's numbers in a file."""
+    rows = read_metrics(metrics_file)
+    out = {}
+    for key in keys:
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if pts:
+            (s0, v0), (s1, v1) = pts[0], pts[-1]
+            out[key] = {"first": v0, "first_step": s0, "last": v1, "last_step": s1}
+    return out
+
+
 def plot_metrics(metrics_file: str | Path, out_png: str | Path) -> Path:
     """Score, validation score and response length per step, as a PNG."""
     import matplotlib
@@ -292,3 +305,21 @@ def count_batch(prompt_index: torch.Tensor, dp_group: dist.ProcessGroup) -> dict
     dist.all_gather_object(indices, prompt_index.tolist(), group=dp_group)
     return {"batch/num_prompts": len({i for rank_indices in indices for i in rank_indices}),
             "batch/num_samples": sum(len(rank_indices) for rank_indices in indices)}
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="A run's metrics at their first and last logged steps, as JSON.")
+    ap.add_argument("metrics", help="a run's metrics.jsonl")
+    ap.add_argument("keys", nargs="+", help="metric names, e.g. val/score tools/call_frequency")
+    ap.add_argument("--out", help="write the JSON here too")
+    ap.add_argument("--wall-s", type=float, help="the run's wall-clock seconds, recorded as wall_s")
+    args = ap.parse_args()
+    result: dict[str, Any] = {"metrics": str(args.metrics), **first_last(args.metrics, args.keys)}
+    if args.wall_s is not None:
+        result["wall_s"] = args.wall_s
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
