@@ -19,6 +19,7 @@ counts (MultiTurnStats) and each trajectory's turns, for the reward and the logs
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -137,20 +140,23 @@ def generate_multi_turn(llm: LLM, rows: Sequence[Any], prompt_indices: Sequence[
             t.turns.append({"role": "assistant", "text": decode(result.token_ids), "tokens": len(result.token_ids),
                             "trained": True})
             turn_limit = settings.max_assistant_turns is not None and t.assistant_turns >= settings.max_assistant_turns
-            t.done = result.finish_reason != "stop" or len(t.response) >= budget or turn_limit
+            # no reply may follow: checked before the environment runs, so no call runs for a reply dropped
+            reply_limit = settings.max_user_turns is not None and t.user_turns >= settings.max_user_turns
+            t.done = result.finish_reason != "stop" or len(t.response) >= budget or turn_limit or reply_limit
             if not t.done:
                 replying.append(j)
         # the environments answer on their owner ranks; every rank of the group gets every answer
-        mine = {}
-        for j in replying:
-            if j in envs:
-                start = time.perf_counter()
-                mine[j] = _as_plain(envs[j].step(trajs[j].turns[-1]["text"]))
-                trajs[j].tool_seconds += time.perf_counter() - start
-        answers = _gather_results(mine, tp_group)
+        owned = [j for j in replying if j in envs]
+        start = time.perf_counter()  # this rank's environments step concurrently: a slow tool holds up only itself
+        steps = step_all([envs[j] for j in owned], [trajs[j].turns[-1]["text"] for j in owned])
+        seconds = time.perf_counter() - start
+        for j in owned:
+            trajs[j].tool_seconds += seconds / len(owned)
+            _log_errors(envs[j])
+        answers = _gather_results({j: _as_plain(result) for j, result in zip(owned, steps, strict=True)}, tp_group)
         for j in replying:
             _take_answer(trajs[j], answers[j], renderer, settings, budget)
-    closing = _gather_results({j: env.close() for j, env in envs.items()}, tp_group)
+    closing = _gather_results({j: _close(env) for j, env in envs.items()}, tp_group)
     for j, t in enumerate(trajs):
         t.final_rewards = closing[j]
     batch = rollout.pad_rollout([list(t.row.token_ids) for t in trajs], [t.response for t in trajs],
@@ -167,6 +173,50 @@ def generate_multi_turn(llm: LLM, rows: Sequence[Any], prompt_indices: Sequence[
     return batch, stats
 
 
+def step_all(envs: Sequence[Environment], texts: Sequence[str]) -> list[StepResult]:
+    """agent.step_all (concurrently), each environment guarded by _Guarded."""
+    import agent
+
+    return agent.step_all([_Guarded(env) for env in envs], texts)
+
+
+@dataclass
+class _Guarded:
+    """An environment whose step never raises: a custom one that does (agent.ToolEnvironment never does)
+    ends its trajectory, rather than this rank, which would leave the TP group waiting in a collective."""
+
+    env: Any
+
+    def step(self, text: str) -> StepResult:
+        import agent
+
+        try:
+            return self.env.step(text)
+        except Exception as e:
+            logger.warning("environment %s raised in step, ending its trajectory: %s: %s", type(self.env).__name__,
+                           type(e).__name__, e)
+            return agent.StepResult(None)
+
+
+def _close(env: Environment) -> dict[str, float]:
+    try:
+        rewards = env.close()
+    except Exception as e:
+        logger.warning("environment %s raised in close: %s: %s", type(env).__name__, type(e).__name__, e)
+        return {}
+    _log_errors(env)
+    return rewards
+
+
+def _log_errors(env: Environment) -> None:
+    """What went wrong inside a tool environment's tools (agent.ToolEnvironment.errors), into the rank's log."""
+    errors = getattr(env, "errors", None)
+    if errors:
+        for error in errors:
+            logger.warning("tool error: %s", error)
+        errors.clear()
+
+
 def _as_plain(result: StepResult) -> dict[str, Any]:
     """A StepResult as plain data, for the all-gather."""
     return {"messages": result.messages, "calls": result.num_calls, "failed": result.num_failed_calls,
@@ -179,10 +229,7 @@ def _take_answer(t: Trajectory, answer: dict[str, Any], renderer: ObservationRen
     t.calls += answer["calls"]
     t.failed_calls += answer["failed"]
     t.tool_reward += answer["reward"]
-    if answer["messages"] is None:  # no parsable call, or the environment is done
-        t.done = True
-        return
-    if settings.max_user_turns is not None and t.user_turns >= settings.max_user_turns:
+    if not answer["messages"]:  # no parsable call, or the environment is done
         t.done = True
         return
     ids = renderer(answer["messages"])

@@ -724,7 +724,8 @@ def run_validation(run: Run, step: int) -> dict[str, float]:
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:
-    """Steps 1-8 of one PPO / GRPO iteration; returns its metrics, reduced over ranks (verl's names)."""
+    """Steps 1-7 of one PPO / GRPO iteration; returns its metrics, reduced over ranks (verl's names).
+    Validation and the checkpoint (8) follow in main."""
     cfg, plan = run.cfg, run.plan
     algo_cfg, actor_cfg = cfg.algorithm, cfg.actor_rollout_ref.actor
     metrics: dict[str, float] = {}
@@ -886,7 +887,8 @@ def build_run(cfg: Config, env: DistEnv) -> Run:
     sampler = PromptSampler(len(train_prompts), cfg.data.gen_batch_size or cfg.data.train_batch_size, cfg.data.seed,
                             cfg.data.shuffle, size_key=size_key)
     steps = cfg.trainer.total_training_steps
-    total_steps = sampler.batches_per_epoch * cfg.trainer.total_epochs if steps is None else steps
+    epochs_in_steps = sampler.batches_per_epoch * cfg.trainer.total_epochs
+    total_steps = epochs_in_steps if steps is None else steps  # null: every epoch; 0: no step (verl)
     param_dtype, _ = default_dtypes(env.device_type)
     models = load_models(cfg, meshes, env, total_steps)
     source, why = old_log_prob_source(models["actor"], cfg.algorithm, plan.actor_update, plan.samples_per_rank)
@@ -1014,7 +1016,8 @@ def build_engine(run: Run) -> None:
     run.train_sampling = dict(n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
                               top_k=rollout_cfg.top_k, seed=seed, **limits)
     val = rollout_cfg.val_kwargs
-    run.val_sampling = dict(n=val.n, temperature=val.temperature if val.do_sample else 0.0, top_p=val.top_p,
+    val_temperature = val.temperature
+    run.val_sampling = dict(n=val.n, temperature=val_temperature if val.do_sample else 0.0, top_p=val.top_p,
                             top_k=val.top_k, seed=seed + 7919, **limits)
     # A fixed prompt whose greedy log-probs fingerprint the engine's weights, and a fixed sequence (the
     # prompt's first tokens and its last few) whose log-probs under the actor say whether the actor moved.

@@ -676,8 +676,8 @@ def test_a_hung_sync_tool_is_abandoned_in_a_daemon_thread():
     (["actor_rollout_ref.rollout.multi_turn.tool_config_path=/no/such.yaml"], "tool_config_path='/no/such.yaml': no such"),
 ])
 def test_multi_turn_config_checks(overrides, fragment):
-    with pytest.raises(ConfigError) as err:
-        check_supported(load_config(None, overrides))
+    with pytest.raises(ConfigError) as err:  # train_files set: its own check comes first
+        check_supported(load_config(None, ["data.train_files=configs/tiny_cpu.yaml", *overrides]))
     assert fragment in str(err.value)
 
 
@@ -686,11 +686,12 @@ def test_multi_turn_config_defaults_and_verls_example_keys(tmp_path):
     assert dict(cfg.actor_rollout_ref.rollout.multi_turn) == {
         "enable": False, "max_assistant_turns": None, "max_user_turns": None, "max_parallel_calls": 1,
         "max_tool_response_length": 256, "tool_response_truncate_side": "middle", "tool_config_path": None,
-        "function_tool_path": None, "format": "hermes", "tool_timeout_s": 30.0}
+        "function_tool_path": None, "format": "hermes", "tool_timeout_s": 30.0, "environment": None}
     tools = tmp_path / "tools.yaml"
     tools.write_text("tools:\n  - class_name: agent.Calculator\n")
     for mode in ("sync", "async"):  # verl's multi-turn examples set these
         cfg = load_config(None, [f"actor_rollout_ref.rollout.mode={mode}", "data.return_raw_chat=true",
+                                 "data.train_files=configs/tiny_cpu.yaml",
                                  "actor_rollout_ref.rollout.multi_turn.enable=true",
                                  f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}"])
         check_supported(cfg)
