@@ -679,7 +679,8 @@ _LOOP_LOCK = threading.Lock()
 def _event_loop() -> asyncio.AbstractEventLoop:
     global _LOOP
     with _LOOP_LOCK:
-        if _LOOP is None or _LOOP[0] != os.getpid():  # a forked child has the object but not the thread
+        # a forked child has the object but not the thread; a loop that died is replaced
+        if _LOOP is None or _LOOP[0] != os.getpid() or not _LOOP[1].is_running():
             loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, name="agent-tools", daemon=True).start()
             _LOOP = (os.getpid(), loop)
@@ -698,7 +699,10 @@ def _run(coroutine: Any, timeout_s: float) -> Any:
 
 async def _invoke(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if inspect.iscoroutinefunction(fn):
-        result = await fn(*args, **kwargs)
+        try:
+            result = await fn(*args, **kwargs)
+        except (SystemExit, KeyboardInterrupt) as e:  # out of a task, they would stop the tools' event loop
+            raise RuntimeError(f"{type(e).__name__}: {e}") from None
     else:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
@@ -711,7 +715,8 @@ async def _invoke(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             try:
                 value, ok = fn(*args, **kwargs), True
             except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-                value, ok = e, False
+                # SystemExit / KeyboardInterrupt out of a task would stop the tools' event loop itself
+                value, ok = (e if isinstance(e, Exception) else RuntimeError(f"{type(e).__name__}: {e}")), False
             loop.call_soon_threadsafe(settle, ok, value)
 
         threading.Thread(target=target, name="agent-tool-call", daemon=True).start()

@@ -718,3 +718,32 @@ def test_prompts_keep_the_raw_chat_agent_name_and_extra_info(char_tokenizer, tmp
     env = ToolEnvironment({"calc": Calculator()})
     env.reset(prompts[0])  # a Prompt is a row too
     assert env.step(hermes("calc", expression="37*48")).messages[0]["content"] == "1776"
+
+
+def test_a_tool_that_exits_is_a_failed_call_and_later_calls_still_run():
+    """sys.exit() inside a tool must not stop the tools' shared event loop (every later call would time out)."""
+    import sys as _sys
+
+    def bye(x: int) -> str:
+        """Exit.
+
+        Args:
+            x: anything
+        """
+        _sys.exit(3)
+
+    def echo(x: int) -> str:
+        """Echo.
+
+        Args:
+            x: anything
+        """
+        return str(x)
+
+    tools = {"bye": function_tool(bye), "echo": function_tool(echo)}
+    first, second = ToolEnvironment(tools, timeout_s=2.0), ToolEnvironment(tools, timeout_s=2.0)
+    first.reset({})
+    failed = first.step('<tool_call>{"name": "bye", "arguments": {"x": 1}}</tool_call>')
+    assert failed.num_failed_calls == 1 and "SystemExit" in failed.messages[0]["content"]
+    second.reset({})
+    assert second.step('<tool_call>{"name": "echo", "arguments": {"x": 7}}</tool_call>').messages[0]["content"] == "7"
