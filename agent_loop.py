@@ -18,6 +18,7 @@ counts (MultiTurnStats) and each trajectory's turns, for the reward and the logs
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -98,6 +99,19 @@ class MultiTurnStats:
                               self.reward_info[index], self.turns[index], self.tool_seconds)
 
 
+def _check_lockstep(trajs: list[Trajectory], group: dist.ProcessGroup | None) -> None:
+    """Every rank of the TP group must hold the same trajectories (the same engine calls made them):
+    compare a digest of their ids and masks, and fail loudly on every rank rather than train on a split."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    digest = hashlib.blake2b(repr([(t.response, t.loss_mask) for t in trajs]).encode(), digest_size=16).hexdigest()
+    every_rank: list[str] = [""] * dist.get_world_size(group)
+    dist.all_gather_object(every_rank, digest, group=group)
+    if len(set(every_rank)) > 1:
+        raise RuntimeError(f"the ranks of rollout TP group {dist.get_process_group_ranks(group)} hold different "
+                           f"trajectories (digests {every_rank}): an environment answered differently on some rank.")
+
+
 def _gather_results(mine: dict[int, Any], group: dist.ProcessGroup | None) -> dict[int, Any]:
     """Every rank's {trajectory: result} of the TP group, merged (each trajectory has one owner)."""
     if group is None or dist.get_world_size(group) == 1:
@@ -156,6 +170,7 @@ def generate_multi_turn(llm: LLM, rows: Sequence[Any], prompt_indices: Sequence[
         answers = _gather_results({j: _as_plain(result) for j, result in zip(owned, steps, strict=True)}, tp_group)
         for j in replying:
             _take_answer(trajs[j], answers[j], renderer, settings, budget)
+    _check_lockstep(trajs, tp_group)
     closing = _gather_results({j: _close(env) for j, env in envs.items()}, tp_group)
     for j, t in enumerate(trajs):
         t.final_rewards = closing[j]
