@@ -816,6 +816,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     # 7. metrics (verl's names), reduced over ranks
     metrics["timing_s/step"] = time.perf_counter() - step_start
     metrics.update(step_metrics(run, batch, metrics["timing_s/step"]))
+    metrics.setdefault("actor/skipped_steps", 0)
     metrics = reduce_metrics(metrics, run.env.device)
     metrics.update(mean_over_ranks(values_by_key(reward_extras), "reward_extra/", run.env.device))
     metrics.update(count_batch(batch["prompt_index"], run.dp_group))
@@ -852,7 +853,6 @@ def step_metrics(run: Run, batch: Batch, step_seconds: float) -> dict[str, float
     # of the actor's and reference model's forwards (the critic's follow critic.model.use_remove_padding)
     metrics["perf/padding_fraction"] = padding_fraction(batch["attention_mask"],
                                                         run.cfg.actor_rollout_ref.model.use_remove_padding)
-    metrics.setdefault("actor/skipped_steps", 0)
     if "num_turns" in batch:  # multi-turn (verl's and TRL's names); the failure share over every rank's calls
         metrics.update(stats("num_turns", batch["num_turns"]))
         metrics["tools/call_frequency"] = batch["tool_calls"].float().mean().item()
