@@ -264,8 +264,11 @@ def test_lora_grpo_learns_and_exports(tiny_assets, sft_model, tmp_path):
     for r in (r for r in rows if r["step"] > 0):
         assert r["rollout/logprob_diff_max"] < 1e-3, r  # the engine samples from the merged actor
         assert r["actor/skipped_steps"] == 0 and math.isfinite(r["actor/kl_loss"]) and r["timing_s/ref"] > 0
-    # the reference is the base model (adapter off), not the actor: once the adapter moved, the KL is not 0
-    assert all(r["actor/kl_loss"] > 0 for r in rows if r["step"] > 1), [r["actor/kl_loss"] for r in rows]
+    # the reference is the base model (adapter off), not the actor: the KL to it grows as the adapter trains
+    # (0.003 at step 1, 0.04-0.09 from step 4 on, measured); against the actor itself it would stay at one
+    # mini batch's drift (0.0003-0.003)
+    kl = [r["actor/kl_loss"] for r in rows if r["step"] > 0]
+    assert sum(kl[-10:]) / 10 > 5 * kl[0], kl
 
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
     run([sys.executable, "export_hf.py", str(out), "--out", str(merged)])
