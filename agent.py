@@ -284,8 +284,11 @@ def _yaml_tools(path: Path) -> list[BaseTool]:
     return tools
 
 
-def _import_class(class_name: str, at: str, search: list[Path]) -> type:
-    """The class `pkg.module.Class`, from the import path plus `search` (appended, so installed packages win)."""
+def _import_class(class_name: str, at: str, search: list[Path], method: str = "execute",
+                  what: str = "tool class {attr!r} (a class with create / execute / calc_reward / release, e.g. a "
+                              "BaseTool subclass)") -> type:
+    """The class `pkg.module.Class`, from the import path plus `search` (appended, so installed packages win);
+    it must have `method` (what: how the error describes the class wanted)."""
     module_name, _, attr = class_name.rpartition(".")
     for d in map(str, search):
         if d not in sys.path:
@@ -297,10 +300,16 @@ def _import_class(class_name: str, at: str, search: list[Path]) -> type:
                           f"{e}); modules are found on the import path, the current directory and the YAML's "
                           f"directory ({', '.join(map(str, search))}).") from e
     cls = getattr(module, attr, None)
-    if not isinstance(cls, type) or not callable(getattr(cls, "execute", None)):
-        raise ConfigError(f"{at}: {module_name} ({getattr(module, '__file__', '?')}) has no tool class {attr!r} "
-                          f"(a class with create / execute / calc_reward / release, e.g. a BaseTool subclass).")
+    if not isinstance(cls, type) or not callable(getattr(cls, method, None)):
+        raise ConfigError(f"{at}: {module_name} ({getattr(module, '__file__', '?')}) has no "
+                          f"{what.format(attr=attr)}.")
     return cls
+
+
+def load_environment_class(class_name: str) -> type:
+    """multi_turn.environment: `module.Class` of an Environment, found as tool classes are."""
+    return _import_class(class_name, f"{_MT}.environment={class_name!r}", [Path.cwd()], method="step",
+                         what="environment class {attr!r} (reset / step / close, as agent.Environment)")
 
 
 def _file_tools(path: Path) -> list[BaseTool]:

@@ -21,6 +21,7 @@ import math
 import os
 import random
 import string
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -155,9 +156,13 @@ def build_chatml_tokenizer() -> PreTrainedTokenizerFast:
 
 def build_chatml_tokenizer_dir(out_dir: Path, force: bool = False) -> bool:
     """Write build_chatml_tokenizer() to out_dir; False if it existed."""
+    return _write_tokenizer(build_chatml_tokenizer, out_dir, force)
+
+
+def _write_tokenizer(build: Callable[[], PreTrainedTokenizerFast], out_dir: Path, force: bool) -> bool:
     if (out_dir / "tokenizer.json").exists() and not force:
         return False
-    build_chatml_tokenizer().save_pretrained(out_dir)
+    build().save_pretrained(out_dir)
     print(f"wrote {out_dir}")
     return True
 
@@ -198,11 +203,7 @@ def build_model(out_dir: Path, config: PreTrainedConfig, seed: int, force: bool 
 
 
 def build_tokenizer_dir(out_dir: Path, force: bool = False) -> bool:
-    if (out_dir / "tokenizer.json").exists() and not force:
-        return False
-    build_tokenizer().save_pretrained(out_dir)
-    print(f"wrote {out_dir}")
-    return True
+    return _write_tokenizer(build_tokenizer, out_dir, force)
 
 
 # -----------------------------------------------------------------------------

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib
 import itertools
 import json
 import os
@@ -530,14 +529,7 @@ def load_multi_turn(cfg: Config, tokenizer: Any) -> MultiTurn | None:
     tools = (agent.load_tools(section.tool_config_path, section.function_tool_path)
              if section.tool_config_path or section.function_tool_path else {})
     schemas = agent.tool_schemas(tools)
-    environment_class = None
-    if section.environment is not None:
-        module, _, name = section.environment.rpartition(".")
-        try:
-            environment_class = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.environment={section.environment!r}: cannot "
-                              f"import it ({e}); give module.Class on the run's import path.") from e
+    environment_class = agent.load_environment_class(section.environment) if section.environment else None
     return MultiTurn(section, tools, schemas, agent.ObservationRenderer(tokenizer, schemas or None),
                      agent.end_of_turn_ids(tokenizer), environment_class)
 
