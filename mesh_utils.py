@@ -266,21 +266,25 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
             f"Nearest valid: {_nearest_multiples(tbs, dims.rollout_dp)}."
         )
     total = tbs * n
-    if total % dims.train_dp != 0:
-        step = dims.train_dp // math.gcd(n, dims.train_dp)
+    # Every rank first takes an equal share of its rollout group's samples (each TP rank a slice), and
+    # Ulysses then gathers its sp group's shares: so the samples split over all ranks, not only train_dp.
+    if total % dims.world_size != 0:
+        step = dims.world_size // math.gcd(n, dims.world_size)
         step = step * dims.rollout_dp // math.gcd(step, dims.rollout_dp)
+        where = (f"{dims.world_size} ranks" if dims.sp == 1 else
+                 f"{dims.world_size} ranks (each of the {dims.train_dp} training ranks gathers ulysses sp {dims.sp} "
+                 f"shares)")
         raise ConfigError(
             f"data.train_batch_size={tbs} x actor_rollout_ref.rollout.n={n} = {total} samples cannot be "
-            f"split evenly over {dims.train_dp} training ranks (world {dims.world_size} / ulysses sp "
-            f"{dims.sp}). Nearest valid data.train_batch_size: {_nearest_multiples(tbs, step)}."
+            f"split evenly over {where}. Nearest valid data.train_batch_size: {_nearest_multiples(tbs, step)}."
         )
     per_rank = total // dims.train_dp
     gen = cfg.data.gen_batch_size  # dynamic sampling's generation batch: the same rules as train_batch_size
-    if cfg.algorithm.filter_groups.enable and gen is not None and (gen % dims.rollout_dp or gen * n % dims.train_dp):
-        step = dims.rollout_dp * dims.train_dp // math.gcd(dims.rollout_dp, dims.train_dp)
+    if cfg.algorithm.filter_groups.enable and gen is not None and (gen % dims.rollout_dp or gen * n % dims.world_size):
+        step = dims.rollout_dp * dims.world_size // math.gcd(dims.rollout_dp, dims.world_size)
         raise ConfigError(
             f"data.gen_batch_size={gen} prompts must split evenly over the {dims.rollout_dp} rollout dp groups and "
-            f"x actor_rollout_ref.rollout.n={n} over the {dims.train_dp} training ranks. Nearest valid: "
+            f"x actor_rollout_ref.rollout.n={n} over the {dims.world_size} ranks. Nearest valid: "
             f"{_nearest_multiples(gen, step)}.")
 
     # Each role's settings; a null key means the actor's value (verl's defaults), resolved here once.

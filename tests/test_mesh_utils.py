@@ -118,7 +118,12 @@ PITFALLS = [
     (SEED_1, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=7"],
      ["ppo_micro_batch_size_per_gpu=7", "per-rank mini batch 120"]),
     (SEED_1, ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1", "data.train_batch_size=63", "actor_rollout_ref.actor.ppo_mini_batch_size=63"],
-     ["63 samples cannot be split evenly over 6 training ranks"]),
+     ["63 samples cannot be split evenly over 6 ranks"]),
+    # 3 rollout groups of TP 2 and 3 training ranks of ulysses sp 2: 9 samples split over 3 training
+    # ranks, but a group's 3 samples do not split over its 2 TP ranks (found failing at step 1)
+    (SEED_1, ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+              "data.train_batch_size=3", "actor_rollout_ref.rollout.n=3", "actor_rollout_ref.actor.ppo_mini_batch_size=3"],
+     ["9 samples cannot be split evenly over 6 ranks", "ulysses sp 2"]),
     (SEED_1, ["actor_rollout_ref.rollout.n=1"], ["rollout.n=1 must be >= 2"]),
     (SEED_1, ["reward_model.enable=true"], ["reward_model.enable"]),
     (SEED_1, ["algorithm.adv_estimator=gae", "critic.ulysses_sequence_parallel_size=2"],
