@@ -112,6 +112,22 @@ def stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
             f"{prefix}/min": values.min().item()}
 
 
+def masked_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup) -> dict[str, float]:
+    """<prefix>/mean, /max, /min of values[mask] over every rank of `group`, as verl takes them over the
+    whole batch: the mean weighted by tokens, and a rank whose tokens were all rejected adds none
+    (rather than failing on an empty max). The same numbers on every rank of the group. A collective."""
+    picked = values[mask].double()
+    device = values.device
+    total = torch.stack([picked.sum(), torch.tensor(float(picked.numel()), dtype=torch.float64, device=device)])
+    high = picked.max() if picked.numel() else torch.tensor(-math.inf, dtype=torch.float64, device=device)
+    low = picked.min() if picked.numel() else torch.tensor(math.inf, dtype=torch.float64, device=device)
+    dist.all_reduce(total, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    mean = (total[0] / total[1]).item() if total[1] > 0 else math.nan  # nan only when every token was rejected
+    return {f"{prefix}/mean": mean, f"{prefix}/max": high.item(), f"{prefix}/min": low.item()}
+
+
 def reduce_metrics(local: dict[str, float], device: torch.device) -> dict[str, float]:
     """Mean over ranks, except */max and */min which take the max / min. A collective."""
     keys = sorted(local)
@@ -266,8 +282,8 @@ def plot_metrics(metrics_file: str | Path, out_png: str | Path) -> Path:
 
 
 def batch_metrics(batch: dict[str, torch.Tensor], max_prompt_length: int, dp_group: dist.ProcessGroup) -> dict[str, float]:
-    """Scores, rewards, advantages, lengths (and values, returns) of this rank's samples. Collective over
-    dp_group when the batch has values (the explained variance spans every rank's share)."""
+    """Scores, rewards, lengths of this rank's samples; advantages (and values, returns, the explained
+    variance) over the valid tokens of every rank of dp_group. A collective over dp_group."""
     from ppo_core import masked_mean_var
 
     mask = batch["response_mask"].bool()  # (B, R) less the tokens rollout correction rejected
@@ -275,13 +291,13 @@ def batch_metrics(batch: dict[str, torch.Tensor], max_prompt_length: int, dp_gro
     prompt_lengths = batch["attention_mask"][:, :max_prompt_length].sum(-1)  # (B,)
     metrics = {**stats("critic/score", batch["token_level_scores"].sum(-1)),
                **stats("critic/rewards", (batch["token_level_rewards"] * mask).sum(-1)),
-               **stats("critic/advantages", batch["advantages"][mask]),
+               **masked_stats("critic/advantages", batch["advantages"], mask, dp_group),
                **stats("response_length", lengths), **stats("prompt_length", prompt_lengths),
                "response_length/clip_ratio": (lengths == batch["responses"].shape[1]).float().mean().item(),
                "prompt_length/clip_ratio": (prompt_lengths == max_prompt_length).float().mean().item()}
     if "values" in batch:
-        metrics.update(stats("critic/values", batch["values"][mask]))
-        metrics.update(stats("critic/returns", batch["returns"][mask]))
+        metrics.update(masked_stats("critic/values", batch["values"], mask, dp_group))
+        metrics.update(masked_stats("critic/returns", batch["returns"], mask, dp_group))
         # 1 - Var(returns - values) / Var(returns) over the step's whole batch (every rank's share)
         _, residual_var = masked_mean_var(batch["returns"] - batch["values"], mask, dp_group)
         _, returns_var = masked_mean_var(batch["returns"], mask, dp_group)

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 import tracking
 from tracking import Tracker, read_metrics, summary, truncate_metrics
 
@@ -45,24 +47,51 @@ def _mean_worker(rank: int, init_file: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from tracking import mean_over_ranks
+    from tracking import batch_metrics, mean_over_ranks, reduce_metrics
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         # rank 0 has an "acc" for 3 samples, rank 1 for 1 and a key of its own
         values = {"acc": [1.0, 0.0, 1.0]} if rank == 0 else {"acc": [0.0], "only_here": [4.0, 6.0]}
         torch.save(mean_over_ranks(values, "reward_extra/", torch.device("cpu")), f"{out}.{rank}")
+        # rollout correction rejected every token of rank 1 (it crashed on an empty max once)
+        batch = _batch(seed=rank, keep=rank == 0)
+        metrics = reduce_metrics(batch_metrics(batch, max_prompt_length=2, dp_group=dist.group.WORLD),
+                                 torch.device("cpu"))
+        torch.save(metrics, f"{out}.metrics.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-def test_mean_over_ranks_weighs_samples_and_takes_every_key(tmp_path):
+def _batch(seed: int, keep: bool) -> dict:
+    """3 samples of 2 prompt + 4 response tokens, values and returns; keep=False: every token rejected."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]) * int(keep)
+    return {"response_mask": mask, "attention_mask": torch.ones(3, 6, dtype=torch.long),
+            "responses": torch.zeros(3, 4, dtype=torch.long), "token_level_scores": torch.rand(3, 4, generator=g),
+            "token_level_rewards": torch.rand(3, 4, generator=g), "advantages": torch.randn(3, 4, generator=g),
+            "values": torch.randn(3, 4, generator=g), "returns": torch.randn(3, 4, generator=g)}
+
+
+def test_means_over_ranks_weigh_samples_and_tokens_and_survive_an_empty_rank(tmp_path):
     import torch
     from conftest import run_gloo
 
     run_gloo(_mean_worker, 2, str(tmp_path / "pg"), str(tmp_path / "mean"))
     for rank in range(2):
         assert torch.load(tmp_path / f"mean.{rank}") == {"reward_extra/acc": 0.5, "reward_extra/only_here": 5.0}
+    # token statistics over the valid tokens of both ranks (only rank 0 has any), as verl takes them
+    kept = _batch(seed=0, keep=True)
+    valid = kept["response_mask"].bool()
+    both = [torch.load(tmp_path / f"mean.metrics.{rank}") for rank in range(2)]
+    assert both[0] == both[1]
+    for key in ("advantages", "values", "returns"):
+        tokens = kept[key][valid].double().tolist()  # 9 tokens
+        assert both[0][f"critic/{key}/mean"] == pytest.approx(sum(tokens) / len(tokens), rel=1e-12)
+        assert both[0][f"critic/{key}/max"] == pytest.approx(max(tokens))
+        assert both[0][f"critic/{key}/min"] == pytest.approx(min(tokens))
 
 
 def test_library_lines_reach_the_log_file_once(tmp_path):
