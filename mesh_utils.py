@@ -246,6 +246,16 @@ def _mini_micro(
     return per_rank, micro
 
 
+
+def check_validation_share(num_prompts: int, dims: ParallelDims, max_val_samples: int | None) -> None:
+    """Each rollout dp group generates a contiguous share of the validation prompts: every group needs one."""
+    if num_prompts < dims.rollout_dp:
+        raise ConfigError(
+            f"data.val_files: {num_prompts} validation prompt(s) (data.max_val_samples={max_val_samples}) cannot be "
+            f"shared by the {dims.rollout_dp} rollout dp groups; use at least {dims.rollout_dp} "
+            f"(data.max_val_samples >= {dims.rollout_dp}), or data.val_files=null.")
+
+
 def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
     """The seed's arithmetic: 60 prompts -> 3 groups x 20 -> x12 = 720 samples -> 120 per rank."""
     tbs = cfg.data.train_batch_size

@@ -282,3 +282,15 @@ def test_planner_cli_refuses_a_bad_config():
 def test_planner_refuses_what_the_trainer_refuses(override, fragment):
     out = planner("--config", str(ROOT / "configs" / "tiny_cpu.yaml"), override)
     assert out.returncode == 1 and fragment in out.stderr, out.stderr
+
+
+def test_every_rollout_group_needs_a_validation_prompt():
+    """Each rollout dp group generates its own share of the validation set; a group with none crashed
+    at the first validation while the other waited in a collective (max_val_samples=1, 2 groups)."""
+    from mesh_utils import ParallelDims, check_validation_share
+
+    dims = ParallelDims(world_size=4, nnodes=1, n_gpus_per_node=4, fsdp=4, infer_tp=2, sp=1)  # 2 rollout groups
+    check_validation_share(2, dims, None)
+    with pytest.raises(ConfigError, match=r"1 validation prompt\(s\) \(data.max_val_samples=1\) .* 2 rollout dp "
+                                          r"groups; use at least 2 \(data.max_val_samples >= 2\)"):
+        check_validation_share(1, dims, 1)
