@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from config import Config
+from config import Config, ConfigError
 from mesh_utils import BatchPlan, ParallelDims, describe, plan_arguments, plan_device_map, plan_from_args
 
 if TYPE_CHECKING:
@@ -529,6 +530,22 @@ def has_config_json(path: str) -> bool:
         return False
 
 
+def check_model_split(cfg: Config, dims: ParallelDims) -> None:
+    """The trainer's start-up checks of the actor's heads against the rollout TP and the Ulysses degrees
+    (models.py), when its config.json is at hand: what vLLM would refuse minutes into a run."""
+    roles = cfg.actor_rollout_ref
+    path, trust = roles.model.path, roles.model.trust_remote_code
+    if not has_config_json(path):
+        return
+    from transformers import AutoConfig
+
+    from models import check_sequence_parallel_heads, check_tensor_parallel
+
+    check_tensor_parallel(AutoConfig.from_pretrained(path, trust_remote_code=trust, local_files_only=True),
+                          dims.infer_tp, path)
+    check_sequence_parallel_heads(path, dims.sp, trust, "actor_rollout_ref.model.path")
+
+
 def memory_report(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_gb: float) -> dict[str, Any]:
     """The planner's `memory` section: per FSDP rank and phase, bytes per item, and the verdict.
     {"error": message} when the model's config.json cannot be read."""
@@ -581,6 +598,11 @@ def main(argv: list[str] | None = None) -> int:
     if planned is None:
         return 1
     cfg, dims, plan = planned
+    try:
+        check_model_split(cfg, dims)
+    except ConfigError as e:
+        print(f"invalid config: {e}", file=sys.stderr)
+        return 1
     memory = memory_report(cfg, dims, plan, args.gpu_memory_gb)
     if args.json:
         out = {"dims": asdict(dims), "device_map": asdict(plan_device_map(dims)), "batch": asdict(plan),

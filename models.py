@@ -706,9 +706,10 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip
 CPU_ENGINE_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def check_model(path: str, needed_length: int, trust_remote_code: bool, device_type: str) -> None:
-    """Before anything loads: the model's config can be read, prompt + response fit its context, and
-    (on the CPU) vLLM's CPU engine can run its attention. Each failure is one ConfigError line."""
+def check_model(path: str, needed_length: int, trust_remote_code: bool, device_type: str, infer_tp: int = 1) -> None:
+    """Before anything loads: the model's config can be read, prompt + response fit its context, vLLM can
+    split it over infer_tp ranks, and (on the CPU) vLLM's CPU engine can run its attention. Each failure
+    is one ConfigError line."""
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # a missing path, no config.json, an unknown architecture, no network
@@ -724,6 +725,8 @@ def check_model(path: str, needed_length: int, trust_remote_code: bool, device_t
             f"max_position_embeddings={limit} ({path}); lower one of them so their sum is <= {limit}."
         )
     heads = getattr(config, "num_attention_heads", None)
+    if heads is not None:
+        check_tensor_parallel(config, infer_tp, path)
     head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
     if device_type == "cpu" and head_dim is not None and head_dim not in CPU_ENGINE_HEAD_SIZES:
         raise ConfigError(
@@ -731,6 +734,25 @@ def check_model(path: str, needed_length: int, trust_remote_code: bool, device_t
             f"runs head sizes {', '.join(map(str, CPU_ENGINE_HEAD_SIZES))} only. Use such a model on the CPU "
             f"(e.g. hidden_size / num_attention_heads = 32), or a GPU."
         )
+
+
+def check_tensor_parallel(config: Any, tp: int, path: str) -> None:
+    """What vLLM refuses (or asserts on) when it shards the model over `tp` ranks, minutes into a run:
+    query heads that tp does not divide, KV heads that neither divide tp nor divide by it, an MLP width
+    that tp does not divide. The error lists the TP degrees that work."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    width = getattr(config, "intermediate_size", None)
+
+    def fits(t: int) -> bool:
+        return ulysses.heads_split(heads, kv_heads, t) and (width is None or width % t == 0)
+
+    if not fits(tp):
+        valid = [t for t in range(1, 65) if fits(t)]
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} cannot shard {path!r} in vLLM: it splits "
+            f"num_attention_heads={heads}, num_key_value_heads={kv_heads} (a multiple or a divisor of TP) and "
+            f"intermediate_size={width} over the TP ranks. Valid values up to 64: {', '.join(map(str, valid))}.")
 
 
 def check_sequence_parallel_heads(path: str, sp: int, trust_remote_code: bool, key: str) -> None:

@@ -909,7 +909,7 @@ def load_data(cfg: Config, dims: ParallelDims,
 
     data_cfg, model_cfg = cfg.data, cfg.actor_rollout_ref.model
     check_model(model_cfg.path, data_cfg.max_prompt_length + data_cfg.max_response_length,
-                model_cfg.trust_remote_code, env.device_type)
+                model_cfg.trust_remote_code, env.device_type, dims.infer_tp)
     check_sequence_parallel_heads(model_cfg.path, dims.sp, model_cfg.trust_remote_code, "actor_rollout_ref.model.path")
     if core.ADV_ESTIMATORS[cfg.algorithm.adv_estimator].needs_critic and cfg.critic.model.path is not None:
         check_sequence_parallel_heads(cfg.critic.model.path, dims.sp, model_cfg.trust_remote_code, "critic.model.path")

@@ -124,10 +124,17 @@ def gather_rows(batch: dict[str, torch.Tensor], group: ProcessGroup) -> dict[str
 # The attention function
 
 
+def heads_split(num_heads: int, num_kv_heads: int, ranks: int) -> bool:
+    """Whether `ranks` ranks can split attention by heads: the query heads divide by it, and the KV heads
+    divide by it or divide it (each then replicated ranks / num_kv_heads times). Ulysses' rule, and
+    vLLM's for tensor parallelism."""
+    return num_heads % ranks == 0 and (num_kv_heads % ranks == 0 or ranks % num_kv_heads == 0)
+
+
 def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> None:
     """Heads are what the group splits: query heads must divide by sp, and KV heads must either divide
     by sp or divide sp (then each is replicated sp / num_kv_heads times)."""
-    if num_heads % sp != 0 or (num_kv_heads % sp != 0 and sp % num_kv_heads != 0):
+    if not heads_split(num_heads, num_kv_heads, sp):
         raise ValueError(
             f"ulysses_sequence_parallel_size={sp} must divide the model's num_attention_heads={num_heads}, "
             f"and num_key_value_heads={num_kv_heads} must be a multiple or a divisor of sp (each sp rank "

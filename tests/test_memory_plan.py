@@ -378,3 +378,21 @@ def test_apply_moves_walks_a_step_on_the_cpu():
         assert all(v.device.type == "cpu" for s in optimizer.state.values() for v in s.values())
         with pytest.raises(ValueError, match="actor.grads"):
             models.apply_moves([("actor.grads", "host")], {"actor": model}, {}, torch.device("cpu"))
+
+
+def test_planner_refuses_a_tensor_parallel_degree_vllm_refuses(tmp_path, capsys):
+    """Qwen2.5-7B's heads (28 query, 4 KV, MLP 18944) at TP=8: vLLM refuses 28 heads over 8 ranks at engine
+    start; the planner says so from config.json alone, with the degrees that work (1, 2, 4)."""
+    import make_assets
+
+    path = tmp_path / "qwen2.5-7b-heads"
+    make_assets.model_config("qwen2", hidden=28 * 32, layers=1, heads=28, kv_heads=4, intermediate=18944,
+                             tied=False).save_pretrained(path)
+    args = ["--config", "configs/gsm8k_grpo_1node_6gpu.yaml", "trainer.n_gpus_per_node=8",
+            "data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+            f"actor_rollout_ref.model.path={path}"]
+    assert mp.main([*args, "actor_rollout_ref.rollout.tensor_model_parallel_size=8"]) == 1
+    err = capsys.readouterr().err
+    assert "tensor_model_parallel_size=8 cannot shard" in err and "Valid values up to 64: 1, 2, 4." in err, err
+    assert mp.main([*args, "actor_rollout_ref.rollout.tensor_model_parallel_size=4"]) == 0
+    assert "Memory plan" in capsys.readouterr().out
