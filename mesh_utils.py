@@ -430,6 +430,7 @@ class DistEnv:
     world_size: int
     device_type: str  # "cuda" or "cpu", detected
     device: Any  # torch.device
+    local_world_size: int = 1  # processes on this node, as launched (vLLM's CPU platform rewrites the variable)
 
 
 def init_distributed(timeout_s: int = 1800) -> DistEnv:
@@ -462,7 +463,8 @@ def init_distributed(timeout_s: int = 1800) -> DistEnv:
         timeout = timedelta(seconds=timeout_s)
         store = _attempt_store(rank, world, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    return DistEnv(rank, local_rank, world, device_type, device)
+    return DistEnv(rank, local_rank, world, device_type, device,
+                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
 def _attempt_store(rank: int, world: int, timeout: timedelta) -> Any:
@@ -487,7 +489,7 @@ def _attempt_store(rank: int, world: int, timeout: timedelta) -> Any:
 def check_launch(dims: ParallelDims, env: DistEnv) -> None:
     """What torchrun launched must be what the config plans: processes per node included, since
     the node boundaries decide which TP groups stay on one node."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    local_world = env.local_world_size
     if local_world != dims.n_gpus_per_node:
         raise ConfigError(
             f"torchrun launched {local_world} processes on this node but trainer.n_gpus_per_node="

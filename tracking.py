@@ -181,7 +181,7 @@ def route_library_logs(log_file: Path, rank: int) -> None:
     Call before vLLM is imported, so that it leaves logging to the root logger configured here."""
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    to_file = logging.FileHandler(log_file)
+    to_file = _RunLogFile(log_file)
     to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     console_level = logging.WARNING if rank == 0 else logging.ERROR
     root = logging.getLogger()
@@ -200,9 +200,17 @@ def route_library_logs(log_file: Path, rank: int) -> None:
         for handler in logger.handlers:
             if not isinstance(handler, logging.FileHandler):
                 handler.setLevel(console_level)
+    for logger in (root, vllm_logger):  # a later run in this process logs to its own file only
+        for handler in [h for h in logger.handlers if isinstance(h, _RunLogFile)]:
+            logger.removeHandler(handler)
+            handler.close()
     root.addHandler(to_file)
     if not vllm_logger.propagate:  # else its lines reach the file through the root logger (once)
         vllm_logger.addHandler(to_file)
+
+
+class _RunLogFile(logging.FileHandler):
+    """The file route_library_logs adds (and replaces when a later run in the process calls it)."""
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:

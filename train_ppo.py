@@ -569,6 +569,7 @@ class Run:
     old_log_probs_from: str  # "engine" | "update" | "forward" (old_log_prob_source)
     start_step: int = 0
     llm: LLM | None = None
+    engine_settings: dict[str, Any] = field(default_factory=dict)  # what the engine was built with
     train_sampling: dict[str, Any] = field(default_factory=dict)
     val_sampling: dict[str, Any] = field(default_factory=dict)
     probe: list[int] = field(default_factory=list)  # a prompt whose greedy log-probs fingerprint the engine
@@ -859,8 +860,10 @@ def step_metrics(run: Run, batch: Batch, step_seconds: float) -> dict[str, float
 # Set-up: config -> process group -> meshes -> data -> models -> resume -> engine
 
 
-def build_run(cfg: Config, env: DistEnv) -> Run:
-    """Everything a run needs, in order; config errors come before anything heavy."""
+def build_run(cfg: Config, env: DistEnv, engine_of: Run | None = None) -> Run:
+    """Everything a run needs, in order; config errors come before anything heavy. With `engine_of`, the
+    rollout engine of that earlier run in this process is reused (its settings must equal this config's):
+    several runs in one program pay one engine start-up."""
     dims, plan = validate(cfg, env.world_size)
     check_launch(dims, env)
     out_dir = Path(cfg.trainer.default_local_dir)
@@ -893,7 +896,7 @@ def build_run(cfg: Config, env: DistEnv) -> Run:
               param_dtype=param_dtype, offload=OffloadFlags.from_config(cfg), old_log_probs_from=source,
               multi_turn=multi_turn, **models)
     resume(run)
-    build_engine(run)
+    build_engine(run, engine_of)
     run.tracker = Tracker(out_dir, cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
                           dict(cfg), total_steps, enabled=env.rank == 0)
     if env.rank == 0:
@@ -989,21 +992,34 @@ def resume(run: Run) -> None:
         truncate_metrics(run.out_dir / "metrics.jsonl", run.start_step)
 
 
-def build_engine(run: Run) -> None:
-    """One vLLM shard per rank, TP over the rows of the rollout mesh, after the models are placed; the
-    sampling settings of training and validation; the probes of the stale-weights check."""
+def build_engine(run: Run, engine_of: Run | None = None) -> None:
+    """One vLLM shard per rank, TP over the rows of the rollout mesh, after the models are placed (or the
+    engine of `engine_of`, when it was built with the same settings); the sampling settings of training
+    and validation; the probes of the stale-weights check."""
     import rollout  # imported here: vLLM takes seconds to import, and config errors should not wait
 
     cfg, tokenizer = run.cfg, run.tokenizer
     data_cfg, rollout_cfg, model_cfg = cfg.data, cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
     max_model_len = data_cfg.max_prompt_length + data_cfg.max_response_length
-    run.llm = rollout.build_rollout_engine(
-        model_cfg.path, run.meshes.rollout, max_model_len=max_model_len,
+    run.engine_settings = dict(
+        model_path=model_cfg.path, tensor_model_parallel_size=run.dims.infer_tp, max_model_len=max_model_len,
         gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
         dtype="bfloat16" if run.env.device_type == "cuda" else "float32", enforce_eager=rollout_cfg.enforce_eager,
         cpu_kv_cache_gib=rollout_cfg.cpu_kv_cache_space_gb, max_num_seqs=rollout_cfg.max_num_seqs,
         max_num_batched_tokens=max(rollout_cfg.max_num_batched_tokens, max_model_len),
         trust_remote_code=model_cfg.trust_remote_code)
+    if engine_of is None:
+        settings = dict(run.engine_settings)
+        run.llm = rollout.build_rollout_engine(settings.pop("model_path"), run.meshes.rollout,
+                                               **{k: v for k, v in settings.items() if k != "tensor_model_parallel_size"})
+    else:
+        differ = {k: (engine_of.engine_settings[k], v) for k, v in run.engine_settings.items()
+                  if engine_of.engine_settings[k] != v}
+        if differ:
+            raise ConfigError("cannot reuse the earlier run's rollout engine; these settings differ (then, now): "
+                              + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in differ.items()))
+        move_to(engine_of, LOADED)  # the engine awake, as a new run's placement assumes
+        run.llm = engine_of.llm
     limits = dict(max_tokens=data_cfg.max_response_length, max_prompt_length=data_cfg.max_prompt_length,
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     seed = cfg.trainer.seed
@@ -1034,9 +1050,8 @@ def save(run: Run, step: int) -> None:
 
 
 def finish(run: Run) -> None:
-    """Close the logs, say which keys the run never read, write the summary, stop the engine."""
-    import rollout
-
+    """Close the logs, say which keys the run never read, write the summary. The engine keeps running
+    (rollout.shutdown stops it)."""
     run.tracker.close()
     out_dir = run.out_dir
     if run.env.rank == 0:  # every key should have done something; say which did not (a typo'd intent, a dead key)
@@ -1050,23 +1065,16 @@ def finish(run: Run) -> None:
         text = f"{summary(out_dir / 'metrics.jsonl')}\n{machine(run.env.device, run.env.world_size)}\n"
         (out_dir / "summary.txt").write_text(text)
         print0(text + f"metrics: {out_dir / 'metrics.jsonl'}, plot: {png}, summary: {out_dir / 'summary.txt'}")
-    rollout.shutdown(run.llm)  # stops the engine, then the process group, in the order vLLM needs
 
 
 # -----------------------------------------------------------------------------
 # The loop
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    check_supported(cfg)  # the config-only checks (nccl_timeout among them) before the process group
-    env = init_distributed(timeout_s=cfg.actor_rollout_ref.nccl_timeout)
-    run = build_run(cfg, env)
-    tc = cfg.trainer
-    # a rank that stops ends the job within trainer.hang_timeout_s, named, with every rank's stacks
-    run.progress = watchdog.start(run.out_dir, env.rank, env.world_size, tc.hang_timeout_s)
-
+def train(run: Run) -> None:
+    """Validation before training, then every step from the checkpoint on, each followed by validation
+    and a checkpoint when they are due (8)."""
+    tc = run.cfg.trainer
     move_to(run, "sync")
     if tc.val_before_train and run.val_prompts and run.start_step < run.total_steps:  # on resume, too
         run.progress.enter(run.start_step, "validate")
@@ -1086,8 +1094,22 @@ def main(argv: list[str] | None = None) -> None:
         if tc.save_freq > 0 and (step % tc.save_freq == 0 or last):
             run.progress.enter(step, "save")
             save(run, step)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    check_supported(cfg)  # the config-only checks (nccl_timeout among them) before the process group
+    env = init_distributed(timeout_s=cfg.actor_rollout_ref.nccl_timeout)
+    run = build_run(cfg, env)
+    # a rank that stops ends the job within trainer.hang_timeout_s, named, with every rank's stacks
+    run.progress = watchdog.start(run.out_dir, env.rank, env.world_size, cfg.trainer.hang_timeout_s)
+    train(run)
     run.progress.stop()
     finish(run)
+    import rollout  # loaded by now
+
+    rollout.shutdown(run.llm)  # stops the engine, then the process group, in the order vLLM needs
 
 
 if __name__ == "__main__":

@@ -108,6 +108,13 @@ def test_library_lines_reach_the_log_file_once(tmp_path):
         lines = (tmp_path / "rank0.log").read_text().splitlines()
         assert sum("engine started" in line for line in lines) == 1, lines
         assert sum("loaded" in line for line in lines) == 1, lines
+        # a second run in the same process: its lines go to its own file, not to the first one too
+        tracking.route_library_logs(tmp_path / "second" / "rank0.log", rank=0)
+        vllm_logger.info("second engine")
+        for handler in root.handlers:
+            handler.flush()
+        assert "second engine" not in (tmp_path / "rank0.log").read_text()
+        assert (tmp_path / "second" / "rank0.log").read_text().count("second engine") == 1
     finally:
         for logger in (root, vllm_logger):
             for handler in list(logger.handlers):

@@ -1,15 +1,18 @@
 """The algorithm recipes end to end: each of configs/gsm8k_{dapo,gspo,drgrpo}_1node_6gpu.yaml runs 2
 steps on 2 CPU ranks as shipped but for a tiny warmed model, short lengths and small batches, plus one
 run each of what no recipe uses (ReMax's greedy baseline generation and the clip_cov loss, OPO with
-CISPO, GPG with KL-Cov, REINFORCE++-baseline). Each launch pays
-the engine start-up, so these are slow tests; the maths is checked in test_ppo_core.py and the step
-functions in test_train_ppo_steps.py."""
+CISPO, GPG with KL-Cov, REINFORCE++-baseline). All of them run in one torchrun launch, one after
+another, sharing the vLLM engine (tests/run_cases.py): a short run's time is mostly the imports and
+the engine start-up. The maths is checked in test_ppo_core.py and the step functions in
+test_train_ppo_steps.py."""
 
 import json
 import math
+from pathlib import Path
 
 import pytest
-from test_train_ppo import assert_common, step_rows, tiny, train
+from conftest import torchrun
+from test_train_ppo import assert_common, step_rows, tiny
 
 # the 6-GPU recipes scaled to 2 ranks x 8 prompts x 4 samples: 16 samples per rank
 TINY = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
@@ -42,12 +45,20 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def recipe_runs(tiny_assets, sft_model, tmp_path_factory) -> Path:
+    """Every case, 2 steps each, in one launch: <dir>/<case> is each run's directory."""
+    runs = tmp_path_factory.mktemp("recipes")
+    cases = [[case, ["--config", config, *tiny(tiny_assets, runs / case, sft_model), *TINY, *extra]]
+             for case, (config, extra) in CASES.items()]
+    torchrun(2, "tests/run_cases.py", json.dumps(cases), timeout=1500)
+    return runs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_recipe_runs_two_steps(case, tiny_assets, sft_model, tmp_path):
-    config, extra = CASES[case]
-    out = tmp_path / case
-    train(2, ["--config", config, *tiny(tiny_assets, out, sft_model), *TINY, *extra])
+def test_recipe_runs_two_steps(case, recipe_runs):
+    out = recipe_runs / case
     rows = step_rows(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert_common(rows, prompts=8, samples=32)

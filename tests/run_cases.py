@@ -1,0 +1,40 @@
+"""Several train_ppo runs in one torchrun launch, one after another in each process.
+
+    torchrun --nproc_per_node=2 tests/run_cases.py '[["name", ["--config", "configs/tiny_cpu.yaml", "k=v", ...]], ...]'
+
+Each case is what `train_ppo.py ARGV` would run (its own trainer.default_local_dir, metrics, checkpoints),
+but the cases share one process group and one vLLM engine (train_ppo.build_run(engine_of=...): the
+engine settings must be equal), so the launch pays the imports and the engine start-up once, which is
+most of a short run's time on a CPU. Prints "case NAME done" after each.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import train_ppo  # noqa: E402
+from config import check_supported, load_config  # noqa: E402
+from mesh_utils import init_distributed  # noqa: E402
+
+
+def main() -> None:
+    previous, env = None, None
+    for name, argv in json.loads(sys.argv[1]):
+        args = train_ppo.parse_args(argv)
+        cfg = load_config(args.config, args.overrides)
+        check_supported(cfg)
+        env = env or init_distributed(timeout_s=cfg.actor_rollout_ref.nccl_timeout)
+        run = train_ppo.build_run(cfg, env, engine_of=previous)
+        train_ppo.train(run)
+        train_ppo.finish(run)
+        print(f"case {name} done", flush=True)
+        previous = run
+    import rollout
+
+    rollout.shutdown(previous.llm)
+
+
+if __name__ == "__main__":
+    main()
