@@ -18,7 +18,8 @@ implementation of its behaviour, tested against it):
                                                    .code_score     against the tests    first 10 tests passed
 
 Any other data_source needs `custom_reward_function.path` (a .py file) and `.name`. `score_batch`
-decodes a batch of responses and scores it, for training and validation alike. A function that
+decodes a batch of responses and scores it, for training and validation alike (the code rule's
+samples first, all their programs at once: code_reward.code_scores). A function that
 raises or returns a non-number stops the run and shows the sample: a reward bug silently scored 0
 would look like a model that cannot learn. So does one that runs longer than reward_model.timeout_s
 on a sample (a hung sandbox, a regex that backtracks without end): a SIGALRM timer on the main thread
