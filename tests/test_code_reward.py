@@ -161,9 +161,9 @@ def _prompt(truth):
 
 @linux_only
 def test_score_batch_runs_a_batchs_programs_at_once():
-    """Six programs that each sleep 1 s: one after another that is >= 6 s; at once, about 1 s."""
+    """Six programs that each sleep 2 s: one after another that is >= 12 s; at once, about 2 s."""
     tokenizer = build_tokenizer()
-    responses = [f"{F}python\nimport time\ntime.sleep(1)\nprint({k})\n{F}" for k in range(6)]
+    responses = [f"{F}python\nimport time\ntime.sleep(2)\nprint({k})\n{F}" for k in range(6)]
     ids = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in responses]
     width = max(map(len, ids))
     import torch
@@ -177,7 +177,7 @@ def test_score_batch_runs_a_batchs_programs_at_once():
     start = time.monotonic()
     _, scores, _ = score_batch(reward_fn, tokenizer, tokens, mask, [_prompt(t) for t in truths], timeout_s=30)
     assert scores == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
-    assert time.monotonic() - start < 4.5
+    assert time.monotonic() - start < 8  # a loaded machine adds start-up time
     with pytest.raises(RewardError, match="the ground truth is not test cases(.|\n)*data_source='taco'"):
         score_batch(reward_fn, tokenizer, tokens[:1], mask[:1], [_prompt("72")])
 
