@@ -308,9 +308,15 @@ def default_compute_score(
     Thread-safe."""
     rule = _builtin_rule(data_source)
     if rule is code_reward.code_score:
-        return rule(solution_str, ground_truth, code_reward.CodeLimits(
-            url=sandbox_fusion_url, memory_limit_mb=memory_limit_mb, max_concurrent=max_concurrent))
+        return rule(solution_str, ground_truth, _code_limits(sandbox_fusion_url, memory_limit_mb, max_concurrent))
     return rule(solution_str, ground_truth)
+
+
+def _code_limits(sandbox_fusion_url: str | None = None, memory_limit_mb: int = 1024,
+                 max_concurrent: int = 64) -> code_reward.CodeLimits:
+    """default_compute_score's keywords as the code rule's limits."""
+    return code_reward.CodeLimits(url=sandbox_fusion_url, memory_limit_mb=memory_limit_mb,
+                                  max_concurrent=max_concurrent)
 
 
 def _code_scored_at_once(reward_fn: RewardFn, texts: list[str], prompts: list[Prompt]) -> RewardFn:
@@ -321,11 +327,9 @@ def _code_scored_at_once(reward_fn: RewardFn, texts: list[str], prompts: list[Pr
     code = [i for i, p in enumerate(prompts) if p.data_source in code_reward.CODE_SOURCES]
     if base is not default_compute_score or not code:
         return reward_fn
-    limits = code_reward.CodeLimits(url=options.get("sandbox_fusion_url"),
-                                    memory_limit_mb=options.get("memory_limit_mb", 1024),
-                                    max_concurrent=options.get("max_concurrent", 64))
     try:
-        scores = code_reward.code_scores([texts[i] for i in code], [prompts[i].ground_truth for i in code], limits)
+        scores = code_reward.code_scores([texts[i] for i in code], [prompts[i].ground_truth for i in code],
+                                         _code_limits(**options))
     except (ValueError, RuntimeError):
         return reward_fn
     known = {(texts[i], str(prompts[i].ground_truth)): score for i, score in zip(code, scores, strict=True)}
