@@ -214,6 +214,11 @@ SCHEMA: dict[str, Any] = {
         },
         # project key (verl has none): seconds a reward function may take on one sample; 0: no limit
         "timeout_s": (float, 300.0),
+        "sandbox_fusion": {  # the code data sets' programs (code_reward.py)
+            "url": (_STR_OR_NONE, None),  # a SandboxFusion /run_code endpoint; null: the local sandbox
+            "max_concurrent": (int, 64),  # programs (requests) at once per rank
+            "memory_limit_mb": (int, 1024),  # the memory of each program
+        },
     },
     "custom_reward_function": {
         "path": (_STR_OR_NONE, None),
@@ -619,6 +624,8 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "critic.grad_clip": (_POSITIVE[0], "> 0 (the largest gradient norm; 1e9 for no clipping)"),
     "critic.cliprange_value": _NON_NEGATIVE,
     "reward_model.overlong_buffer.penalty_factor": _NON_NEGATIVE,
+    "reward_model.sandbox_fusion.max_concurrent": _ONE_OR_MORE,
+    "reward_model.sandbox_fusion.memory_limit_mb": _ONE_OR_MORE,
     "algorithm.gamma": _FRACTION,
     "algorithm.lam": _FRACTION,
     "algorithm.kl_ctrl.kl_coef": _NON_NEGATIVE,

@@ -3,6 +3,7 @@
     python prepare_data.py gsm8k --out ~/data/gsm8k     # openai/gsm8k (main) -> train.parquet, test.parquet
     python prepare_data.py math --out ~/data/math       # DigitalLearningGmbH/MATH-lighteval -> train, test
     python prepare_data.py dapo --out ~/data/dapo       # BytedTsinghua-SIA/DAPO-Math-17k -> train (checked, copied)
+    python prepare_data.py codecontests --out ~/data/cc # deepmind/code_contests -> train, valid, test
 
     # a cluster without internet: download where there is some, copy the folder over, read it there
     huggingface-cli download openai/gsm8k --repo-type dataset --local-dir raw/gsm8k
@@ -26,6 +27,12 @@ files. DAPO-Math-17k is already in this format (data_source "math_dapo", `Answer
 rows are checked and copied unchanged. Its hub copy repeats each of its ~17k prompts about 100 times
 (verl's DAPO recipe trains on it as it is); --dedup keeps the first row of each prompt.
 
+CodeContests: data_source "codecontests" (verl's code rule: the program is run against the tests,
+code_reward.py), the problem's description followed by CODE_INSTRUCTION (this project's text), and the
+ground truth verl's code rows carry: the JSON string {"inputs": [...], "outputs": [...]} of the public,
+then private, then generated tests (the rule reads the first 10); extra_info {split, index, name}.
+The solutions and test columns are not kept (they are large and the trainer does not read them).
+
 A row that does not fit is counted, reported with its index and not written: no question or answer,
 no final answer to read (`#### N`, `\\boxed{...}`), or a ground truth that its data_source's reward
 rule does not accept from a response stating exactly that answer. (verl's scripts stop with an
@@ -44,12 +51,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import code_reward
 import rewards
 from config import ConfigError
 
 # verl's instruction texts, appended to the question after one space
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+# this project's text (verl ships no CodeContests script): where the rule looks for the program
+CODE_INSTRUCTION = ("Write a Python 3 program that reads the input from standard input and prints the answer to "
+                    "standard output. Put the whole program in one ```python code block.")
 
 
 class SkipRow(Exception):
@@ -111,6 +122,34 @@ def math_row(raw: dict[str, Any], split: str, index: int) -> dict[str, Any]:
     }
 
 
+_CODE_CONTESTS_TESTS = ("public_tests", "private_tests", "generated_tests")
+
+
+def code_contests_row(raw: dict[str, Any], split: str, index: int) -> dict[str, Any]:
+    """deepmind/code_contests' {name, description, public/private/generated_tests {input, output}} -> verl's
+    code row; the ground truth is the tests as JSON, as the code rule reads them."""
+    description = raw["description"]
+    if not description or not description.strip():
+        raise SkipRow("no description")
+    inputs, outputs = [], []
+    for column in _CODE_CONTESTS_TESTS:
+        tests = raw.get(column) or {}
+        inputs += tests.get("input") or []
+        outputs += tests.get("output") or []
+    if not inputs or len(inputs) != len(outputs):
+        raise SkipRow("no tests (or not one output per input)")
+    ground_truth = json.dumps({"inputs": inputs, "outputs": outputs})
+    code_reward.parse_tests(ground_truth)  # the rule's own reader accepts it
+    return {
+        **_rest(raw, "description", *_CODE_CONTESTS_TESTS, "solutions", "incorrect_solutions"),
+        "data_source": "codecontests",
+        "prompt": [{"role": "user", "content": f"{description.strip()}\n\n{CODE_INSTRUCTION}"}],
+        "ability": "code",
+        "reward_model": {"style": "rule", "ground_truth": ground_truth},
+        "extra_info": {"split": split, "index": index, "name": raw.get("name")},
+    }
+
+
 def checked_row(raw: dict[str, Any], split: str, index: int) -> dict[str, Any]:
     """A row already in verl's format, returned unchanged when the trainer can use it."""
     prompt = raw.get("prompt")
@@ -139,7 +178,9 @@ class Source:
     splits: tuple[str, ...]  # each is written to <split>.parquet
     columns: tuple[str, ...]  # raw columns the rows need
     to_row: Callable[[dict[str, Any], str, int], dict[str, Any]]
-    states_answer: Callable[[str], str]  # a response that states this answer the way the rule reads it
+    # a response that states this answer the way the rule reads it; None: no such response (a program
+    # would have to solve the problem), the converter checks the ground truth with the rule's reader
+    states_answer: Callable[[str], str] | None
     copy: bool = False  # rows already in verl's format: written unchanged, the hub's schema kept
 
 
@@ -151,6 +192,8 @@ SOURCES = {
     # The hub has a train split only; verl's DAPO recipe validates on BytedTsinghua-SIA/AIME-2024.
     "dapo": Source("BytedTsinghua-SIA/DAPO-Math-17k", None, ("train",), ("data_source", "prompt", "reward_model"),
                    checked_row, "Answer: {}".format, copy=True),
+    "codecontests": Source("deepmind/code_contests", None, ("train", "valid", "test"),
+                           ("name", "description", "public_tests", "private_tests"), code_contests_row, None),
 }
 
 
@@ -211,8 +254,9 @@ def convert_split(source: Source, raw_rows: Any, split: str, dedup: bool,
             row = source.to_row(raw, split, index)
             # The rule must accept the ground truth from a response that states it, or no response scores.
             ground_truth = str(row["reward_model"]["ground_truth"])
-            result = rewards.default_compute_score(row["data_source"], source.states_answer(ground_truth),
-                                                   row["reward_model"]["ground_truth"], row.get("extra_info"))
+            result = 1.0 if source.states_answer is None else rewards.default_compute_score(
+                row["data_source"], source.states_answer(ground_truth), row["reward_model"]["ground_truth"],
+                row.get("extra_info"))
             if (result["score"] if isinstance(result, dict) else result) != 1.0:
                 raise SkipRow(f"the ground truth is not accepted by the {row['data_source']} rule from a "
                               f"response stating it")
@@ -296,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepare_data: {e}", file=sys.stderr)
         return 1
     files = {r.split: r.path for r in reports}
-    use = f"data.train_files={files['train']}" + (f" data.val_files={files['test']}" if "test" in files else "")
+    val = files.get("test", files.get("valid"))
+    use = f"data.train_files={files['train']}" + (f" data.val_files={val}" if val else "")
     print(f"train with: {use}")
     return 0
 

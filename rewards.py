@@ -14,9 +14,12 @@ implementation of its behaviour, tested against it):
       DigitalLearningGmbH/MATH-lighteval
     math, math_dapo, math_dapo_reasoning, aime*  math_dapo_score   `Answer: ...`, then  {"score": 1.0 / -1.0,
                                                                    `\\boxed{...}`         "acc", "pred"}
+    codecontests, apps, codeforces, taco         code_reward       the program, run     fraction of the
+                                                   .code_score     against the tests    first 10 tests passed
 
 Any other data_source needs `custom_reward_function.path` (a .py file) and `.name`. `score_batch`
-decodes a batch of responses and scores it, for training and validation alike. A function that
+decodes a batch of responses and scores it, for training and validation alike (the code rule's
+samples first, all their programs at once: code_reward.code_scores). A function that
 raises or returns a non-number stops the run and shows the sample: a reward bug silently scored 0
 would look like a model that cannot learn. So does one that runs longer than reward_model.timeout_s
 on a sample (a hung sandbox, a regex that backtracks without end): a SIGALRM timer on the main thread
@@ -26,6 +29,7 @@ own timeout) replaces that timer while it runs.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import numbers
@@ -36,6 +40,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import code_reward
 from config import Config, ConfigError
 
 if TYPE_CHECKING:
@@ -276,7 +281,9 @@ _MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "Huggin
 _DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")  # and every name that starts with "aime"
 
 
-def _builtin_rule(data_source: str) -> Callable[[str, Any], float | dict[str, Any]]:
+def _builtin_rule(data_source: str) -> Callable[..., float | dict[str, Any]]:
+    if data_source in code_reward.CODE_SOURCES:
+        return code_reward.code_score
     if data_source in _GSM8K_SOURCES:
         return gsm8k_score
     if data_source in _MATH_SOURCES:
@@ -285,17 +292,54 @@ def _builtin_rule(data_source: str) -> Callable[[str, Any], float | dict[str, An
         return math_dapo_score
     raise ConfigError(
         f"no built-in reward for data_source={data_source!r}. Built in: {', '.join(_GSM8K_SOURCES)} (`#### N`); "
-        f"{', '.join(_MATH_SOURCES)} (\\boxed{{}}); {', '.join(_DAPO_SOURCES)}, aime* (`Answer: ...`). "
+        f"{', '.join(_MATH_SOURCES)} (\\boxed{{}}); {', '.join(_DAPO_SOURCES)}, aime* (`Answer: ...`); "
+        f"{', '.join(code_reward.CODE_SOURCES)} (a program run against test cases). "
         f"Fix the rows' data_source, or set custom_reward_function.path=<file.py> and "
         f"custom_reward_function.name=<function> (arguments: data_source, solution_str, ground_truth, extra_info)."
     )
 
 
 def default_compute_score(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None, *,
+    sandbox_fusion_url: str | None = None, memory_limit_mb: int = 1024, max_concurrent: int = 64,
 ) -> float | dict[str, Any]:
-    """The built-in rule for this data_source (table in the module docstring); ConfigError for any other."""
-    return _builtin_rule(data_source)(solution_str, ground_truth)
+    """The built-in rule for this data_source (table in the module docstring); ConfigError for any other.
+    The keywords (reward_model.sandbox_fusion.*) are read by the code rule: where and how its programs run.
+    Thread-safe."""
+    rule = _builtin_rule(data_source)
+    if rule is code_reward.code_score:
+        return rule(solution_str, ground_truth, _code_limits(sandbox_fusion_url, memory_limit_mb, max_concurrent))
+    return rule(solution_str, ground_truth)
+
+
+def _code_limits(sandbox_fusion_url: str | None = None, memory_limit_mb: int = 1024,
+                 max_concurrent: int = 64) -> code_reward.CodeLimits:
+    """default_compute_score's keywords as the code rule's limits."""
+    return code_reward.CodeLimits(url=sandbox_fusion_url, memory_limit_mb=memory_limit_mb,
+                                  max_concurrent=max_concurrent)
+
+
+def _code_scored_at_once(reward_fn: RewardFn, texts: list[str], prompts: list[Prompt]) -> RewardFn:
+    """reward_fn, with the built-in code rule's samples of this batch scored beforehand, all their programs
+    at once (code_reward.code_scores) rather than one sample after another. When that raises (a broken
+    row, a failing service), reward_fn itself: its per-sample call raises again, showing the sample."""
+    base, options = getattr(reward_fn, "func", reward_fn), getattr(reward_fn, "keywords", {})
+    code = [i for i, p in enumerate(prompts) if p.data_source in code_reward.CODE_SOURCES]
+    if base is not default_compute_score or not code:
+        return reward_fn
+    try:
+        scores = code_reward.code_scores([texts[i] for i in code], [prompts[i].ground_truth for i in code],
+                                         _code_limits(**options))
+    except (ValueError, RuntimeError):
+        return reward_fn
+    known = {(texts[i], str(prompts[i].ground_truth)): score for i, score in zip(code, scores, strict=True)}
+
+    @functools.wraps(base)
+    def scored(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> Any:
+        if data_source in code_reward.CODE_SOURCES and (solution_str, str(ground_truth)) in known:
+            return known[(solution_str, str(ground_truth))]
+        return reward_fn(data_source, solution_str, ground_truth, extra_info)
+    return scored
 
 
 def check_data_sources(data_sources: Iterable[str]) -> None:
@@ -304,10 +348,18 @@ def check_data_sources(data_sources: Iterable[str]) -> None:
         _builtin_rule(source)
 
 
-def load_reward_fn(path: str | None, name: str) -> RewardFn:
-    """The built-in dispatcher when `path` is None, else the function `name` from the Python file at `path`."""
-    if path is None:
+def load_reward_fn(path: str | None, name: str, sandbox_fusion: Config | None = None) -> RewardFn:
+    """The built-in dispatcher when `path` is None (given reward_model.sandbox_fusion for its code rule),
+    else the function `name` from the Python file at `path`."""
+    if path is None and sandbox_fusion is None:
         return default_compute_score
+    if path is None:
+        return functools.wraps(default_compute_score)(functools.partial(
+            default_compute_score, sandbox_fusion_url=sandbox_fusion.url,
+            memory_limit_mb=sandbox_fusion.memory_limit_mb, max_concurrent=sandbox_fusion.max_concurrent))
+    if sandbox_fusion is not None and sandbox_fusion.url is not None:
+        raise ConfigError(f"reward_model.sandbox_fusion.url={sandbox_fusion.url!r} is read by the built-in code "
+                          f"rule only, and custom_reward_function.path={path!r} replaces it; unset one of them.")
     file = Path(path).expanduser()
     if not file.is_file() or file.suffix != ".py":
         raise ConfigError(f"custom_reward_function.path={path!r} is not an existing .py file.")
@@ -349,6 +401,7 @@ def score_batch(
     """
     texts = tokenizer.batch_decode([r[m.bool()] for r, m in zip(responses, response_mask, strict=True)],
                                    skip_special_tokens=True)
+    reward_fn = _code_scored_at_once(reward_fn, texts, prompts)
     scores, extras = _score_texts(reward_fn, texts, prompts, rollout_info or [{}] * len(texts), timeout_s)
     return texts, scores, extras
 

@@ -2,9 +2,10 @@
 
     from sandbox import run_python_sandboxed, sandbox_plan
     run_python_sandboxed("print(2**10)", timeout_s=5)    # SandboxResult(text='1024\n', exit_code=0, ...)
+    run_python_sandboxed("print(int(input()) * 2)", stdin="21\n").stdout    # '42\n'
     sandbox_plan().describe()                           # what this machine lets it guarantee
 
-agent.PythonTool is the tool built on it. Linux only (rlimits, /proc, namespaces).
+agent.PythonTool is the tool built on it, and code_reward runs programs against test cases with it. Linux only (rlimits, /proc, namespaces).
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ class SandboxPlan:
 
 
 _PLANS: dict[str, SandboxPlan] = {}
+_plan_lock = threading.Lock()  # many threads may run code at once: one probe per setting
 
 
 def _works(cmd: list[str]) -> bool:
@@ -170,8 +172,13 @@ def _blocked_ancestor(path: str) -> str | None:
 def sandbox_plan(isolation: str = "auto") -> SandboxPlan:
     """How PythonTool isolates code on this machine (probed once per setting): 'auto' takes the full
     sandbox when root can unshare network and mount namespaces, else basic; 'basic' forces basic."""
-    if isolation in _PLANS:
+    with _plan_lock:
+        if isolation not in _PLANS:
+            _PLANS[isolation] = _probe_plan(isolation)
         return _PLANS[isolation]
+
+
+def _probe_plan(isolation: str) -> SandboxPlan:
     if isolation not in ("auto", "basic"):
         raise ValueError(f"PythonTool isolation={isolation!r}; valid: auto, basic")
     root, unshare = os.geteuid() == 0, shutil.which("unshare")
@@ -196,7 +203,6 @@ def sandbox_plan(isolation: str = "auto") -> SandboxPlan:
         plan = SandboxPlan("basic", (unshare, "--user", "--map-root-user", "--net", "--") if userns else (),
                            per_call_uid=False, pid_namespace=False, mount=False, block_network=not userns,
                            block_processes=root)
-    _PLANS[isolation] = plan
     return plan
 
 
@@ -274,12 +280,14 @@ class SandboxResult:
     wall_s: float
     pid: int  # the child's pid (its process group and session id)
     uid: int | None  # the uid it ran as, when it had its own
+    stdout: str = ""  # stdout alone (up to max_output_chars), for comparing it with an expected output
 
 
 def run_python_sandboxed(code: str, timeout_s: float = 10.0, cpu_s: int = 5, memory_mb: int = 1024,
                          max_processes: int = 32, max_file_mb: int = 16, max_output_chars: int = 4096,
-                         tmpfs_mb: int = 64, isolation: str = "auto") -> SandboxResult:
-    """Run `code` in a fresh interpreter under the limits; never raises for what the code does."""
+                         tmpfs_mb: int = 64, isolation: str = "auto", stdin: str = "") -> SandboxResult:
+    """Run `code` in a fresh interpreter under the limits, `stdin` as its standard input; never raises for
+    what the code does. Safe to call from many threads at once."""
     plan = sandbox_plan(isolation)
     uid = _allocate_uid() if plan.per_call_uid else None
     host_dir = Path(tempfile.mkdtemp(prefix="python-tool-"))  # outputs; and the scratch dir in basic mode
@@ -300,8 +308,10 @@ def run_python_sandboxed(code: str, timeout_s: float = 10.0, cpu_s: int = 5, mem
     argv = [*plan.command, sys.executable, "-I", "-B", "-u", "-c", _PRELUDE, json.dumps(cfg), code]
     start, timed_out = time.monotonic(), False
     try:
-        with open(host_dir / "stdout", "wb") as out, open(host_dir / "stderr", "wb") as err:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd="/",
+        (host_dir / "stdin").write_text(stdin, encoding="utf-8")
+        with (open(host_dir / "stdin", "rb") as inp, open(host_dir / "stdout", "wb") as out,
+              open(host_dir / "stderr", "wb") as err):
+            proc = subprocess.Popen(argv, stdin=inp, stdout=out, stderr=err, env=env, cwd="/",
                                     start_new_session=True)
             try:
                 proc.wait(timeout_s)
@@ -347,4 +357,4 @@ def run_python_sandboxed(code: str, timeout_s: float = 10.0, cpu_s: int = 5, mem
            f"the code exited with status {rc}" if rc > 0 and not stderr else "")
     if why:
         text += ("\n" if text and not text.endswith("\n") else "") + f"Error: {why}."
-    return SandboxResult(text, rc, timed_out, wall_s, proc.pid, uid)
+    return SandboxResult(text, rc, timed_out, wall_s, proc.pid, uid, stdout)

@@ -933,7 +933,8 @@ def load_data(cfg: Config, dims: ParallelDims,
         val_prompts, _ = load_prompts(data_cfg.val_files, tokenizer, key="data.val_files", **load_kwargs)
         val_prompts = val_prompts[:data_cfg.max_val_samples] if data_cfg.max_val_samples else val_prompts
         check_validation_share(len(val_prompts), dims, data_cfg.max_val_samples)
-    reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+    reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
+                               cfg.reward_model.sandbox_fusion)
     if rule_reward:  # a data source without a rule fails now, not at the first rollout
         check_data_sources(p.data_source for p in train_prompts + val_prompts)
     return tokenizer, train_prompts, val_prompts, reward_fn, multi_turn

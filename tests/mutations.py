@@ -138,6 +138,12 @@ MUTATIONS = (
     Mutation("fault: reward_model.timeout_s is ignored", "rewards.py", ((
         'if timeout_s <= 0 or threading.current_thread() is not threading.main_thread():', 'if True:'),),
         "tests/test_faults.py::test_hanging_reward_function_is_stopped_and_named"),
+    Mutation("code reward: a program the sandbox killed still passes on what it printed", "code_reward.py", ((
+        "    if not run.ok:\n        return False\n", ""),),
+        "tests/test_code_reward.py::test_hostile_programs_score_zero_and_harm_nothing"),
+    Mutation("code reward: a batch's programs run one sample after another", "rewards.py", ((
+        "    if base is not default_compute_score or not code:", "    if True:"),),
+        "tests/test_code_reward.py::test_score_batch_runs_a_batchs_programs_at_once"),
 )
 
 

@@ -259,6 +259,7 @@ def test_gen_batch_size_must_split_like_train_batch_size():
     ("trainer.save_freq=-2", "trainer.save_freq=-2 must be >= -1 (-1 or 0: never; k: every k steps and at the "
      "last); e.g. trainer.save_freq=-1"),
     ("trainer.max_consecutive_skipped_steps=0", "trainer.max_consecutive_skipped_steps=0 must be >= 1"),
+    ("reward_model.sandbox_fusion.max_concurrent=0", "reward_model.sandbox_fusion.max_concurrent=0 must be >= 1"),
     ("trainer.max_actor_ckpt_to_keep=0", "trainer.max_actor_ckpt_to_keep=0 must be >= 1 (null keeps every "
      "checkpoint)"),
 ])

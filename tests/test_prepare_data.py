@@ -225,6 +225,56 @@ def test_dapo_rows_are_checked_and_copied(dapo_raw, tmp_path):
 
 
 # -----------------------------------------------------------------------------
+# CodeContests: deepmind/code_contests' layout (data/<split>-*.parquet), tests as {input: [...], output: [...]}
+
+def contest(name: str, description: str, public: list, private: list, generated: list | None = None) -> dict:
+    def tests(pairs):
+        return {"input": [i for i, _ in pairs], "output": [o for _, o in pairs]}
+    return {"name": name, "description": description, "public_tests": tests(public), "private_tests": tests(private),
+            "generated_tests": tests(generated or []), "source": 2, "difficulty": 7,
+            "solutions": {"language": [3], "solution": ["print(sum(map(int, input().split())))"]},
+            "incorrect_solutions": {"language": [], "solution": []}, "input_file": "", "output_file": ""}
+
+
+CONTESTS_TRAIN = [
+    contest("1_A. Sum", "Print a + b.", [("1 2\n", "3\n")], [("5 5\n", "10\n")], [("0 0\n", "0\n")]),
+    contest("2_B. Empty", "   ", [("1\n", "1\n")], []),
+    contest("3_C. Untested", "Print anything.", [], []),
+]
+CONTESTS_VALID = [contest("4_D. Echo", "Print the input.", [("x\n", "x\n")], [])]
+
+
+def test_code_contests_rows_are_verls_code_rows_and_a_correct_program_scores_1(tmp_path):
+    from code_reward import code_score
+    from prepare_data import CODE_INSTRUCTION
+
+    raw = tmp_path / "raw"
+    for split, rows in (("train", CONTESTS_TRAIN), ("valid", CONTESTS_VALID), ("test", CONTESTS_VALID)):
+        write_parquet(raw / "data" / f"{split}-00000-of-00001.parquet", rows)
+    (raw / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n" + "".join(
+        f"  - split: {s}\n    path: data/{s}-*\n" for s in ("train", "valid", "test")) + "---\n")
+    proc = prepare("codecontests", "--local-dir", str(raw), "--out", str(tmp_path / "out"), tmp_path=tmp_path)
+    rows = load_rows(str(tmp_path / "out" / "train.parquet"), "test")
+    first = CONTESTS_TRAIN[0]
+    kept = {k: v for k, v in first.items() if k not in ("description", "public_tests", "private_tests",
+                                                        "generated_tests", "solutions", "incorrect_solutions")}
+    truth = '{"inputs": ["1 2\\n", "5 5\\n", "0 0\\n"], "outputs": ["3\\n", "10\\n", "0\\n"]}'
+    assert rows == [{**kept, "data_source": "codecontests",
+                     "prompt": [{"role": "user", "content": "Print a + b.\n\n" + CODE_INSTRUCTION}],
+                     "ability": "code", "reward_model": {"style": "rule", "ground_truth": truth},
+                     "extra_info": {"split": "train", "index": 0, "name": "1_A. Sum"}}]
+    assert "train: 3 rows read, 1 written" in proc.stdout
+    assert "1  no description: rows 1" in proc.stdout and "1  no tests (or not one output per input): rows 2" \
+        in proc.stdout
+    assert f"data.val_files={tmp_path / 'out' / 'test.parquet'}" in proc.stdout
+    assert (tmp_path / "out" / "valid.parquet").is_file()
+    # the row's own solution passes its tests; a program right on the public test only gets 1 of 3
+    assert rewards.default_compute_score("codecontests", f"```python\n{first['solutions']['solution'][0]}\n```",
+                                         truth) == 1.0
+    assert code_score("```python\nprint(3)\n```", truth) == pytest.approx(1 / 3)
+
+
+# -----------------------------------------------------------------------------
 # What the trainer sees, errors, and a training run
 
 

@@ -16,6 +16,7 @@ Config errors are checked with plain `python` runs: they must fail before any mo
 
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -179,21 +180,52 @@ def test_a_reward_function_that_raises_stops_the_run_with_the_sample(tiny_assets
     assert "ZeroDivisionError" in output and "response=" in output and "ground_truth=" in output, output[-3000:]
 
 
+def code_rows(n: int) -> list[dict]:
+    """Rows of a code data set (data_source apps) with one test, no input. Even rows expect no output: a
+    response passes when, run as a program, it exits 0 and prints nothing (`#### 7`, `7` do; `1+` does
+    not). Odd rows expect `never`, which no response of the tiny model prints."""
+    return [{"data_source": "apps", "prompt": [{"role": "user", "content": f"{i % 10}+{i // 10}="}],
+             "reward_model": {"style": "rule", "ground_truth": json.dumps({"inputs": [""],
+                                                                           "outputs": ["" if i % 2 == 0 else "never"]})},
+             "extra_info": {"index": i}} for i in range(n)]
+
+
+def passes_as_a_program(response: str, ground_truth: str) -> float:
+    """The code rule's verdict on code_rows, computed another way: a plain interpreter, no sandbox."""
+    assert "```" not in response  # so the whole response is the program
+    expected = json.loads(ground_truth)["outputs"][0]
+    proc = subprocess.run([sys.executable, "-c", response], input="", capture_output=True, text=True, timeout=30)
+    return float(proc.returncode == 0 and proc.stdout.strip() == expected)
+
+
 @pytest.mark.slow
-def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_assets, tmp_path):
+def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_assets, sft_model, tmp_path):
     """An entropy bonus beyond float32's range makes every actor loss and gradient non-finite: each such
     step is skipped (the weights stay as they were, so the sync check still passes), and the run stops
-    with the key to change once trainer.max_consecutive_skipped_steps are skipped in a row."""
-    out = tmp_path / "nan"
-    proc = run(torchrun_cmd(2, "train_ppo.py", "--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out),
+    with the key to change once trainer.max_consecutive_skipped_steps are skipped in a row.
+    Its validation before training is on a code data set: each response is run in the real sandbox
+    (the warmed-up model answers `#### N`, which runs as a comment, so both scores occur)."""
+    import datasets
+
+    out, val = tmp_path / "nan", tmp_path / "code_val.parquet"
+    datasets.Dataset.from_list(code_rows(16)).to_parquet(str(val))
+    proc = run(torchrun_cmd(2, "train_ppo.py", "--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model),
                             "actor_rollout_ref.actor.entropy_coeff=1e39", "trainer.max_consecutive_skipped_steps=2",
-                            "trainer.total_training_steps=4", "trainer.val_before_train=false", "trainer.test_freq=-1"),
+                            "trainer.total_training_steps=4", "trainer.test_freq=-1", f"data.val_files={val}",
+                            "reward_model.sandbox_fusion.max_concurrent=4"),
                timeout=600, check=False)
     assert proc.returncode != 0
     assert "2 steps in a row had non-finite actor losses" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     rows = step_rows(out)
     assert [r["step"] for r in rows] == [1]  # step 2's line is not written: the run stopped there
     assert rows[0]["actor/skipped_steps"] > 0 and not math.isfinite(rows[0]["actor/grad_norm"])
+    records = [json.loads(line) for f in sorted((out / "val_generations").glob("step0_*.jsonl")) for line in f.open()]
+    assert len(records) == 16
+    scores = [r["score"] for r in records]
+    assert scores == [passes_as_a_program(r["response"], r["ground_truth"]) for r in records]
+    assert 0 < sum(scores) < 16, records  # some pass, some fail
+    step0 = read_metrics(out / "metrics.jsonl")[0]
+    assert step0["val-core/apps/reward/mean@1"] == pytest.approx(sum(r["score"] for r in records) / 16)
 
 
 @pytest.mark.slow
