@@ -1019,7 +1019,7 @@ def build_engine(run: Run, engine_of: Run | None = None) -> None:
         if differ:
             raise ConfigError("cannot reuse the earlier run's rollout engine; these settings differ (then, now): "
                               + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in differ.items()))
-        move_to(engine_of, LOADED)  # the engine awake, as a new run's placement assumes
+        move_to(engine_of, "generate")  # the engine awake, as a new run (placed LOADED) assumes
         run.llm = engine_of.llm
     limits = dict(max_tokens=data_cfg.max_response_length, max_prompt_length=data_cfg.max_prompt_length,
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)

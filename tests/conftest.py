@@ -39,6 +39,23 @@ def sft_model(tiny_assets, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def short_runs(request, tiny_assets, sft_model, tmp_path_factory) -> Path:
+    """<dir>/<name>: the runs of tests/short_runs.py that the selected tests name with
+    @pytest.mark.short_run("name", ...), all in one 2-rank launch."""
+    import short_runs as cases
+
+    wanted = {name for item in request.session.items for mark in item.iter_markers("short_run") for name in mark.args}
+    return cases.launch(sorted(wanted), tiny_assets, sft_model, tmp_path_factory.mktemp("short_runs"))
+
+
+def short_run(short_runs: Path, name: str) -> Path:
+    """One short run's directory; the test asking must carry @pytest.mark.short_run(name)."""
+    out = short_runs / name
+    assert (out / "metrics.jsonl").is_file(), f"{name} did not run: mark the test @pytest.mark.short_run({name!r})"
+    return out
+
+
 @contextmanager
 def one_rank_process_group() -> Iterator[None]:
     """A real gloo process group of one rank in this process (FSDP2 needs one), torn down after."""

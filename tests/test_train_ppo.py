@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import clean_env, run, torchrun, torchrun_cmd
+from conftest import clean_env, run, short_run, torchrun, torchrun_cmd
 from safetensors.torch import load_file
 
 import config
@@ -83,22 +83,9 @@ def grpo_tp2(tiny_assets, sft_model, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def gae_kl(tiny_assets, sft_model, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("gae") / "run"
-    train(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model), "algorithm.adv_estimator=gae",
-              "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
-              "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",
-              "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm", "critic.loss_agg_mode=token-mean",
-              "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=2",
-              "data.max_val_samples=17", "reward_model.reward_manager=dapo",
-              "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=12",
-              "reward_model.overlong_buffer.penalty_factor=0.5", "reward_model.overlong_buffer.log=true",
-              # every offload flag: on the CPU each move is a no-op, but the trainer walks the whole plan
-              "actor_rollout_ref.actor.fsdp_config.param_offload=true",
-              "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true", "critic.fsdp_config.param_offload=true",
-              "critic.fsdp_config.optimizer_offload=true", "actor_rollout_ref.ref.fsdp_config.param_offload=true"])
-    return out
+@pytest.fixture
+def gae_kl(short_runs) -> Path:
+    return short_run(short_runs, "gae_kl")
 
 
 @pytest.mark.slow
@@ -119,6 +106,7 @@ def test_grpo_tp2(grpo_tp2, sft_model):
 
 
 @pytest.mark.slow
+@pytest.mark.short_run("gae_kl")
 def test_gae_with_kl(gae_kl):
     rows = step_rows(gae_kl)
     assert len(rows) == 2
@@ -143,6 +131,7 @@ def test_gae_with_kl(gae_kl):
 
 
 @pytest.mark.slow
+@pytest.mark.short_run("gae_kl")
 def test_every_config_key_is_read(grpo_tp2, gae_kl):
     """No key is accepted and ignored: between them, the two runs read every key of the schema
     (algorithm.rollout_correction's: tests/test_train_ppo_rollout_correction.py's two runs; the keys of
@@ -156,11 +145,9 @@ def test_every_config_key_is_read(grpo_tp2, gae_kl):
 
 
 @pytest.mark.slow
-def test_reinforce_plus_plus_seq_mean_token_mean(tiny_assets, sft_model, tmp_path):
-    out = tmp_path / "rpp"
-    train(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model),
-              "algorithm.adv_estimator=reinforce_plus_plus", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
-              "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1"])
+@pytest.mark.short_run("reinforce_plus_plus")
+def test_reinforce_plus_plus_seq_mean_token_mean(short_runs):
+    out = short_run(short_runs, "reinforce_plus_plus")
     rows = step_rows(out)
     assert_common(rows, prompts=32, samples=256)
     assert_learning_signal(rows)
@@ -253,11 +240,10 @@ def test_seed_six_rank_job(tiny_assets, tmp_path):
 
 
 @pytest.mark.slow
-def test_score_improves(tiny_assets, sft_model, tmp_path):
+@pytest.mark.short_run("learn")
+def test_score_improves(short_runs):
     """The demo's task, shortened: after 40 GRPO steps the greedy validation score is clearly higher."""
-    out = tmp_path / "learn"
-    train(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model),
-                 "trainer.total_training_steps=40", "trainer.test_freq=40"])
+    out = short_run(short_runs, "learn")
     val = [r["val/score"] for r in read_metrics(out / "metrics.jsonl") if "val/score" in r]
     assert len(val) == 2
     assert val[1] >= val[0] + 0.1, val

@@ -15,15 +15,10 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import short_run
 from test_train_ppo import assert_common, assert_learning_signal, step_rows, tiny, train
 
 RC = "algorithm.rollout_correction"
-
-
-def run(tiny_assets, sft_model, out: Path, *extra: str) -> list[dict]:
-    train(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model), "trainer.total_training_steps=2",
-              "trainer.val_before_train=false", "trainer.test_freq=-1", *extra])
-    return step_rows(out)
 
 
 def assert_weights_one(rows: list[dict]) -> None:
@@ -50,13 +45,9 @@ def decoupled_top_p(tiny_assets, sft_model, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def bypass(tiny_assets, sft_model, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("rc_bypass") / "run"
-    run(tiny_assets, sft_model, out, f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce",
-        f"{RC}.rollout_is=sequence", f"{RC}.rollout_rs=seq_max_k2,seq_sum_k1", f"{RC}.rollout_rs_threshold=1e-6,1.001",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=32")  # one optimizer step per step
-    return out
+@pytest.fixture
+def bypass(short_runs) -> Path:
+    return short_run(short_runs, "rc_bypass")
 
 
 @pytest.mark.slow
@@ -77,6 +68,7 @@ def test_decoupled_weights_are_one_under_top_k_top_p_rloo_hsdp(decoupled_top_p):
 
 
 @pytest.mark.slow
+@pytest.mark.short_run("rc_bypass")
 def test_bypass_mode_skips_the_old_log_prob_forward(bypass):
     rows = step_rows(bypass)
     assert [r["step"] for r in rows] == [1, 2]
@@ -90,6 +82,7 @@ def test_bypass_mode_skips_the_old_log_prob_forward(bypass):
 
 
 @pytest.mark.slow
+@pytest.mark.short_run("rc_bypass")
 def test_every_rollout_correction_key_is_read(decoupled_top_p, bypass):
     """tests/test_train_ppo.py's every-key check leaves algorithm.rollout_correction to these two runs."""
     unread = [set(json.loads((out / "config_unread.json").read_text())) for out in (decoupled_top_p, bypass)]
