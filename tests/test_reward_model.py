@@ -179,6 +179,7 @@ def test_grpo_trains_on_reward_model_scores_on_two_ranks(tiny_assets, sft_model,
              f"data.val_files={tiny_assets['val']}", f"trainer.default_local_dir={out}",
              "reward_model.enable=true", f"reward_model.model.path={demo_reward_model}",
              "reward_model.micro_batch_size_per_gpu=16", "data.train_batch_size=8",
+             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
              "actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.total_training_steps=2",
              "trainer.val_before_train=false", "trainer.test_freq=2", "data.max_val_samples=8", timeout=600)
     rows = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
