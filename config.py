@@ -204,7 +204,23 @@ SCHEMA: dict[str, Any] = {
         "fsdp_config": _fsdp_config(fsdp_size=(_INT_OR_NONE, None)),  # null: the actor's (its FSDP mesh)
     },
     "reward_model": {
+        # a learned reward model (reward_model.py): its score at each sample's last real token is the training
+        # score, in place of the rule function's (which still scores validation), as verl's reward managers do
         "enable": (bool, False),
+        "model": {
+            "path": (_STR_OR_NONE, None),  # a sequence-classification checkpoint with one label
+            # the tokenizer the rollout's ids are in; null: the actor's (verl's default is the actor's path).
+            # Prompt and response are re-rendered as text for the reward model when its tokenizer or chat
+            # template differs from this one
+            "input_tokenizer": (_STR_OR_NONE, None),
+            "trust_remote_code": (bool, False),
+            "use_remove_padding": (bool, True),  # its forward on the valid tokens only, packed in one row
+            # verl's key; default true here: verl's FSDP2 reward model always streams its shards from the host
+            # (CPUOffloadPolicy). false keeps them on the device for the whole run
+            "fsdp_config": {"param_offload": (bool, True)},
+        },
+        "micro_batch_size_per_gpu": (_INT_OR_NONE, None),  # null: rollout.log_prob_micro_batch_size_per_gpu
+        "max_length": (_INT_OR_NONE, None),  # re-rendered inputs are cut (on the right) to this; null: P + R
         "reward_manager": (str, "naive"),  # naive | dapo (the score, an `acc` extra, the overlong buffer)
         "overlong_buffer": {  # DAPO's soft length penalty (reward_manager=dapo)
             "enable": (bool, False),
@@ -675,6 +691,26 @@ def check_ranges(cfg: Config) -> None:
 
 
 
+def _check_reward_model(cfg: Config) -> None:
+    """reward_model.enable=true: a model to load, and nothing set that its score would silently skip."""
+    rm, algorithm = cfg.reward_model, cfg.algorithm
+    if rm.model.path is None:
+        raise ConfigError("reward_model.enable=true needs reward_model.model.path: a sequence-classification "
+                          "checkpoint with one label (e.g. a Qwen2ForSequenceClassification directory).")
+    for key in ("micro_batch_size_per_gpu", "max_length"):
+        if rm[key] is not None and rm[key] < 1:
+            raise ConfigError(f"reward_model.{key}={rm[key]} must be >= 1, or null (the default).")
+    if rm.overlong_buffer.enable:
+        raise ConfigError("reward_model.overlong_buffer.enable=true with reward_model.enable=true: the reward "
+                          "model's score is the training score as it is (verl's reward managers return it "
+                          "unchanged), so no overlong penalty would be added. Set overlong_buffer.enable=false.")
+    if algorithm.filter_groups.enable and algorithm.filter_groups.metric not in (
+            "reward", "score", "seq_reward", "seq_final_reward"):
+        raise ConfigError(f"algorithm.filter_groups.metric={algorithm.filter_groups.metric!r} with "
+                          "reward_model.enable=true: the reward model gives a score and no extras; filter on "
+                          "the score (metric=score).")
+
+
 def check_supported(cfg: Config) -> None:
     """Refuse values that verl accepts but this program does not implement, and values that cannot
     work, each naming its key and what to set instead (so no accepted key is silently ignored)."""
@@ -686,10 +722,7 @@ def check_supported(cfg: Config) -> None:
         if value not in CHOICES[key]:
             raise ConfigError(f"{key}={value!r} is not implemented; valid: {', '.join(CHOICES[key])}.")
     if cfg.reward_model.enable:
-        raise ConfigError(
-            "reward_model.enable=true (a learned reward model) is not supported; score with a rule "
-            "function instead (custom_reward_function.path / .name) and set reward_model.enable=false."
-        )
+        _check_reward_model(cfg)
     if not actor_rollout_ref.hybrid_engine:
         raise ConfigError("actor_rollout_ref.hybrid_engine=false (a separate rollout pool) is not supported: "
                           "the engine is collocated with the actor on every rank. Set it to true.")

@@ -50,7 +50,7 @@ PHASES = ("sync", "generate", "log_prob", "update")
 DEVICE, HOST, FREED, NONE = "device", "host", "freed", "-"
 # What the placement plan covers, in table order.
 ITEMS = ("actor.params", "actor.grads", "actor.optimizer", "critic.params", "critic.grads", "critic.optimizer",
-         "ref.params", "engine.weights", "engine.kv_cache")
+         "ref.params", "reward_model.params", "engine.weights", "engine.kv_cache")
 
 
 # -----------------------------------------------------------------------------
@@ -66,6 +66,7 @@ class OffloadFlags:
     critic_param: bool = False  # critic.fsdp_config.param_offload
     critic_optimizer: bool = False  # critic.fsdp_config.optimizer_offload
     ref_param: bool = False  # actor_rollout_ref.ref.fsdp_config.param_offload
+    reward_model_param: bool = False  # reward_model.model.fsdp_config.param_offload (true in the config)
     free_cache_engine: bool = True  # actor_rollout_ref.rollout.free_cache_engine
 
     @classmethod
@@ -76,6 +77,7 @@ class OffloadFlags:
                    critic_param=cfg.critic.fsdp_config.param_offload,
                    critic_optimizer=cfg.critic.fsdp_config.optimizer_offload,
                    ref_param=roles.ref.fsdp_config.param_offload,
+                   reward_model_param=cfg.reward_model.model.fsdp_config.param_offload,
                    free_cache_engine=roles.rollout.free_cache_engine)
 
 
@@ -100,6 +102,7 @@ def placement(flags: OffloadFlags, phase: str) -> dict[str, str]:
         "critic.grads": DEVICE if phase == "update" else NONE,
         "critic.optimizer": HOST if phase != "update" and flags.critic_optimizer else DEVICE,
         "ref.params": HOST if flags.ref_param else DEVICE,  # CPUOffloadPolicy: streamed per block
+        "reward_model.params": HOST if flags.reward_model_param else DEVICE,  # the same
         "engine.weights": HOST if engine_asleep else DEVICE,
         "engine.kv_cache": FREED if engine_asleep else DEVICE,
     }
@@ -112,12 +115,14 @@ LOADED = "loaded"
 def plan_moves(flags: OffloadFlags, src: str, dst: str) -> list[tuple[str, str]]:
     """The moves (item, destination) that take `src`'s placement to `dst`'s, in ITEMS order.
     `src` may be LOADED (right after the models and the engine are built). Gradients never move:
-    they are created in the update and freed at its end. The reference model never moves."""
-    before = ({item: DEVICE for item in ITEMS} | {"ref.params": placement(flags, dst)["ref.params"]}
+    they are created in the update and freed at its end. The frozen models (reference, reward model)
+    never move: they live where they were built (models.load_frozen_model)."""
+    frozen = ("ref.params", "reward_model.params")
+    before = ({item: DEVICE for item in ITEMS} | {item: placement(flags, dst)[item] for item in frozen}
               if src == LOADED else placement(flags, src))
     after = placement(flags, dst)
     return [(item, after[item]) for item in ITEMS
-            if before[item] != after[item] and not item.endswith(".grads") and item != "ref.params"]
+            if before[item] != after[item] and not item.endswith(".grads") and item not in frozen]
 
 
 def flag_combinations() -> list[tuple[str, OffloadFlags]]:
@@ -320,6 +325,9 @@ class MemoryInputs:
     log_prob_max_tokens: int | None = None
     critic_max_tokens: int | None = None
     samples_per_rank: int | None = None  # what bounds a padded token-budget micro batch
+    reward_model: ModelShape | None = None  # reward_model.enable: the model that scores in the generate phase
+    reward_micro: int = 1  # reward_model.micro_batch_size_per_gpu (resolved)
+    reward_packed: bool = True  # reward_model.model.use_remove_padding
 
 
 def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
@@ -347,14 +355,19 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
             "critic.optimizer": adam_state_bytes(m.critic, m.fsdp, fsdp_rank) if m.critic and on["critic.optimizer"]
             else 0,
             "ref.params": actor_shard if m.use_ref and on["ref.params"] else 0,
+            "reward_model.params": (param_shard_bytes(m.reward_model, m.fsdp, fsdp_rank)
+                                    if m.reward_model and on["reward_model.params"] else 0),
             "engine.weights": engine_weights if on["engine.weights"] else 0,
             "engine.kv_cache": max(0, engine_total - engine_weights) if on["engine.kv_cache"] else 0,
             "gathered_blocks": gathered if phase in ("log_prob", "update") else 0,
             "activations": 0,
             "log_prob_chunk": 0,
+            "reward_model.forward": 0,
         }
         if phase == "sync":  # iter_full_params: one bucket (<= 16 MiB) of full tensors in the engine's dtype
             b["gathered_blocks"] = min(16 * 2**20, engine_weights * m.infer_tp)
+        if phase == "generate" and m.reward_model is not None:  # it scores beside the awake engine
+            b["reward_model.forward"] = _reward_forward_bytes(m)
         if phase == "log_prob":
             b["log_prob_chunk"] = _head_bytes(m, m.log_prob_micro, m.log_prob_max_tokens)
         if phase == "update":
@@ -379,6 +392,16 @@ def _update_activations(m: MemoryInputs, critic: bool, checkpointing: bool | Non
                                    m.critic_max_tokens if critic else m.ppo_max_tokens, m.samples_per_rank)
     return (activation_bytes(shape, rows, row_len, m.compute_bytes, checkpointing, m.sp, packed)
             + (peak_recompute_bytes(shape, rows, row_len, m.compute_bytes, checkpointing, m.sp) if recompute else 0))
+
+
+def _reward_forward_bytes(m: MemoryInputs) -> int:
+    """The reward model's no-grad forward of one micro batch: two of its blocks gathered, and the
+    activations one block holds while it runs (nothing is kept for a backward)."""
+    shape = m.reward_model
+    rows, row_len = forward_layout(m.reward_micro, m.prompt_len + m.response_len, m.reward_packed, None)
+    mask = 0 if m.reward_packed else rows * row_len * row_len
+    return (2 * shape.largest_block_numel * m.compute_bytes
+            + peak_recompute_bytes(shape, rows, row_len, m.compute_bytes, True) + mask)
 
 
 def _head_bytes(m: MemoryInputs, micro: int, max_tokens: int | None) -> int:
@@ -501,7 +524,12 @@ def memory_inputs(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_g
         critic_packed=critic_update is not None and critic_update.use_remove_padding,
         ppo_max_tokens=plan.actor_update.max_token_len, log_prob_max_tokens=plan.old_log_prob.max_token_len,
         critic_max_tokens=critic_update.max_token_len if critic_update else None,
-        samples_per_rank=plan.samples_per_rank)
+        samples_per_rank=plan.samples_per_rank,
+        reward_model=(model_shape(cfg.reward_model.model.path, value_head=True,
+                                  trust_remote_code=cfg.reward_model.model.trust_remote_code)
+                      if cfg.reward_model.enable else None),
+        reward_micro=cfg.reward_model.micro_batch_size_per_gpu or roles.rollout.log_prob_micro_batch_size_per_gpu,
+        reward_packed=cfg.reward_model.model.use_remove_padding)
 
 
 def adapter_shapes(path: str, spec: LoraSpec, trust_remote_code: bool = False) -> list[tuple[int, ...]]:

@@ -96,7 +96,7 @@ def apply_fsdp(
         raise ValueError(f"fsdp_mesh must be 1D ('fsdp') or 2D ('ddp','fsdp'); got dims {fsdp_mesh.mesh_dim_names}")
     offload: OffloadPolicy = OffloadPolicy()
     if cpu_offload and fsdp_mesh.device_type == "cpu":
-        _warn_once("actor_rollout_ref.ref.fsdp_config.param_offload has no effect on CPU: "
+        _warn_once("fsdp_config.param_offload of a frozen model (reference, reward model) has no effect on CPU: "
                    "parameters already live in host memory.")
     elif cpu_offload:
         offload = CPUOffloadPolicy()
@@ -151,6 +151,29 @@ def load_value_model(name_or_path: str, fsdp_mesh: DeviceMesh, **options: Unpack
                          **options)
 
 
+def load_reward_model(name_or_path: str, fsdp_mesh: DeviceMesh, **options: Unpack[ShardingOptions]) -> nn.Module:
+    """A learned reward model from a sequence-classification checkpoint with one label (its body and its
+    `score` head, no bias). Built as the critic is, a scalar per token (AutoModelForTokenClassification,
+    as verl's reward worker does), so that one forward serves padded and packed rows alike and the score
+    is read at each sequence's last real token (compute_sequence_scores). Every weight must come from the
+    checkpoint: a missing head is an error, never a random one."""
+    return _load_sharded(AutoModelForTokenClassification, name_or_path, fsdp_mesh,
+                         config_overrides={"num_labels": 1, "classifier_dropout": 0.0,
+                                           "token_classification_bias": False},
+                         require_all_weights="reward_model.model.path", **options)
+
+
+def load_frozen_model(load: Callable[..., nn.Module], name_or_path: str, fsdp_mesh: DeviceMesh, *,
+                      param_offload: bool, **options: Unpack[ShardingOptions]) -> nn.Module:
+    """A model that is only ever run forward (the reference model, the reward model): `load`
+    (load_causal_lm, load_reward_model, ...) with FSDP2's CPUOffloadPolicy when param_offload, so its
+    shards live on the host and stream to the device one block at a time inside its own forward; no
+    gradients, eval mode. apply_moves never touches it (memory_plan counts it as `<name>.params`)."""
+    model = load(name_or_path, fsdp_mesh, cpu_offload=param_offload, **options)
+    model.requires_grad_(False)
+    return model.eval()
+
+
 def _load_sharded(
     auto_cls: type,
     name_or_path: str,
@@ -167,6 +190,7 @@ def _load_sharded(
     config_overrides: dict | None = None,
     zero_init_head: bool = False,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
+    require_all_weights: str | None = None,
 ) -> nn.Module:
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     # Set after loading: from_pretrained drops keyword arguments its config class does not declare
@@ -192,7 +216,8 @@ def _load_sharded(
     model.to_empty(device=torch.device("cpu") if cpu_offload else device)
     for name, buffer in model.named_buffers(remove_duplicate=False):
         buffer.copy_(buffers[name])
-    _load_weights_from_rank0(model, auto_cls, name_or_path, config, trust_remote_code, zero_init_head, wrap)
+    _load_weights_from_rank0(model, auto_cls, name_or_path, config, trust_remote_code, zero_init_head, wrap,
+                             require_all_weights)
     _check_tied_embeddings(model)
     return model
 
@@ -200,13 +225,31 @@ def _load_sharded(
 def _load_weights_from_rank0(
     model: nn.Module, auto_cls: type, name_or_path: str, config: object, trust_remote_code: bool,
     zero_init_head: bool, wrap: Callable[[nn.Module], nn.Module] | None = None,
+    require_all_weights: str | None = None,
 ) -> None:
-    """Fill the sharded (empty) model's parameters from the checkpoint that only rank 0 reads."""
+    """Fill the sharded (empty) model's parameters from the checkpoint that only rank 0 reads.
+    require_all_weights (the config key of the path): a parameter the checkpoint lacks is an error, on
+    every rank."""
     full_state: dict[str, torch.Tensor] = {}
+    missing: list[list[str]] = [[]]
     if dist.get_rank() == 0:
-        source = auto_cls.from_pretrained(
-            name_or_path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code
-        )
+        source, info = auto_cls.from_pretrained(
+            name_or_path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code,
+            output_loading_info=True)
+        missing = [sorted(info["missing_keys"])]
+        if require_all_weights is not None and missing[0] == ["score.bias"]:
+            # transformers without `token_classification_bias` (before 5.13) gives the head a bias that a
+            # sequence-classification checkpoint lacks: zero is exactly the head it saved
+            source.score.bias.data.zero_()
+            missing = [[]]
+    if require_all_weights is not None:
+        dist.broadcast_object_list(missing, src=0)
+        if missing[0]:
+            raise ConfigError(
+                f"{require_all_weights}={name_or_path!r} lacks {', '.join(missing[0][:4])}: it is not a "
+                f"sequence-classification checkpoint with one label and no head bias (save one with "
+                f"AutoModelForSequenceClassification(..., num_labels=1).save_pretrained).")
+    if dist.get_rank() == 0:
         if zero_init_head:
             head = getattr(source, "score", None) or getattr(source, "classifier", None)
             if head is None:
@@ -517,6 +560,30 @@ def compute_values(critic: nn.Module, batch: Mapping[str, torch.Tensor], micro_b
             values.append(F.pad(out.logits[:, -kept - 1:-1, 0].float(), (0, response_len - kept)))  # (b, R)
         row_groups.append(rows)
     return _in_batch_order(values, row_groups)
+
+
+def compute_sequence_scores(model: nn.Module, batch: Mapping[str, torch.Tensor], micro_batch_size: int, *,
+                            use_remove_padding: bool = False) -> torch.Tensor:
+    """A reward model's score per sequence (B,), float32: its output at the sequence's last real token (the
+    last 1 of its attention mask, where verl's reward worker reads it). batch: input_ids, attention_mask,
+    position_ids (B, T), padded on either side; runs of micro_batch_size rows, each packed into one row of
+    its valid tokens with use_remove_padding (_pack's layout), else padded. No grad."""
+    scores = []
+    with torch.no_grad():
+        for _, inputs in _micro_batches(batch, micro_batch_size, None):
+            valid = inputs["attention_mask"].bool()  # (b, T)
+            if not bool(valid.any(-1).all()):
+                raise ValueError("compute_sequence_scores: a row has no real token (its attention_mask is all 0)")
+            if use_remove_padding:
+                out = model(input_ids=inputs["input_ids"][valid][None], position_ids=inputs["position_ids"][valid][None],
+                            use_cache=False)  # (1, N, 1)
+                last = valid.sum(-1).cumsum(0) - 1  # (b,) each sequence's last token in the packed row
+                scores.append(out.logits[0, last, 0].float())  # (b,)
+            else:
+                out = model(**inputs, use_cache=False)  # (b, T, 1)
+                last = valid.shape[1] - 1 - valid.flip(-1).int().argmax(-1)  # (b,) the last 1 of each row
+                scores.append(out.logits[torch.arange(len(last), device=last.device), last, 0].float())  # (b,)
+    return torch.cat(scores)
 
 
 def _check_sp_packed(sp_group: dist.ProcessGroup | None, use_remove_padding: bool) -> None:

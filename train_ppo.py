@@ -27,7 +27,8 @@ attention_mask marks every real token; response_mask (the loss mask) the tokens 
 With Ulysses (actor.ulysses_sequence_parallel_size = sp > 1) the sp ranks of a group hold the same
 samples, and sums over the step's batch run over the train dp group, so no sample counts twice.
 
-Deliberate simplification: rewards are rule functions (no reward model).
+Scores come from a rule function or, with reward_model.enable, a learned reward model (reward_model.py);
+validation always scores with the rule function, as verl does.
 """
 
 from __future__ import annotations
@@ -92,12 +93,14 @@ from models import (
     default_dtypes,
     iter_full_params,
     load_causal_lm,
+    load_frozen_model,
     load_value_model,
     make_optimizer,
     optimizer_step,
     padding_fraction,
     token_budget_micro_batches,
 )
+from reward_model import RewardModel
 from rewards import RewardFn, check_data_sources, filter_metric, load_reward_fn, score_batch, score_samples
 from tracking import (
     Tracker,
@@ -577,6 +580,7 @@ class Run:
     stale_check: Any = None  # rollout.StaleWeightsCheck
     lora_modules: set[str] | None = None  # with LoRA: what syncs after the first (full) sync
     multi_turn: MultiTurn | None = None  # actor_rollout_ref.rollout.multi_turn.enable: tools and their replies
+    reward_model: RewardModel | None = None  # reward_model.enable: it scores the training samples
     tracker: Tracker | None = None
     progress: watchdog.Progress = field(default_factory=lambda: watchdog.Progress(None))  # off until started
     placement: str = LOADED  # the memory phase the models and engine are placed for (memory_plan.placement)
@@ -663,6 +667,8 @@ def rollout_step(run: Run, step: int, gen_batch: int,
     rows = dict(vars(generated.rows(tp_rows)))
     score = functools.partial(score_samples, run.reward_fn, run.tokenizer, prompts=run.train_prompts,
                               reward_cfg=cfg.reward_model, max_response_length=cfg.data.max_response_length)
+    if run.reward_model is not None:  # the learned reward model's score replaces the rule's (verl's rm_scores)
+        score = functools.partial(reward_model_scores, run)
     if turn_stats is not None:  # multi-turn: per-sample counts travel with the rows, for the step's metrics
         turn_stats = turn_stats.rows(tp_rows)
         rows.update(num_turns=turn_stats.num_turns, tool_calls=turn_stats.tool_calls,
@@ -675,6 +681,15 @@ def rollout_step(run: Run, step: int, gen_batch: int,
             baseline = dict(zip(greedy.prompt_index.tolist(), greedy_scores.tolist(), strict=True))
             rows["reward_baselines"] = torch.tensor([baseline[i] for i in rows["prompt_index"].tolist()])  # (B,)
     return rows, extras
+
+
+def reward_model_scores(run: Run, rows: dict[str, torch.Tensor],
+                        rollout_info: list[dict[str, Any]] | None = None) -> tuple[torch.Tensor, list[dict[str, float]]]:
+    """Step 3 with reward_model.enable: the reward model's score of each sample (B,) and no extras. As in
+    verl, whose reward managers return the model's `rm_scores` as they are, the rule function, the DAPO
+    manager's additions and rollout_info do not enter (config refuses what would need them)."""
+    scores = run.reward_model.score(rows, run.train_prompts)  # (B,), collective over the FSDP mesh
+    return scores, [{} for _ in range(len(scores))]
 
 
 def run_validation(run: Run, step: int) -> dict[str, float]:
@@ -887,6 +902,7 @@ def build_run(cfg: Config, env: DistEnv, engine_of: Run | None = None) -> Run:
     total_steps = epochs_in_steps if steps is None else steps  # null: every epoch; 0: no step (verl)
     param_dtype, _ = default_dtypes(env.device_type)
     models = load_models(cfg, meshes, env, total_steps)
+    models["reward_model"] = load_learned_reward_model(cfg, meshes, env, tokenizer)
     source, why = old_log_prob_source(models["actor"], cfg.algorithm, plan.actor_update, plan.samples_per_rank)
     print0(f"old log-probs: {source} ({why})")
     run = Run(cfg=cfg, env=env, dims=dims, plan=plan, meshes=meshes, dp_group=train_dp_group(meshes),
@@ -962,8 +978,8 @@ def load_models(cfg: Config, meshes: Meshes, env: DistEnv, total_steps: int) -> 
     if (actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward) and lora_spec:
         ref, reference_mode = actor, actor.disable_adapter  # the base model, for free: no second copy
     elif actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-        ref = load_causal_lm(model_cfg.path, meshes.fsdp,
-                             cpu_offload=cfg.actor_rollout_ref.ref.fsdp_config.param_offload, **fsdp_kwargs).eval()
+        ref = load_frozen_model(load_causal_lm, model_cfg.path, meshes.fsdp,
+                                param_offload=cfg.actor_rollout_ref.ref.fsdp_config.param_offload, **fsdp_kwargs)
     critic = critic_optim = critic_sched = None
     if core.ADV_ESTIMATORS[cfg.algorithm.adv_estimator].needs_critic:
         critic = load_value_model(critic_cfg.model.path or model_cfg.path, meshes.fsdp,
@@ -977,6 +993,20 @@ def load_models(cfg: Config, meshes: Meshes, env: DistEnv, total_steps: int) -> 
     return dict(actor=actor, actor_optim=actor_optim, actor_sched=actor_sched, ref=ref, reference_mode=reference_mode,
                 critic=critic, critic_optim=critic_optim, critic_sched=critic_sched, kl_ctrl=kl_ctrl,
                 lora_spec=lora_spec)
+
+
+def load_learned_reward_model(cfg: Config, meshes: Meshes, env: DistEnv, tokenizer: Any) -> RewardModel | None:
+    """reward_model.enable: the reward model, FSDP2 on the actor's FSDP mesh, a frozen model as the
+    reference is (its shards on the host outside its forward with model.fsdp_config.param_offload)."""
+    if not cfg.reward_model.enable:
+        return None
+    param_dtype, reduce_dtype = default_dtypes(env.device_type)
+    rm = RewardModel.build(cfg, meshes.fsdp, env.device, tokenizer,
+                           cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu,
+                           param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    print0(f"reward model: {cfg.reward_model.model.path} ("
+           f"{'re-rendered as text for its own tokenizer' if rm.tokenizer is not None else 'reads the rollout ids'})")
+    return rm
 
 
 def resume(run: Run) -> None:

@@ -156,7 +156,7 @@ def test_verl_defaults():
     ("trainer.max_critic_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=2"),
     ("actor_rollout_ref.rollout.temperature=0", "temperature=0.0"),
     ("trainer.logger=[console,wandbb]", "['wandbb']"),
-    ("reward_model.enable=true", "reward_model.enable=true"),
+    ("reward_model.enable=true", "reward_model.enable=true needs reward_model.model.path"),
     ("reward_model.overlong_buffer.enable=true", "reward_model.reward_manager=dapo"),
     ("data.gen_batch_size=96", "algorithm.filter_groups.enable=true"),
 ])
@@ -183,6 +183,13 @@ def test_config_records_the_keys_a_program_reads():
     (["reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true", "data.max_response_length=8",
       "reward_model.overlong_buffer.len=9"], "data.max_response_length=8"),
     (["algorithm.filter_groups.enable=true", "data.gen_batch_size=0"], "data.gen_batch_size=0"),
+    # a learned reward model's score is the training score as it is: nothing of the rule's is added
+    (["reward_model.enable=true", "reward_model.model.path=rm", "reward_model.reward_manager=dapo",
+      "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4"], "no overlong penalty"),
+    (["reward_model.enable=true", "reward_model.model.path=rm", "algorithm.filter_groups.enable=true",
+      "algorithm.filter_groups.metric=acc"], "filter on the score"),
+    (["reward_model.enable=true", "reward_model.model.path=rm", "reward_model.micro_batch_size_per_gpu=0"],
+     "reward_model.micro_batch_size_per_gpu=0 must be >= 1"),
     (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward",
       "algorithm.use_kl_in_reward=true"], "metric=seq_reward"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0"],

@@ -396,3 +396,29 @@ def test_planner_refuses_a_tensor_parallel_degree_vllm_refuses(tmp_path, capsys)
     assert "tensor_model_parallel_size=8 cannot shard" in err and "Valid values up to 64: 1, 2, 4." in err, err
     assert mp.main([*args, "actor_rollout_ref.rollout.tensor_model_parallel_size=4"]) == 0
     assert "Memory plan" in capsys.readouterr().out
+
+
+def test_reward_model_is_counted_like_the_reference(tiny_assets):
+    """reward_model.enable: its shards on the device in every phase unless offloaded (never moved), and its
+    forward in the generate phase, where it scores, growing with its micro batch."""
+    from config import load_config
+    from mesh_utils import validate
+
+    def plan(*overrides: str) -> list[dict]:
+        cfg = load_config("configs/tiny_cpu.yaml", [f"actor_rollout_ref.model.path={tiny_assets['tiny-qwen2']}",
+                                                    *overrides])
+        dims, batches = validate(cfg, 2)
+        return mp.memory_report(cfg, dims, batches, 80.0)["per_fsdp_rank"]
+
+    rm = ["reward_model.enable=true", f"reward_model.model.path={tiny_assets['tiny-qwen2']}"]
+    shape = mp.model_shape(str(tiny_assets["tiny-qwen2"]), value_head=True)
+    none, offloaded = plan(), plan(*rm, "reward_model.micro_batch_size_per_gpu=4")
+    on_device = plan(*rm, "reward_model.model.fsdp_config.param_offload=false", "reward_model.micro_batch_size_per_gpu=16")
+    for rank in range(2):
+        for phase in mp.PHASES:
+            assert none[rank][phase]["reward_model.params"] == offloaded[rank][phase]["reward_model.params"] == 0
+            assert on_device[rank][phase]["reward_model.params"] == mp.param_shard_bytes(shape, 2, rank)
+            assert (offloaded[rank][phase]["reward_model.forward"] > 0) == (phase == "generate")
+        assert 0 < offloaded[rank]["generate"]["reward_model.forward"] < on_device[rank]["generate"]["reward_model.forward"]
+    flags = mp.OffloadFlags(reward_model_param=False)
+    assert ("reward_model.params", "host") not in mp.plan_moves(flags, mp.LOADED, "generate")

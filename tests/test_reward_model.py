@@ -1,0 +1,194 @@
+"""The learned reward model (reward_model.py, models.load_reward_model / compute_sequence_scores).
+
+The reward model is a real Qwen2ForSequenceClassification checkpoint the test builds (demo_reward_model):
+the tiny config's body, random, and a score head fitted by least squares so that it prefers the demo
+task's correct answers. Scores through the real loading path (FSDP2 on a gloo group) are compared with
+a plain HF forward of each sample's text, one at a time, unpadded (HF pools the last non-pad token itself);
+left padding, packing and the micro-batch cut must not change them; with another tokenizer the samples are
+re-rendered as text; on 2 CPU ranks a GRPO step trains on its scores."""
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import one_rank_process_group, torchrun
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+import config
+import make_assets
+from data import Prompt
+from tracking import read_metrics
+
+
+def _chat(a: int, b: int, answer: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": answer}]
+
+
+def _pairs(seed: int, wrong_per_prompt: int) -> list[tuple[int, int, int, float]]:
+    """(a, b, c, 1 if c == a + b) for every demo prompt: its answer and some wrong ones."""
+    rng = random.Random(seed)
+    rows = []
+    for a in range(10):
+        for b in range(10):
+            rows.append((a, b, a + b, 1.0))
+            rows += [(a, b, c, 0.0) for c in rng.sample([c for c in range(19) if c != a + b], wrong_per_prompt)]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def demo_reward_model(tmp_path_factory) -> Path:
+    """A sequence-classification checkpoint (one label, no head bias) whose score at the last token
+    prefers `#### a+b` to a wrong answer: the head is the least-squares fit of +1 / -1 on the random
+    body's last hidden state over the demo prompts' answers. Saved with the demo's tokenizer."""
+    torch.manual_seed(0)
+    tokenizer = make_assets.build_tokenizer()
+    cfg = make_assets.model_config("qwen2", **make_assets.PRESETS["tiny"], tied=False)
+    cfg.num_labels = 1
+    model = AutoModelForSequenceClassification.from_config(cfg).eval()
+    pairs = _pairs(seed=0, wrong_per_prompt=3)
+    texts = [tokenizer.apply_chat_template(_chat(a, b, f"#### {c}"), tokenize=False) for a, b, c, _ in pairs]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)  # left-padded
+    with torch.no_grad():
+        hidden = model.model(**enc).last_hidden_state[:, -1]  # (N, H) at each text's last token
+    target = torch.tensor([2 * y - 1 for *_, y in pairs])[:, None]  # (N, 1)
+    model.score.weight.data = torch.linalg.lstsq(hidden, target).solution.T.contiguous()  # (1, H)
+    out = tmp_path_factory.mktemp("rm") / "tiny-rm"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _rows(tokenizer, samples: list[tuple[int, int, str]], prompt_len: int = 8,
+          response_len: int = 10) -> tuple[dict[str, torch.Tensor], list[Prompt], list[str]]:
+    """A rollout's rows of these (a, b, response text) samples, as rollout.py lays them out: prompts
+    left-padded to prompt_len, responses (ending in EOS) right-padded to response_len. Also the prompts
+    and each sample's whole text."""
+    pad = tokenizer.pad_token_id
+    prompts, ids, masks, responses, texts = [], [], [], [], []
+    for a, b, answer in samples:
+        messages = [{"role": "user", "content": f"{a}+{b}="}]
+        prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        response = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        prompts.append(Prompt(prompt, str(a + b), "arithmetic", prompt_text, messages=messages))
+        left, right = prompt_len - len(prompt), response_len - len(response)
+        ids.append([pad] * left + prompt + response + [pad] * right)
+        masks.append([0] * left + [1] * (len(prompt) + len(response)) + [0] * right)
+        responses.append(response + [pad] * right)
+        texts.append(tokenizer.apply_chat_template(_chat(a, b, answer), tokenize=False))
+    mask = torch.tensor(masks)
+    rows = {"input_ids": torch.tensor(ids), "attention_mask": mask,
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0), "responses": torch.tensor(responses),
+            "prompt_index": torch.arange(len(samples))}
+    return rows, prompts, texts
+
+
+def _hf_scores(path: Path, texts: list[str]) -> torch.Tensor:
+    """The reference: HF's own sequence classification, one unpadded text at a time."""
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        return torch.stack([model(**tokenizer(t, return_tensors="pt", add_special_tokens=False)).logits[0, 0]
+                            for t in texts])
+
+
+def _build(path: Path, tokenizer, **overrides):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from reward_model import RewardModel
+
+    cfg = config.load_config(None, ["reward_model.enable=true", f"reward_model.model.path={path}",
+                                    *[f"reward_model.{k}={v}" for k, v in overrides.items()]])
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+    return RewardModel.build(cfg, mesh, torch.device("cpu"), tokenizer, 2,
+                             param_dtype=torch.float32, reduce_dtype=torch.float32)
+
+
+SAMPLES = [(3, 5, "#### 8"), (9, 9, "#### 18"), (2, 0, "#### 7"), (0, 1, "11"), (4, 4, "#### 8")]
+
+
+def test_score_is_hf_sequence_classification_at_the_last_real_token(demo_reward_model):
+    tokenizer = AutoTokenizer.from_pretrained(demo_reward_model)
+    rows, prompts, texts = _rows(tokenizer, SAMPLES)
+    want = _hf_scores(demo_reward_model, texts)
+    with one_rank_process_group():
+        for packed in (True, False):
+            for micro in (2, 5):
+                rm = _build(demo_reward_model, tokenizer, micro_batch_size_per_gpu=micro,
+                            **{"model.use_remove_padding": packed})
+                assert rm.tokenizer is None  # the same tokenizer: it reads the rollout's ids
+                torch.testing.assert_close(rm.score(rows, prompts), want, rtol=1e-4, atol=1e-4,
+                                           msg=f"packed={packed} micro={micro}")
+        # more left padding and right padding: the same scores
+        wider, _, _ = _rows(tokenizer, SAMPLES, prompt_len=12, response_len=14)
+        torch.testing.assert_close(rm.score(wider, prompts), want, rtol=1e-4, atol=1e-4)
+
+
+def test_it_prefers_correct_demo_answers(demo_reward_model):
+    """On answers it was not fitted to (other wrong answers), correct ones score higher: the AUC."""
+    tokenizer = AutoTokenizer.from_pretrained(demo_reward_model)
+    pairs = _pairs(seed=1, wrong_per_prompt=2)
+    rows, prompts, _ = _rows(tokenizer, [(a, b, f"#### {c}") for a, b, c, _ in pairs])
+    with one_rank_process_group():
+        scores = _build(demo_reward_model, tokenizer, micro_batch_size_per_gpu=64).score(rows, prompts)
+    labels = torch.tensor([y for *_, y in pairs]).bool()
+    auc = (scores[labels][:, None] > scores[~labels][None, :]).float().mean().item()
+    assert auc > 0.65, auc
+
+
+def test_other_tokenizer_rerenders_the_chat_as_text(demo_reward_model, tmp_path):
+    """A reward model with the ChatML tokenizer reads the actor's samples re-rendered through its own
+    chat template: the assistant's turn is the decoded response without the actor's EOS."""
+    chatml = tmp_path / "rm-chatml"
+    AutoModelForSequenceClassification.from_pretrained(demo_reward_model).save_pretrained(chatml)
+    make_assets.build_chatml_tokenizer().save_pretrained(chatml)
+    actor_tokenizer = AutoTokenizer.from_pretrained(demo_reward_model)
+    rows, prompts, _ = _rows(actor_tokenizer, SAMPLES)
+    rm_tokenizer = AutoTokenizer.from_pretrained(chatml)
+    texts = [f"<|im_start|>user\n{a}+{b}=<|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>\n"
+             for a, b, answer in SAMPLES]
+    want = _hf_scores(chatml, texts)
+    with one_rank_process_group():
+        rm = _build(chatml, actor_tokenizer)
+        assert rm.tokenizer is not None
+        inputs = rm.inputs(rows, prompts)
+        decoded = [rm_tokenizer.decode(ids[mask.bool()]) for ids, mask in
+                   zip(inputs["input_ids"], inputs["attention_mask"], strict=True)]
+        assert decoded == texts
+        torch.testing.assert_close(rm.score(rows, prompts), want, rtol=1e-4, atol=1e-4)
+        # reward_model.max_length cuts the re-rendered text on the right
+        short = _build(chatml, actor_tokenizer, max_length=6).inputs(rows, prompts)
+        assert short["input_ids"].shape[1] == 6 and bool(short["attention_mask"].all())
+
+
+def test_a_checkpoint_without_a_score_head_is_refused(tiny_assets):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets["tiny-qwen2"])
+    with one_rank_process_group(), pytest.raises(config.ConfigError, match="reward_model.model.path=.*score"):
+        _build(tiny_assets["tiny-qwen2"], tokenizer)  # a causal LM: its head is lm_head, not score
+
+
+@pytest.mark.slow
+def test_grpo_trains_on_reward_model_scores_on_two_ranks(tiny_assets, sft_model, demo_reward_model, tmp_path):
+    """2 CPU ranks, the demo task, GRPO on the reward model's scores (not the rule's 0 / 1): the steps
+    train, and the validation (the rule's) runs."""
+    out = tmp_path / "run"
+    torchrun(2, "train_ppo.py", "--config", "configs/tiny_cpu.yaml",
+             f"actor_rollout_ref.model.path={sft_model}", f"data.train_files={tiny_assets['train']}",
+             f"data.val_files={tiny_assets['val']}", f"trainer.default_local_dir={out}",
+             "reward_model.enable=true", f"reward_model.model.path={demo_reward_model}",
+             "reward_model.micro_batch_size_per_gpu=16", "data.train_batch_size=8",
+             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.total_training_steps=2",
+             "trainer.val_before_train=false", "trainer.test_freq=2", "data.max_val_samples=8", timeout=600)
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["critic/score/max"] > r["critic/score/min"] and r["actor/grad_norm"] > 0, r
+        assert r["critic/score/mean"] not in (0.0, 1.0) and r["actor/skipped_steps"] == 0, r
+    assert 0 <= rows[-1]["val/score"] <= 1  # validation scores with the rule
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
