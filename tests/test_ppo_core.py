@@ -342,6 +342,8 @@ def agg_ref(loss, lengths, mode, factor):
     nonempty = [r for r in rows if r]
     if mode == "token-mean":
         return math.fsum(x for r in rows for x in r) / sum(lengths)
+    if mode == "token-sum":
+        return math.fsum(x for r in rows for x in r)
     per_seq = {
         "seq-mean-token-sum": [math.fsum(r) for r in nonempty],
         "seq-mean-token-mean": [statistics.fmean(r) for r in nonempty],
@@ -361,15 +363,16 @@ def test_agg_loss_modes_match_loop(mode):
     assert got.item() == pytest.approx(agg_ref(loss, lengths, mode, 16))
     # global denominators: sum / count * dp_size
     got = pc.agg_loss(loss, mask, mode, global_num_tokens=40, global_num_seqs=9, dp_size=3)
-    local_count = sum(lengths) if mode == "token-mean" else 4
-    expected = agg_ref(loss, lengths, mode, 7) * local_count / (40 if mode == "token-mean" else 9) * 3
+    local_count = {"token-mean": sum(lengths), "token-sum": 1}.get(mode, 4)
+    expected = agg_ref(loss, lengths, mode, 7) * local_count / {"token-mean": 40, "token-sum": 1}.get(mode, 9) * 3
     assert got.item() == pytest.approx(expected)
 
 
 def test_agg_loss_errors_are_actionable():
     mask, loss = torch.ones(2, 3), torch.zeros(2, 3)
-    with pytest.raises(ValueError, match="token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm"):
-        pc.agg_loss(loss, mask, "token-sum")
+    with pytest.raises(ValueError, match="token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean, "
+                                         "seq-mean-token-sum-norm"):
+        pc.agg_loss(loss, mask, "token-max")
     with pytest.raises(ValueError, match="global_num_tokens"):
         pc.agg_loss(loss, mask, "token-mean", dp_size=2)
     assert pc.agg_loss(loss, torch.zeros(2, 3), "token-mean").item() == 0.0  # no valid token: 0, not NaN
@@ -608,7 +611,8 @@ def test_unknown_policy_loss_names_every_registered_one():
 
 
 # a value for every actor.policy_loss.* key, none of them the default
-OWN_KEYS = {"clip_cov_ratio": 0.5, "clip_cov_lb": 0.0, "clip_cov_ub": 10.0, "kl_cov_ratio": 0.5, "ppo_kl_coef": 0.3}
+OWN_KEYS = {"clip_cov_ratio": 0.5, "clip_cov_lb": 0.0, "clip_cov_ub": 10.0, "kl_cov_ratio": 0.5, "ppo_kl_coef": 0.3,
+            "tau_pos": 2.0, "tau_neg": 3.0}
 
 
 def test_every_policy_loss_key_is_a_config_key_some_mode_reads():
@@ -616,7 +620,11 @@ def test_every_policy_loss_key_is_a_config_key_some_mode_reads():
 
     schema = config.SCHEMA["actor_rollout_ref"]["actor"]["policy_loss"]
     claimed = [key for loss in pc.POLICY_LOSSES.values() for key in loss.keys]
-    assert sorted(claimed) == sorted(set(schema) - {"loss_mode"}) == sorted(OWN_KEYS)
+    assert sorted(claimed) == sorted(OWN_KEYS)
+    # each under actor.policy_loss, or under actor where verl keeps it (sapo's taus); every policy_loss.* key claimed
+    assert {config.policy_loss_key(k) for k in claimed} == {
+        *(f"actor_rollout_ref.actor.policy_loss.{k}" for k in set(schema) - {"loss_mode"}),
+        "actor_rollout_ref.actor.tau_pos", "actor_rollout_ref.actor.tau_neg"}
 
 
 @pytest.mark.parametrize("mode", list(pc.POLICY_LOSSES))
@@ -750,8 +758,10 @@ def test_policy_losses_scale_like_agg_loss(mode):
     old, new, adv, mask, lengths = _loss_batch(90)
     kwargs = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_cov_ratio=1.0)
     local, _ = pc.policy_loss(mode, old, new, adv, mask, "token-mean", **kwargs)
-    scaled, _ = pc.policy_loss(mode, old, new, adv, mask, "token-mean", global_num_tokens=40, dp_size=3, **kwargs)
-    assert scaled.item() == pytest.approx(local.item() * sum(lengths) / 40 * 3)
+    scaled, _ = pc.policy_loss(mode, old, new, adv, mask, "token-mean", global_num_tokens=40, global_num_seqs=9,
+                               dp_size=3, **kwargs)
+    per_sequence = mode == "geo_mean"  # one loss per sequence, averaged over the sequences
+    assert scaled.item() == pytest.approx(local.item() * (len(lengths) / 9 if per_sequence else sum(lengths) / 40) * 3)
 
 
 # --- DAPO: overlong penalty and the groups dynamic sampling keeps ----------------------------------
