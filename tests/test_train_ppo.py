@@ -11,6 +11,8 @@ step 1, so advantages, losses and gradients are not zero and the weights really 
   the GSM8K job's config on 6 ranks (60 prompts -> 720 samples -> 120 per rank), an untrained model
                         and weight decay 0: every gradient is exactly 0, and that is not a sync failure
   a learning check      (the demo's task, short: the validation score must rise)
+  verl's other losses   (one rank, one engine start: gpg, sapo, geo_mean, dppo_tv / dppo_kl, grpo_passk,
+                         token-sum and abs+ / k2+ / mse+, 2 steps each through train_step in-process)
 Config errors are checked with plain `python` runs: they must fail before any model loads.
 """
 
@@ -408,17 +410,17 @@ for name, overrides in modes.items():
 print("METRICS" + json.dumps(out))
 """
 
-VERL_MODES = {
+VERL_MODES = {  # each new loss, estimator, aggregation and KL form in one of five configurations
     "gpg": ["actor_rollout_ref.actor.policy_loss.loss_mode=gpg", "algorithm.adv_estimator=gpg"],
     "sapo": ["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.tau_neg=1.5",
              "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"],
-    "geo_mean": ["actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean", "actor_rollout_ref.actor.kl_loss_type=abs+"],
+    "geo_mean+grpo_passk": ["actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean",
+                            "algorithm.adv_estimator=grpo_passk", "actor_rollout_ref.actor.kl_loss_type=abs+"],
     "dppo_tv": ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_tv", "actor_rollout_ref.actor.clip_ratio=0.15",
                 "actor_rollout_ref.actor.kl_loss_type=k2+"],
-    "dppo_kl": ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_kl", "actor_rollout_ref.actor.clip_ratio=0.05",
-                "actor_rollout_ref.actor.kl_loss_type=mse+"],
-    "grpo_passk": ["algorithm.adv_estimator=grpo_passk"],
-    "token-sum": ["actor_rollout_ref.actor.loss_agg_mode=token-sum"],
+    "dppo_kl+token-sum": ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_kl",
+                          "actor_rollout_ref.actor.clip_ratio=0.05", "actor_rollout_ref.actor.kl_loss_type=mse+",
+                          "actor_rollout_ref.actor.loss_agg_mode=token-sum"],
 }
 
 
@@ -438,6 +440,7 @@ def test_verl_losses_and_estimators_train_two_steps_each(tiny_assets, sft_model,
                 assert math.isfinite(m[key]), (name, key, m[key])
             assert m["actor/grad_norm"] > 0, (name, m)
     # the trust regions and truncations report what they cut
-    assert all(0 <= m["actor/pg_clipfrac"] <= 1 for mode in ("geo_mean", "dppo_tv", "dppo_kl") for m in got[mode])
+    assert all(0 <= m["actor/pg_clipfrac"] <= 1 for mode in ("geo_mean+grpo_passk", "dppo_tv", "dppo_kl+token-sum")
+               for m in got[mode])
     # pass@k: only each group's best sample has an advantage, the lead over the second best (>= 0)
-    assert all(m["critic/advantages/min"] >= 0 for m in got["grpo_passk"])
+    assert all(m["critic/advantages/min"] >= 0 for m in got["geo_mean+grpo_passk"])
