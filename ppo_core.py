@@ -632,7 +632,9 @@ def policy_loss_kl_cov(
     # rank the valid tokens alone, in their flat order, on the CPU, as verl does: among equal covariances
     # torch.topk's pick depends on the list it ranks, so ranking the padded grid chose other tokens
     valid_idx = mask.flatten().nonzero().squeeze(-1)  # (N,) flat positions of the valid tokens
-    cov = _centred_product(advantages, log_prob, mask).flatten()[valid_idx].detach().cpu()  # (N,)
+    valid_adv = advantages.flatten()[valid_idx].detach().cpu()  # (N,)
+    valid_log_prob = log_prob.flatten()[valid_idx].detach().cpu()  # (N,)
+    cov = (valid_adv - valid_adv.mean()) * (valid_log_prob - valid_log_prob.mean())  # (N,) verl's arithmetic
     penalised = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)  # (B*T,)
     if len(valid_idx) > 0:
         top = torch.topk(cov, max(1, int(len(valid_idx) * kl_cov_ratio))).indices  # (k,) into the valid list

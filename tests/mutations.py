@@ -115,7 +115,7 @@ MUTATIONS = (
         "tests/test_prepare_data.py::test_dapo_rows_are_checked_and_copied"),
     # verl 0.9.1 parity
     Mutation("verl: kl_cov ranks the padded grid (ties pick other tokens than verl)", "ppo_core.py", (
-        ("cov = _centred_product(advantages, log_prob, mask).flatten()[valid_idx].detach().cpu()",
+        ("cov = (valid_adv - valid_adv.mean()) * (valid_log_prob - valid_log_prob.mean())",
          "cov = torch.where(mask, _centred_product(advantages, log_prob, mask), -torch.inf).flatten().cpu()"),
         ("penalised[valid_idx[top.to(valid_idx.device)]] = True", "penalised[top.to(mask.device)] = True")),
         "tests/test_ppo_core.py -k kl_cov_ranks_only_the_valid_tokens"),
