@@ -347,15 +347,20 @@ def score_batch(
     reward_model.timeout_s) on it, or its score is not a finite number.
     rollout_info: per sample, what a multi-turn rollout adds to extra_info (num_turns, rollout_reward_scores).
     """
-    texts = _decode(tokenizer, responses, response_mask)
-    scores, extras, _ = _score_texts(reward_fn, texts, prompts, rollout_info or [{}] * len(texts), timeout_s)
+    texts, scores, extras, _ = _decode_and_score(reward_fn, tokenizer, responses, response_mask, prompts,
+                                                 rollout_info, timeout_s)
     return texts, scores, extras
 
 
-def _decode(tokenizer: Any, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-    """Each response's text: its tokens where the mask is set, special tokens dropped."""
-    return tokenizer.batch_decode([r[m.bool()] for r, m in zip(responses, response_mask, strict=True)],
-                                  skip_special_tokens=True)
+def _decode_and_score(reward_fn: RewardFn, tokenizer: Any, responses: torch.Tensor, response_mask: torch.Tensor,
+                      prompts: list[Prompt], rollout_info: list[dict[str, Any]] | None, timeout_s: float
+                      ) -> tuple[list[str], list[float], list[dict[str, float]], list[bool]]:
+    """score_batch's outputs, and per sample whether the function returned a dict (score_samples reads it)."""
+    texts = tokenizer.batch_decode([r[m.bool()] for r, m in zip(responses, response_mask, strict=True)],
+                                   skip_special_tokens=True)
+    scores, extras, returned_dict = _score_texts(reward_fn, texts, prompts, rollout_info or [{}] * len(texts),
+                                                 timeout_s)
+    return texts, scores, extras, returned_dict
 
 
 def _score_texts(reward_fn: RewardFn, texts: list[str], prompts: list[Prompt], rollout_info: list[dict[str, Any]],
@@ -422,9 +427,8 @@ def score_samples(reward_fn: RewardFn, tokenizer: Any, rows: dict[str, torch.Ten
     width = rows["responses"].shape[1]
     response_tokens = rows["attention_mask"][:, -width:]  # (B, R) every real response token
     samples = [prompts[i] for i in rows["prompt_index"].tolist()]
-    texts = _decode(tokenizer, rows["responses"], response_tokens)
-    scores, extras, returned_dict = _score_texts(reward_fn, texts, samples, rollout_info or [{}] * len(texts),
-                                                 reward_cfg.timeout_s)
+    _, scores, extras, returned_dict = _decode_and_score(reward_fn, tokenizer, rows["responses"], response_tokens,
+                                                         samples, rollout_info, reward_cfg.timeout_s)
     scores = torch.tensor(scores, dtype=torch.float32)  # (B,)
     reward = scores
     if reward_cfg.reward_manager == "dapo":
