@@ -112,7 +112,9 @@ SCHEMA: dict[str, Any] = {
             "clip_ratio": (float, 0.2),
             "clip_ratio_low": (_FLOAT_OR_NONE, None),  # null: clip_ratio
             "clip_ratio_high": (_FLOAT_OR_NONE, None),  # null: clip_ratio
-            "clip_ratio_c": (float, 3.0),  # dual-clip lower bound for negative advantages
+            "clip_ratio_c": (float, 3.0),  # dual-clip lower bound for negative advantages (dppo_*: IS truncation)
+            "tau_pos": (float, 1.0),  # sapo: the gate's temperature where A > 0 (verl keeps it here, not in policy_loss)
+            "tau_neg": (float, 1.05),  # sapo: where A <= 0
             "loss_agg_mode": (str, "token-mean"),
             "entropy_coeff": (float, 0.0),
             "use_kl_loss": (bool, False),
@@ -247,7 +249,8 @@ SCHEMA: dict[str, Any] = {
         "norm_adv_by_std_in_grpo": (bool, True),
         "filter_groups": {  # DAPO's dynamic sampling: train only on groups whose metric differs
             "enable": (bool, False),
-            "metric": (str, "reward"),  # reward / score / seq_reward: the score; else a reward extra (acc)
+            "metric": (str, "reward"),  # reward / seq_reward: the reward (score + overlong penalty); score: the
+            # reward function's own; else an extra of the function (acc)
             "max_num_gen_batches": (int, 0),  # <= 0: no limit
         },
         "use_kl_in_reward": (bool, False),
@@ -376,6 +379,13 @@ def algorithm_traits(source: Path = _PPO_CORE) -> AlgorithmTraits:
 
     return AlgorithmTraits(traits("register_adv_estimator"), traits("register_policy_loss"),
                            constants["KL_ESTIMATORS"], constants["LOSS_AGG_MODES"])
+
+
+def policy_loss_key(name: str) -> str:
+    """The full config key of a policy loss's own key `name` (its `keys` in ppo_core.POLICY_LOSSES):
+    under actor.policy_loss, or under actor where verl keeps it (sapo's tau_pos / tau_neg)."""
+    actor = "actor_rollout_ref.actor."
+    return actor + name if name in SCHEMA["actor_rollout_ref"]["actor"] else f"{actor}policy_loss.{name}"
 
 
 def adv_estimator_traits(name: str) -> EstimatorTraits:
@@ -626,6 +636,8 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     f"{_ARR}.actor.policy_loss.clip_cov_ratio": _between(0, 1, low_open=True),
     f"{_ARR}.actor.policy_loss.kl_cov_ratio": _between(0, 1, low_open=True),
     f"{_ARR}.actor.policy_loss.ppo_kl_coef": _NON_NEGATIVE,
+    f"{_ARR}.actor.tau_pos": _POSITIVE,
+    f"{_ARR}.actor.tau_neg": _POSITIVE,
     f"{_ROLLOUT}.top_k": _TOP_K,
     f"{_ROLLOUT}.top_p": _between(0, 1, low_open=True),
     f"{_ROLLOUT}.gpu_memory_utilization": _between(0, 1, low_open=True),
@@ -868,13 +880,14 @@ def check_algorithm(cfg: Config) -> None:
             f"data.gen_batch_size={data.gen_batch_size} is only used by dynamic sampling; set "
             "algorithm.filter_groups.enable=true, or data.gen_batch_size=null (each step generates for "
             f"data.train_batch_size={data.train_batch_size} prompts).")
-    # a policy_loss.* key the chosen mode does not read would be ignored: refuse it, naming the modes that read it
+    # a key of one policy loss that the chosen mode does not read would be ignored: refuse it, naming the
+    # modes that read it
     policy_loss = cfg.actor_rollout_ref.actor.policy_loss
     mode = _ALGORITHMS.policy_losses[policy_loss.loss_mode]
     prefix = "actor_rollout_ref.actor.policy_loss."
-    for key in (k for k in _KEYS if k.startswith(prefix) and k != prefix + "loss_mode"):
+    for name in dict.fromkeys(k for m in _ALGORITHMS.policy_losses.values() for k in m.keys):
+        key = policy_loss_key(name)
         value, default = _peek(cfg, key), _KEYS[key][1]
-        name = key.removeprefix(prefix)
         if name not in mode.keys and value != default:
             readers = [m.name for m in _ALGORITHMS.policy_losses.values() if name in m.keys]
             raise ConfigError(f"{key}={value!r} is read by loss_mode={' / '.join(readers)} only, not by "

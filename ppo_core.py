@@ -297,6 +297,30 @@ def compute_gpg_outcome_advantage(
     return adv, adv
 
 
+@register_adv_estimator("grpo_passk", compares_group=True)
+@torch.no_grad()
+def compute_grpo_passk_outcome_advantage(
+    token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor, epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True, **_: Any,
+) -> tuple[Tensor, Tensor]:
+    """Pass@k training (Chen et al. 2025): only the best sample of each group learns, with advantage
+    best outcome - second best (divided by the group's std + eps with norm_adv_by_std_in_grpo); every
+    other sample gets 0. Groups need >= 2 samples. Returns (advantages, returns), equal."""
+    scores = masked_sum(token_level_rewards, response_mask, axis=-1)  # (B,)
+    group = _group_ids(index, scores.device)  # (B,)
+    adv = torch.zeros_like(scores)  # (B,)
+    for g in range(int(group.max()) + 1):
+        members = (group == g).nonzero().squeeze(-1)  # (n,)
+        if len(members) < 2:
+            raise ValueError(f"grpo_passk needs >= 2 samples per prompt (actor_rollout_ref.rollout.n), "
+                             f"got {len(members)} for group {index[int(members[0])]!r}")
+        top, where = torch.topk(scores[members], 2)  # (2,) best and second best
+        gap = top[0] - top[1]
+        adv[members[where[0]]] = gap / (scores[members].std() + epsilon) if norm_adv_by_std_in_grpo else gap
+    adv = torch.where(response_mask.bool(), adv.unsqueeze(-1), 0.0)  # (B, T)
+    return adv, adv
+
+
 @register_adv_estimator("remax", baseline_rollout="greedy")
 @torch.no_grad()
 def compute_remax_outcome_advantage(
@@ -345,7 +369,7 @@ def group_has_spread(values: Tensor, index: Sequence[Any] | Tensor) -> Tensor:
 # --- loss aggregation ----------------------------------------------------------------------------
 
 # actor.loss_agg_mode / critic.loss_agg_mode (agg_loss below implements each)
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def agg_loss(
@@ -360,6 +384,8 @@ def agg_loss(
     """Reduce a micro-batch's (b, T) loss matrix to the scalar to call .backward() on.
 
     token-mean:              sum of token losses / global_num_tokens
+    token-sum:               sum of token losses, divided by nothing (the mini batch's gradient is that of
+                             the sum over all its tokens, however it is cut)
     seq-mean-token-sum:      sum over sequences of their token sum / global_num_seqs
     seq-mean-token-mean:     sum over sequences of their token mean / global_num_seqs
     seq-mean-token-sum-norm: like seq-mean-token-sum, each token sum first divided by the constant
@@ -372,6 +398,8 @@ def agg_loss(
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"invalid loss_agg_mode={loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
     mask = loss_mask.bool()  # (b, T)
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, mask) * dp_size  # FSDP's mean over ranks makes it the sum over all
     if loss_agg_mode == "token-mean":
         total = masked_sum(loss_mat, mask)  # ()
         count, local_count = global_num_tokens, mask.sum()
@@ -601,14 +629,125 @@ def policy_loss_kl_cov(
     mask = response_mask.bool()  # (B, T)
     log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T)
     pg_losses = -advantages * log_ratio.exp()  # (B, T)
-    cov = torch.where(mask, _centred_product(advantages, log_prob, mask), -torch.inf).flatten()  # (B*T,)
-    num_valid = int(mask.sum())
+    # rank the valid tokens alone, in their flat order, on the CPU, as verl does: among equal covariances
+    # torch.topk's pick depends on the list it ranks, so ranking the padded grid chose other tokens
+    valid_idx = mask.flatten().nonzero().squeeze(-1)  # (N,) flat positions of the valid tokens
+    valid_adv = advantages.flatten()[valid_idx].detach().cpu()  # (N,)
+    valid_log_prob = log_prob.flatten()[valid_idx].detach().cpu()  # (N,)
+    cov = (valid_adv - valid_adv.mean()) * (valid_log_prob - valid_log_prob.mean())  # (N,) verl's arithmetic
     penalised = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)  # (B*T,)
-    if num_valid > 0:
-        penalised[torch.topk(cov, max(1, int(num_valid * kl_cov_ratio))).indices] = True
+    if len(valid_idx) > 0:
+        top = torch.topk(cov, max(1, int(len(valid_idx) * kl_cov_ratio))).indices  # (k,) into the valid list
+        penalised[valid_idx[top.to(valid_idx.device)]] = True
     penalty = ppo_kl_coef * log_ratio.abs()  # (B, T)
     pg_losses = torch.where(penalised.view_as(mask), pg_losses + penalty, pg_losses)  # (B, T)
     return _agg(pg_losses, mask, loss_agg_mode, kwargs), {"actor/ppo_kl": masked_mean(log_ratio.abs(), mask)}
+
+
+@register_policy_loss("gpg")
+def policy_loss_gpg(
+    old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
+    **kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GPG (Chu et al. 2025): plain policy gradient -A * log pi, no ratio and no clipping (pair it with
+    algorithm.adv_estimator=gpg)."""
+    mask = response_mask.bool()  # (B, T)
+    return _agg(-advantages * log_prob, mask, loss_agg_mode, kwargs), {
+        "actor/ppo_kl": masked_mean(old_log_prob - log_prob.detach(), mask)}
+
+
+@register_policy_loss("sapo", keys=("tau_pos", "tau_neg"))
+def policy_loss_sapo(
+    old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean", *, tau_pos: float = 1.0, tau_neg: float = 1.05, **kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO (Gao et al. 2025): a smooth gate instead of PPO's hard clip, -A * (4 / tau) * sigmoid(tau (r - 1)),
+    tau = tau_pos where A > 0, else tau_neg (actor.tau_pos / actor.tau_neg). At r = 1 its gradient is
+    PPO's; it fades as r leaves 1 rather than dropping to 0. The paper (and verl) aggregate with
+    seq-mean-token-mean."""
+    mask = response_mask.bool()  # (B, T)
+    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T)
+    tau = torch.where(advantages > 0, tau_pos, tau_neg).to(log_ratio.dtype)  # (B, T)
+    gate = torch.sigmoid(tau * (log_ratio.exp() - 1.0)) * (4.0 / tau)  # (B, T)
+    return _agg(-gate * advantages, mask, loss_agg_mode, kwargs), {"actor/ppo_kl": masked_mean(-log_ratio, mask)}
+
+
+@register_policy_loss("geo_mean")
+def policy_loss_geo_mean(
+    old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
+    *, clip_ratio_low: float, clip_ratio_high: float, **kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GMPO (Zhao et al. 2025): the sequence's loss is -mean_t(A) x the geometric mean of its token ratios,
+    each token's log-ratio first clipped to [-clip_ratio_low, clip_ratio_high] on the side its
+    advantage's sign pushes (the log-space PPO clip). One loss per sequence, averaged over the mini
+    batch's sequences whatever loss_agg_mode says (as verl; the mode still aggregates the entropy and
+    KL terms). Rollout-correction weights enter as their geometric mean over the sequence."""
+    mask = response_mask.bool()  # (B, T)
+    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T)
+    sign = torch.sign(advantages)  # (B, T)
+    clipped_log_ratio = log_ratio.clamp(-clip_ratio_low, clip_ratio_high)  # (B, T)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped_log_ratio)  # (B, T)
+    length = mask.sum(-1).to(log_ratio.dtype) + 1e-8  # (B,)
+    seq_ratio = (masked_sum(pessimistic, mask, axis=-1) / length).exp()  # (B,) geometric mean
+    seq_adv = masked_sum(advantages, mask, axis=-1) / length  # (B,)
+    seq_losses = -seq_adv * seq_ratio  # (B,)
+    weights = kwargs.get("rollout_is_weights")
+    if weights is not None:
+        seq_losses = seq_losses * (masked_sum(torch.log(weights + 1e-10), mask, axis=-1) / length).exp()  # (B,)
+    scale = {k: kwargs[k] for k in _AGG_KEYS if k in kwargs}
+    # each valid token holds its sequence's loss: seq-mean-token-mean is then the mean over sequences
+    pg_loss = agg_loss(seq_losses.unsqueeze(-1).expand_as(log_ratio), mask, "seq-mean-token-mean", **scale)
+    clipped = (log_ratio != clipped_log_ratio).to(log_ratio.dtype)  # (B, T)
+    return pg_loss, {"actor/pg_clipfrac": masked_mean(clipped * (advantages > 0), mask),
+                     "actor/pg_clipfrac_lower": masked_mean(clipped * (advantages < 0), mask),
+                     "actor/ppo_kl": masked_mean(-log_ratio, mask)}
+
+
+def _dppo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str,
+          trusted: Tensor, clip_ratio_c: float, kwargs: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPPO's loss given its trust region `trusted` (B, T) bool: -A * sg[min(r, clip_ratio_c)] * log pi on
+    the tokens inside it, no gradient outside. pg_clipfrac: the share outside; pg_clipfrac_lower: the
+    share inside whose ratio the truncation at clip_ratio_c cut."""
+    mask = response_mask.bool()  # (B, T)
+    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T)
+    ratio = log_ratio.exp()  # (B, T)
+    weight = ratio.clamp(max=clip_ratio_c).detach()  # (B, T) truncated IS ratio
+    inside = trusted.detach().to(ratio.dtype)  # (B, T)
+    pg_losses = -advantages * weight * log_prob * inside  # (B, T)
+    return _agg(pg_losses, mask, loss_agg_mode, kwargs), {
+        "actor/pg_clipfrac": masked_mean(1.0 - inside, mask),
+        "actor/pg_clipfrac_lower": masked_mean((ratio > clip_ratio_c).to(ratio.dtype) * inside, mask),
+        "actor/ppo_kl": masked_mean(-log_ratio, mask)}
+
+
+@register_policy_loss("dppo_tv")
+def policy_loss_dppo_tv(
+    old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
+    *, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float = 3.0, **kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPPO-Binary-TV (Qi et al. 2026): the trust region is on the sampled token's probability itself,
+    not its ratio: a token keeps its gradient unless it moved past the threshold the way its advantage
+    pushes, pi - pi_old > clip_ratio_high (A > 0) or < -clip_ratio_low (A <= 0). The clip ratios are
+    here the TV thresholds (the paper: 0.15); clip_ratio_c truncates the IS ratio (no dual-clip)."""
+    change = log_prob.exp() - old_log_prob.exp()  # (B, T)
+    trusted = torch.where(advantages > 0, change <= clip_ratio_high, change >= -clip_ratio_low)  # (B, T)
+    return _dppo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, trusted, clip_ratio_c, kwargs)
+
+
+@register_policy_loss("dppo_kl")
+def policy_loss_dppo_kl(
+    old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
+    *, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float = 3.0, **kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPPO-Binary-KL (Qi et al. 2026): as dppo_tv with the KL of the two Bernoulli distributions (the
+    sampled token or not) under pi_old and pi, p log(p / q) + (1 - p) log((1 - p) / (1 - q)), as the
+    divergence; a token leaves the region when it exceeds clip_ratio_high having moved up with A > 0, or
+    clip_ratio_low having moved down with A <= 0 (the paper: 0.05)."""
+    p_old, p = old_log_prob.exp(), log_prob.exp()  # (B, T)
+    binary_kl = p_old * (old_log_prob - log_prob) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+    trusted = torch.where(advantages > 0, (binary_kl <= clip_ratio_high) | (p <= p_old),
+                          (binary_kl <= clip_ratio_low) | (p >= p_old))  # (B, T)
+    return _dppo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, trusted, clip_ratio_c, kwargs)
 
 
 def policy_loss(loss_mode: str, old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
@@ -666,8 +805,9 @@ def _kl_k3(log_ratio: Tensor) -> Tensor:
 
 
 def _straight_through(forward: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
-    """k1+ / k3+: the value of k1 / k3, the gradient of k2. k1 and k3 estimate KL without bias, but
-    their gradients are not the gradient of KL; k2's is (Schulman's note), so as a loss it steers right."""
+    """k1+ / k3+ / abs+: the value of k1 / k3 / |log r|, the gradient of k2. k1 and k3 estimate KL without
+    bias, but their gradients are not the gradient of KL; k2's is (Schulman's note), so as a loss it steers
+    right. k2+ (mse+) is k2 itself: value and gradient both k2's."""
 
     def estimator(log_ratio: Tensor) -> Tensor:
         backward = _kl_k2(log_ratio)
@@ -682,6 +822,7 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
     "kl": _kl_k1, "k1": _kl_k1, "abs": _kl_abs, "mse": _kl_k2, "k2": _kl_k2, "low_var_kl": _kl_k3, "k3": _kl_k3,
     "k1+": _straight_through(_kl_k1), "k3+": _straight_through(_kl_k3),
     "kl+": _straight_through(_kl_k1), "low_var_kl+": _straight_through(_kl_k3),
+    "abs+": _straight_through(_kl_abs), "k2+": _straight_through(_kl_k2), "mse+": _straight_through(_kl_k2),
 }
 
 

@@ -399,16 +399,27 @@ def score_batch(
     reward_model.timeout_s) on it, or its score is not a finite number.
     rollout_info: per sample, what a multi-turn rollout adds to extra_info (num_turns, rollout_reward_scores).
     """
-    texts = tokenizer.batch_decode([r[m.bool()] for r, m in zip(responses, response_mask, strict=True)],
-                                   skip_special_tokens=True)
-    reward_fn = _code_scored_at_once(reward_fn, texts, prompts)
-    scores, extras = _score_texts(reward_fn, texts, prompts, rollout_info or [{}] * len(texts), timeout_s)
+    texts, scores, extras, _ = _decode_and_score(reward_fn, tokenizer, responses, response_mask, prompts,
+                                                 rollout_info, timeout_s)
     return texts, scores, extras
 
 
+def _decode_and_score(reward_fn: RewardFn, tokenizer: Any, responses: torch.Tensor, response_mask: torch.Tensor,
+                      prompts: list[Prompt], rollout_info: list[dict[str, Any]] | None, timeout_s: float
+                      ) -> tuple[list[str], list[float], list[dict[str, float]], list[bool]]:
+    """score_batch's outputs, and per sample whether the function returned a dict (score_samples reads it)."""
+    texts = tokenizer.batch_decode([r[m.bool()] for r, m in zip(responses, response_mask, strict=True)],
+                                   skip_special_tokens=True)
+    reward_fn = _code_scored_at_once(reward_fn, texts, prompts)
+    scores, extras, returned_dict = _score_texts(reward_fn, texts, prompts, rollout_info or [{}] * len(texts),
+                                                 timeout_s)
+    return texts, scores, extras, returned_dict
+
+
 def _score_texts(reward_fn: RewardFn, texts: list[str], prompts: list[Prompt], rollout_info: list[dict[str, Any]],
-                 timeout_s: float = 0.0) -> tuple[list[float], list[dict[str, float]]]:
-    scores, extras = [], []
+                 timeout_s: float = 0.0) -> tuple[list[float], list[dict[str, float]], list[bool]]:
+    """score_batch's scores and extras, and per sample whether the function returned a dict."""
+    scores, extras, returned_dict = [], [], []
     for text, prompt, info in zip(texts, prompts, rollout_info, strict=True):
         extras.append({})
         extra_info = {**prompt.extra_info, "num_turns": _NUM_TURNS, "rollout_reward_scores": {}, **info}
@@ -439,7 +450,8 @@ def _score_texts(reward_fn: RewardFn, texts: list[str], prompts: list[Prompt], r
                 reward_fn, f"returned the score {score!r} ({type(score).__name__}), not a finite number; "
                 "return a float (or a dict whose 'score' is one)", prompt, text))
         scores.append(float(score))
-    return scores, extras
+        returned_dict.append(isinstance(result, dict))
+    return scores, extras, returned_dict
 
 
 def _describe(reward_fn: RewardFn, what: str, prompt: Prompt, response: str) -> str:
@@ -454,11 +466,13 @@ def _describe(reward_fn: RewardFn, what: str, prompt: Prompt, response: str) -> 
 
 def score_samples(reward_fn: RewardFn, tokenizer: Any, rows: dict[str, torch.Tensor], prompts: list[Prompt],
                   reward_cfg: Config, max_response_length: int,
-                  rollout_info: list[dict[str, Any]] | None = None) -> tuple[torch.Tensor, list[dict[str, float]]]:
-    """A score per sample of `rows` (responses, attention_mask, response_mask, prompt_index), (B,), and the
-    reward function's extras. With reward_model.reward_manager=dapo, as verl's DAPO manager: each score
-    is also an `acc` extra (unless the function returned one), and reward_model.overlong_buffer adds its
-    penalty on the response's length."""
+                  rollout_info: list[dict[str, Any]] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, float]]]:
+    """(reward, score, extras) per sample of `rows` (responses, attention_mask, response_mask,
+    prompt_index): the reward trained on, (B,), the reward function's own score, (B,), and its extras.
+    With reward_model.reward_manager=dapo, as verl's DAPO manager: the score of a function that returns
+    a float is also its `acc` extra (a dict's extras are its own keys only), and
+    reward_model.overlong_buffer's penalty on the response's length makes the reward differ from the score."""
     import torch
 
     import ppo_core
@@ -466,38 +480,46 @@ def score_samples(reward_fn: RewardFn, tokenizer: Any, rows: dict[str, torch.Ten
     width = rows["responses"].shape[1]
     response_tokens = rows["attention_mask"][:, -width:]  # (B, R) every real response token
     samples = [prompts[i] for i in rows["prompt_index"].tolist()]
-    _, scores, extras = score_batch(reward_fn, tokenizer, rows["responses"], response_tokens, samples, rollout_info,
-                                    reward_cfg.timeout_s)
+    _, scores, extras, returned_dict = _decode_and_score(reward_fn, tokenizer, rows["responses"], response_tokens,
+                                                         samples, rollout_info, reward_cfg.timeout_s)
     scores = torch.tensor(scores, dtype=torch.float32)  # (B,)
+    reward = scores
     if reward_cfg.reward_manager == "dapo":
-        for sample_extras, score in zip(extras, scores.tolist(), strict=True):
-            sample_extras.setdefault("acc", score)
+        for sample_extras, score, from_dict in zip(extras, scores.tolist(), returned_dict, strict=True):
+            if not from_dict:
+                sample_extras["acc"] = score
         buffer = reward_cfg.overlong_buffer
         if buffer.enable:
             penalty = ppo_core.overlong_penalty(response_tokens.sum(-1), max_response_length, buffer.len,
                                                 buffer.penalty_factor)  # (B,) <= 0
-            scores = scores + penalty
+            reward = scores + penalty
             if buffer.log:
                 for sample_extras, value in zip(extras, penalty.tolist(), strict=True):
                     sample_extras.update(overlong_reward=value, overlong=float(value < 0))
-    return scores, extras
+    return reward, scores, extras
 
 
-SCORE_METRICS = ("reward", "score", "seq_reward", "seq_final_reward")  # verl's names for the sample's score
+REWARD_METRICS = ("reward", "seq_reward", "seq_final_reward")  # verl's names for the reward trained on
 
 
-def filter_metric(scores: torch.Tensor, extras: list[dict[str, float]], metric: str) -> torch.Tensor:
-    """algorithm.filter_groups.metric per sample, (B,): the score (SCORE_METRICS; the KL penalty comes
-    later, so seq_final_reward is the score too, and config refuses it with KL in reward), or the
-    reward function's extra output of that name (acc)."""
+def filter_metric(reward: torch.Tensor, score: torch.Tensor, extras: list[dict[str, float]],
+                  metric: str) -> torch.Tensor:
+    """algorithm.filter_groups.metric per sample, (B,), from score_samples' outputs: the reward
+    (REWARD_METRICS: the score plus the overlong penalty; the KL penalty comes later, so
+    seq_final_reward is the reward too, and config refuses it with KL in reward), the reward function's
+    own `score` (before the penalty, as verl's extra of that name), or another extra of the function
+    (acc)."""
     import torch
 
-    if metric in SCORE_METRICS:
-        return scores
+    if metric in REWARD_METRICS:
+        return reward
+    if metric == "score":
+        return score
     missing = [e for e in extras if metric not in e]
     if missing:
         raise ConfigError(
             f"algorithm.filter_groups.metric={metric!r}: the reward function returned no {metric!r} for some "
-            f"samples (one returned {sorted(missing[0]) or 'no extras'}). Use metric=reward, or "
-            f"reward_model.reward_manager=dapo, which records each score as `acc`.")
+            f"samples (one returned {sorted(missing[0]) or 'no extras'}). Use metric=reward, return "
+            f"{metric!r} in the function's dict, or (for acc) reward_model.reward_manager=dapo with a function "
+            f"that returns a float, whose score it records as `acc`.")
     return torch.tensor([e[metric] for e in extras], dtype=torch.float64)

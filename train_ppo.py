@@ -60,6 +60,7 @@ from config import (
     check_supported,
     load_config,
     non_defaults,
+    policy_loss_key,
     sampling_truncates,
     to_yaml,
     unread_keys,
@@ -218,7 +219,8 @@ class ActorLoss:
         mode = actor.policy_loss.loss_mode
         low, high = (actor.clip_ratio if c is None else c for c in (actor.clip_ratio_low, actor.clip_ratio_high))
         params = dict(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=actor.clip_ratio_c,
-                      **{key: actor.policy_loss[key] for key in core.POLICY_LOSSES[mode].keys})
+                      **{key: functools.reduce(Config.__getitem__, policy_loss_key(key).split("."), cfg)
+                         for key in core.POLICY_LOSSES[mode].keys})
         rc_cfg = cfg.algorithm.rollout_correction
         return cls(mode, params, actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None,
                    actor.kl_loss_type, rollout.temperature, cfg.data.max_response_length,
@@ -468,7 +470,7 @@ def dynamic_sampling(generate_and_score: Callable[[int], tuple[Batch, list[dict[
                 f"{filter_cfg.metric}; {num_uniform} of {num_groups} groups were uniform. Raise max_num_gen_batches "
                 f"or data.gen_batch_size (0: no limit), or use data the policy sometimes solves.")
         rows, extras = generate_and_score(gen_batch)
-        values = filter_metric(rows["scores"], extras, filter_cfg.metric)  # (B,)
+        values = filter_metric(rows["scores"], rows["fn_scores"], extras, filter_cfg.metric)  # (B,)
         every_rank: list[Any] = [None] * world
         dist.all_gather_object(every_rank, (rows["prompt_index"].tolist(), values.tolist()))
         index = [i for rank_index, _ in every_rank for i in rank_index]  # the generation batch, prompt-major
@@ -675,21 +677,23 @@ def rollout_step(run: Run, step: int, gen_batch: int,
                     tool_failures=turn_stats.tool_failures)
         metrics["timing_s/tool"] = metrics.get("timing_s/tool", 0.0) + turn_stats.tool_seconds
     with timed(metrics, "reward"):
-        rows["scores"], extras = score(rows, rollout_info=turn_stats and turn_stats.reward_info)  # (B,)
+        # scores: the reward trained on; fn_scores: the function's own (they differ by the overlong penalty)
+        rows["scores"], rows["fn_scores"], extras = score(rows, rollout_info=turn_stats and turn_stats.reward_info)
         if baseline_rollout == "greedy":
-            greedy_scores, _ = score(vars(greedy), rollout_info=greedy_stats and greedy_stats.reward_info)
+            greedy_scores, _, _ = score(vars(greedy), rollout_info=greedy_stats and greedy_stats.reward_info)
             baseline = dict(zip(greedy.prompt_index.tolist(), greedy_scores.tolist(), strict=True))
             rows["reward_baselines"] = torch.tensor([baseline[i] for i in rows["prompt_index"].tolist()])  # (B,)
     return rows, extras
 
 
-def reward_model_scores(run: Run, rows: dict[str, torch.Tensor],
-                        rollout_info: list[dict[str, Any]] | None = None) -> tuple[torch.Tensor, list[dict[str, float]]]:
-    """Step 3 with reward_model.enable: the reward model's score of each sample (B,) and no extras. As in
-    verl, whose reward managers return the model's `rm_scores` as they are, the rule function, the DAPO
-    manager's additions and rollout_info do not enter (config refuses what would need them)."""
+def reward_model_scores(run: Run, rows: dict[str, torch.Tensor], rollout_info: list[dict[str, Any]] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, float]]]:
+    """Step 3 with reward_model.enable: the reward model's score of each sample (B,), as both the reward
+    and the score (score_samples' two), and no extras. As in verl, whose reward managers return the
+    model's `rm_scores` as they are, the rule function, the DAPO manager's additions and rollout_info
+    do not enter (config refuses what would need them)."""
     scores = run.reward_model.score(rows, run.train_prompts)  # (B,), collective over the FSDP mesh
-    return scores, [{} for _ in range(len(scores))]
+    return scores, scores, [{} for _ in range(len(scores))]
 
 
 def run_validation(run: Run, step: int) -> dict[str, float]:
@@ -762,6 +766,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         rows, reward_extras = rollout_step(run, step, 0, metrics)
     run.progress.enter(step, "log_prob")
     move_to(run, "log_prob")  # free_cache_engine: the engine sleeps; param_offload: the shards come back
+    rows.pop("fn_scores")  # dynamic sampling's `score` metric has been read
     batch = {k: v.to(run.env.device) for k, v in rows.items()}
     if run.sp_group is not None:  # Ulysses: every rank of an sp group trains on the group's slices
         batch = ulysses.gather_rows(batch, run.sp_group)

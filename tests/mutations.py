@@ -113,6 +113,19 @@ MUTATIONS = (
         "if (result[\"score\"] if isinstance(result, dict) else result) != 1.0:",
         "if result is None:"),),
         "tests/test_prepare_data.py::test_dapo_rows_are_checked_and_copied"),
+    # verl 0.9.1 parity
+    Mutation("verl: kl_cov ranks the padded grid (ties pick other tokens than verl)", "ppo_core.py", (
+        ("cov = (valid_adv - valid_adv.mean()) * (valid_log_prob - valid_log_prob.mean())",
+         "cov = torch.where(mask, _centred_product(advantages, log_prob, mask), -torch.inf).flatten().cpu()"),
+        ("penalised[valid_idx[top.to(valid_idx.device)]] = True", "penalised[top.to(mask.device)] = True")),
+        "tests/test_ppo_core.py -k kl_cov_ranks_only_the_valid_tokens"),
+    Mutation("verl: filter_groups.metric=score filters on the score after the overlong penalty", "rewards.py", ((
+        '    if metric == "score":\n        return score', '    if metric == "score":\n        return reward'),),
+        "tests/test_rewards.py -k filter_metric_score_is_the_functions_score"),
+    Mutation("verl: the DAPO manager adds acc for a dict without one too", "rewards.py", ((
+        '            if not from_dict:\n                sample_extras["acc"] = score',
+        '            sample_extras.setdefault("acc", score)'),),
+        "tests/test_rewards.py -k dapo_adds_acc_for_a_float_only"),
     # faults (tests/test_faults.py): each feature off, its fault test must fail
     Mutation("fault: the watchdog sees the hang but never ends the job", "watchdog.py", ((
         'if why is not None and self._state != "done":', 'if False:'),),

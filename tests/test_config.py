@@ -205,6 +205,10 @@ def test_config_records_the_keys_a_program_reads():
      "vanilla"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "actor_rollout_ref.actor.policy_loss.ppo_kl_coef=1"],
      "ppo_kl_coef=1.0 is read by loss_mode=kl_cov only"),
+    # sapo's temperatures sit under actor, as in verl, and are refused for another mode too
+    (["actor_rollout_ref.actor.tau_neg=2"], "actor_rollout_ref.actor.tau_neg=2.0 is read by loss_mode=sapo only"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.tau_pos=0"], "tau_pos=0.0"),
+    (["actor_rollout_ref.actor.loss_agg_mode=token-max"], "token-mean, token-sum, seq-mean-token-sum"),
 ])
 def test_algorithm_keys_that_only_work_together(overrides, fragment):
     from config import check_supported

@@ -342,6 +342,8 @@ def agg_ref(loss, lengths, mode, factor):
     nonempty = [r for r in rows if r]
     if mode == "token-mean":
         return math.fsum(x for r in rows for x in r) / sum(lengths)
+    if mode == "token-sum":
+        return math.fsum(x for r in rows for x in r)
     per_seq = {
         "seq-mean-token-sum": [math.fsum(r) for r in nonempty],
         "seq-mean-token-mean": [statistics.fmean(r) for r in nonempty],
@@ -361,15 +363,16 @@ def test_agg_loss_modes_match_loop(mode):
     assert got.item() == pytest.approx(agg_ref(loss, lengths, mode, 16))
     # global denominators: sum / count * dp_size
     got = pc.agg_loss(loss, mask, mode, global_num_tokens=40, global_num_seqs=9, dp_size=3)
-    local_count = sum(lengths) if mode == "token-mean" else 4
-    expected = agg_ref(loss, lengths, mode, 7) * local_count / (40 if mode == "token-mean" else 9) * 3
+    local_count = {"token-mean": sum(lengths), "token-sum": 1}.get(mode, 4)
+    expected = agg_ref(loss, lengths, mode, 7) * local_count / {"token-mean": 40, "token-sum": 1}.get(mode, 9) * 3
     assert got.item() == pytest.approx(expected)
 
 
 def test_agg_loss_errors_are_actionable():
     mask, loss = torch.ones(2, 3), torch.zeros(2, 3)
-    with pytest.raises(ValueError, match="token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm"):
-        pc.agg_loss(loss, mask, "token-sum")
+    with pytest.raises(ValueError, match="token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean, "
+                                         "seq-mean-token-sum-norm"):
+        pc.agg_loss(loss, mask, "token-max")
     with pytest.raises(ValueError, match="global_num_tokens"):
         pc.agg_loss(loss, mask, "token-mean", dp_size=2)
     assert pc.agg_loss(loss, torch.zeros(2, 3), "token-mean").item() == 0.0  # no valid token: 0, not NaN
@@ -517,7 +520,8 @@ def test_whitening_spans_every_ranks_share(tmp_path):
     assert (local - full_gae[WHITEN_SHARES[1]]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("name,base", [("k1+", "k1"), ("k3+", "k3"), ("kl+", "kl"), ("low_var_kl+", "low_var_kl")])
+@pytest.mark.parametrize("name,base", [("k1+", "k1"), ("k3+", "k3"), ("kl+", "kl"), ("low_var_kl+", "low_var_kl"),
+                                       ("abs+", "abs"), ("k2+", "k2"), ("mse+", "mse")])
 def test_straight_through_kl_has_the_value_of_its_base_and_the_gradient_of_k2(name, base):
     logprob = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
     ref = torch.randn(4, 7, dtype=torch.float64)
@@ -608,7 +612,8 @@ def test_unknown_policy_loss_names_every_registered_one():
 
 
 # a value for every actor.policy_loss.* key, none of them the default
-OWN_KEYS = {"clip_cov_ratio": 0.5, "clip_cov_lb": 0.0, "clip_cov_ub": 10.0, "kl_cov_ratio": 0.5, "ppo_kl_coef": 0.3}
+OWN_KEYS = {"clip_cov_ratio": 0.5, "clip_cov_lb": 0.0, "clip_cov_ub": 10.0, "kl_cov_ratio": 0.5, "ppo_kl_coef": 0.3,
+            "tau_pos": 2.0, "tau_neg": 3.0}
 
 
 def test_every_policy_loss_key_is_a_config_key_some_mode_reads():
@@ -616,7 +621,11 @@ def test_every_policy_loss_key_is_a_config_key_some_mode_reads():
 
     schema = config.SCHEMA["actor_rollout_ref"]["actor"]["policy_loss"]
     claimed = [key for loss in pc.POLICY_LOSSES.values() for key in loss.keys]
-    assert sorted(claimed) == sorted(set(schema) - {"loss_mode"}) == sorted(OWN_KEYS)
+    assert sorted(claimed) == sorted(OWN_KEYS)
+    # each under actor.policy_loss, or under actor where verl keeps it (sapo's taus); every policy_loss.* key claimed
+    assert {config.policy_loss_key(k) for k in claimed} == {
+        *(f"actor_rollout_ref.actor.policy_loss.{k}" for k in set(schema) - {"loss_mode"}),
+        "actor_rollout_ref.actor.tau_pos", "actor_rollout_ref.actor.tau_neg"}
 
 
 @pytest.mark.parametrize("mode", list(pc.POLICY_LOSSES))
@@ -750,8 +759,10 @@ def test_policy_losses_scale_like_agg_loss(mode):
     old, new, adv, mask, lengths = _loss_batch(90)
     kwargs = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_cov_ratio=1.0)
     local, _ = pc.policy_loss(mode, old, new, adv, mask, "token-mean", **kwargs)
-    scaled, _ = pc.policy_loss(mode, old, new, adv, mask, "token-mean", global_num_tokens=40, dp_size=3, **kwargs)
-    assert scaled.item() == pytest.approx(local.item() * sum(lengths) / 40 * 3)
+    scaled, _ = pc.policy_loss(mode, old, new, adv, mask, "token-mean", global_num_tokens=40, global_num_seqs=9,
+                               dp_size=3, **kwargs)
+    per_sequence = mode == "geo_mean"  # one loss per sequence, averaged over the sequences
+    assert scaled.item() == pytest.approx(local.item() * (len(lengths) / 9 if per_sequence else sum(lengths) / 40) * 3)
 
 
 # --- DAPO: overlong penalty and the groups dynamic sampling keeps ----------------------------------
@@ -769,3 +780,153 @@ def test_group_has_spread_is_exact_and_keeps_single_samples():
     # group 5: three equal floats whose mean is not exactly 0.1, still uniform; 7: spread; 9, 4: single samples
     got = pc.group_has_spread(values, index)
     assert got.tolist() == [False] * 3 + [True] * 3 + [True, True]
+
+
+# --- verl 0.9.1's other losses and estimators, against loops of their formulas -----------------------
+
+
+def test_kl_cov_ranks_only_the_valid_tokens_as_verl_does():
+    """verl ranks the covariances of the valid tokens, listed in flat order, with torch.topk on the CPU.
+    Among equal covariances the tokens topk picks depend on the list it ranks, so ranking the padded
+    grid (padding at -inf) penalised other tokens. Every row has one advantage and repeated log-probs:
+    many covariances tie."""
+    lengths = [5, 2, 6, 3]
+    mask = lengths_to_mask(lengths, 6)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)[:, None].expand(4, 6).clone()
+    new = torch.tensor([[-1.0, -2.0] * 3, [-2.0, -1.0] * 3, [-1.0, -2.0] * 3, [-2.0, -1.0] * 3], dtype=torch.float64)
+    old = new - 0.05 * rand(4, 6, seed=5)
+    coef, ratio = 1.0, 0.4
+    # verl's selection written out: the flat list of valid tokens, its centred products, topk over it
+    valid = [(i, t) for i in range(4) for t in range(6) if t < lengths[i]]
+    mean_a = statistics.fmean(adv[i, t].item() for i, t in valid)
+    mean_lp = statistics.fmean(new[i, t].item() for i, t in valid)
+    cov = torch.tensor([(adv[i, t].item() - mean_a) * (new[i, t].item() - mean_lp) for i, t in valid])
+    k = max(1, int(len(valid) * ratio))
+    top = {valid[j] for j in torch.topk(cov, k).indices.tolist()}
+    assert len(set(cov.tolist())) < len(valid) - k  # ties, and more tied tokens than places
+    loss, _ = pc.policy_loss("kl_cov", old, new, adv, mask, "token-sum", kl_cov_ratio=ratio, ppo_kl_coef=coef)
+    want = math.fsum(-adv[i, t].item() * math.exp(new[i, t].item() - old[i, t].item())
+                     + (coef * abs(new[i, t].item() - old[i, t].item()) if (i, t) in top else 0.0) for i, t in valid)
+    assert loss.item() == pytest.approx(want, rel=1e-12)
+
+
+def test_gpg_loss_is_minus_advantage_times_log_prob():
+    old, new, adv, mask, lengths = _loss_batch(110)
+    new = new.clone().requires_grad_()
+    loss, _ = pc.policy_loss("gpg", old, new, adv, mask, "token-mean")
+    count = sum(lengths)
+    assert loss.item() == pytest.approx(statistics.fmean(
+        -adv[i, t].item() * new[i, t].item() for i, n in enumerate(lengths) for t in range(n)))
+    loss.backward()
+    torch.testing.assert_close(new.grad, -adv * mask / count)
+
+
+def test_sapo_gates_the_ratio_smoothly_with_the_signs_temperature():
+    tau_pos, tau_neg = 1.0, 1.05
+    old, new, adv, mask, lengths = _loss_batch(120, spread=0.4)
+    new = new.clone().requires_grad_()
+    loss, _ = pc.policy_loss("sapo", old, new, adv, mask, "seq-mean-token-mean", tau_pos=tau_pos, tau_neg=tau_neg)
+    seq_losses, grads = [], torch.zeros_like(new)
+    for i, n in enumerate(lengths):
+        token_losses = []
+        for t in range(n):
+            a, r = adv[i, t].item(), math.exp(new[i, t].item() - old[i, t].item())
+            tau = tau_pos if a > 0 else tau_neg
+            sig = 1 / (1 + math.exp(-tau * (r - 1)))
+            token_losses.append(-a * 4 / tau * sig)
+            grads[i, t] = -a * 4 * sig * (1 - sig) * r / n / len(lengths)  # d/d log pi through r
+        seq_losses.append(statistics.fmean(token_losses))
+    assert loss.item() == pytest.approx(statistics.fmean(seq_losses))
+    loss.backward()
+    torch.testing.assert_close(new.grad, grads, rtol=1e-7, atol=1e-10)
+    # at r = 1 the gate's gradient is PPO's (-A per token), for either temperature
+    at_one = old.clone().requires_grad_()
+    pc.policy_loss("sapo", old, at_one, adv, mask, "token-sum", tau_pos=tau_pos, tau_neg=tau_neg)[0].backward()
+    torch.testing.assert_close(at_one.grad, -adv * mask)
+
+
+def test_geo_mean_is_the_sequence_advantage_times_the_geometric_mean_of_clipped_ratios():
+    lo, hi = 0.2, 0.28
+    old, new, adv, mask, lengths = _loss_batch(130, spread=0.4)
+    weights = 0.5 + rand(4, 6, seed=131).abs()
+    loss, metrics = pc.policy_loss("geo_mean", old, new, adv, mask, "token-mean", clip_ratio_low=lo,
+                                   clip_ratio_high=hi, rollout_is_weights=weights)
+    seq_losses, up, down = [], [], []
+    for i, n in enumerate(lengths):
+        logs, log_w = [], []
+        for t in range(n):
+            a, d = adv[i, t].item(), new[i, t].item() - old[i, t].item()
+            c = min(max(d, -lo), hi)
+            # the pessimistic side: for A > 0 the smaller log-ratio, for A < 0 the larger
+            logs.append(min(d, c) if a > 0 else max(d, c) if a < 0 else 0.0)
+            up.append(d != c and a > 0)
+            down.append(d != c and a < 0)
+            log_w.append(math.log(weights[i, t].item() + 1e-10))
+        seq_adv = math.fsum(adv[i, :n].tolist()) / n
+        seq_losses.append(-seq_adv * math.exp(statistics.fmean(logs)) * math.exp(statistics.fmean(log_w)))
+    assert loss.item() == pytest.approx(statistics.fmean(seq_losses), rel=1e-7)
+    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(statistics.fmean(up))
+    assert metrics["actor/pg_clipfrac_lower"].item() == pytest.approx(statistics.fmean(down))
+    assert 0 < sum(up) and 0 < sum(down)
+
+
+@pytest.mark.parametrize("mode", ["dppo_tv", "dppo_kl"])
+def test_dppo_masks_the_tokens_that_left_the_probability_trust_region(mode):
+    low, high, c = (0.15, 0.15, 3.0) if mode == "dppo_tv" else (0.05, 0.05, 3.0)
+    old, new, adv, mask, lengths = _loss_batch(140, spread=1.0)
+    old = -old.abs() - 0.05  # log-probs of probabilities that move by tenths
+    new = (old + 0.8 * (new - old)).clamp(max=-1e-3).clone().requires_grad_()
+    loss, metrics = pc.policy_loss(mode, old, new, adv, mask, "token-mean", clip_ratio_low=low, clip_ratio_high=high,
+                                   clip_ratio_c=c)
+    losses, outside, truncated, grads = [], [], [], torch.zeros_like(new)
+    count = sum(lengths)
+    for i, n in enumerate(lengths):
+        for t in range(n):
+            a, lp, lq = adv[i, t].item(), new[i, t].item(), old[i, t].item()
+            p, q = math.exp(lp), math.exp(lq)
+            if mode == "dppo_tv":
+                inside = p - q <= high if a > 0 else p - q >= -low
+            else:
+                kl = q * (lq - lp) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
+                inside = (kl <= high or p <= q) if a > 0 else (kl <= low or p >= q)
+            w = min(math.exp(lp - lq), c)
+            losses.append(-a * w * lp if inside else 0.0)
+            outside.append(not inside)
+            truncated.append(inside and math.exp(lp - lq) > c)
+            grads[i, t] = -a * w / count if inside else 0.0
+    assert 0 < sum(outside) < count and sum(truncated) > 0  # every branch exercised
+    assert loss.item() == pytest.approx(statistics.fmean(losses))
+    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(statistics.fmean(outside))
+    assert metrics["actor/pg_clipfrac_lower"].item() == pytest.approx(statistics.fmean(truncated))
+    loss.backward()
+    torch.testing.assert_close(new.grad, grads, rtol=1e-9, atol=1e-12)
+
+
+def test_grpo_passk_rewards_only_each_groups_best_by_its_lead():
+    index = ["a", "b", "a", "b", "a", "c", "c"]
+    scores = [0.2, 1.0, 0.9, 1.0, 0.5, -1.0, 3.0]  # b: a tie at the top, so no lead
+    lengths = [3, 2, 4, 1, 3, 2, 2]
+    mask = lengths_to_mask(lengths, 4)
+    rewards = torch.zeros(7, 4, dtype=torch.float64)
+    for i, n in enumerate(lengths):
+        rewards[i, n - 1] = scores[i]
+    for norm in (True, False):
+        adv, ret = pc.compute_grpo_passk_outcome_advantage(rewards, mask, index, norm_adv_by_std_in_grpo=norm)
+        std_a, std_c = statistics.stdev([0.2, 0.9, 0.5]), statistics.stdev([-1.0, 3.0])
+        want = [0.0, 0.0, (0.9 - 0.5) / ((std_a + 1e-6) if norm else 1.0), 0.0, 0.0, 0.0,
+                4.0 / ((std_c + 1e-6) if norm else 1.0)]
+        for i, n in enumerate(lengths):
+            assert adv[i, :n].tolist() == pytest.approx([want[i]] * n) and torch.all(adv[i, n:] == 0)
+        assert torch.equal(adv, ret)
+    with pytest.raises(ValueError, match=r"grpo_passk needs >= 2 samples per prompt.*rollout.n"):
+        pc.compute_grpo_passk_outcome_advantage(rewards, mask, ["a", "a", "a", "b", "b", "b", "z"])
+
+
+def test_token_sum_gradient_is_the_sum_however_the_batch_is_cut():
+    """token-sum: each micro batch's token sum x dp_size; FSDP's mean over ranks then gives the whole
+    mini batch's sum of token losses, with no count at all."""
+    loss = rand(6, 5, seed=150).requires_grad_()
+    mask = lengths_to_mask([5, 0, 3, 1, 4, 2], 5)
+    total = sum(pc.agg_loss(loss[rows], mask[rows], "token-sum", dp_size=2) for rows in ([0, 1], [2], [3, 4, 5])) / 2
+    assert total.item() == pytest.approx(math.fsum(loss[i, t].item() for i in range(6) for t in range(5)
+                                                   if mask[i, t]))

@@ -14,11 +14,13 @@ from rewards import (
     RewardError,
     check_data_sources,
     default_compute_score,
+    filter_metric,
     gsm8k_score,
     load_reward_fn,
     math_dapo_score,
     math_score,
     score_batch,
+    score_samples,
 )
 
 # (response, ground truth, verl's score) on both sides of each edge of the strict `#### ` rule
@@ -261,3 +263,56 @@ def test_custom_reward_function_by_path(tmp_path, tokenizer):
         load_reward_fn(str(tmp_path / "missing.py"), "f")
     with pytest.raises(ConfigError, match=r"custom_reward_function.name='lenght_reward'.*\['length_reward'\]"):
         load_reward_fn(str(f), "lenght_reward")
+
+
+# --- the DAPO reward manager and dynamic sampling's metric, as verl 0.9.1's --------------------------
+
+
+def dapo_rows(tokenizer, responses):
+    tokens, mask = make_batch(tokenizer, responses)
+    return {"responses": tokens, "attention_mask": mask, "response_mask": mask,
+            "prompt_index": torch.zeros(len(responses), dtype=torch.long)}
+
+
+DAPO_CFG = ["reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true",
+            "reward_model.overlong_buffer.len=4", "reward_model.overlong_buffer.penalty_factor=1.0",
+            "data.max_response_length=8"]
+
+
+def test_filter_metric_score_is_the_functions_score_and_reward_is_after_the_overlong_penalty(tokenizer):
+    """verl's DAPO manager: `score` (an extra of the function's own) is the function's score, the
+    reward trained on (reward, seq_reward) has the overlong penalty in it. Three responses scored 1.0,
+    3, 6 and 8 tokens long with the buffer over the last 4 of 8: penalties 0, -0.5, -1."""
+    from config import load_config
+
+    reward_cfg = load_config(None, DAPO_CFG).reward_model
+    rows = dapo_rows(tokenizer, ["abc", "abcdef", "abcdefgh"])
+    assert rows["response_mask"].sum(-1).tolist() == [3, 6, 8]
+    reward, score, extras = score_samples(lambda **kw: 1.0, tokenizer, rows, [make_prompt()], reward_cfg, 8)
+    assert reward.tolist() == [1.0, 0.5, 0.0] and score.tolist() == [1.0, 1.0, 1.0]
+    assert filter_metric(reward, score, extras, "score").tolist() == [1.0, 1.0, 1.0]  # one value: a uniform group
+    for name in ("reward", "seq_reward", "seq_final_reward"):
+        assert filter_metric(reward, score, extras, name).tolist() == [1.0, 0.5, 0.0]
+    # a float function's score is also its `acc` extra, before the penalty
+    assert filter_metric(reward, score, extras, "acc").tolist() == [1.0, 1.0, 1.0]
+
+
+def test_dapo_adds_acc_for_a_float_only_and_metric_acc_needs_it(tokenizer):
+    """verl adds `acc` only when the function returns a float; a dict's extras are its own keys, so
+    metric=acc with a dict that has no acc is refused (it used to filter on the score silently)."""
+    from config import load_config
+
+    reward_cfg = load_config(None, ["reward_model.reward_manager=dapo"]).reward_model
+    rows = dapo_rows(tokenizer, ["abc", "de"])
+    fn = lambda solution_str, **kw: {"score": float(len(solution_str)), "pred": solution_str}  # noqa: E731
+    reward, score, extras = score_samples(fn, tokenizer, rows, [make_prompt()], reward_cfg, 8)
+    assert extras == [{}, {}] and reward.tolist() == score.tolist() == [3.0, 2.0]
+    with pytest.raises(ConfigError, match=r"filter_groups.metric='acc'.*returns a float"):
+        filter_metric(reward, score, extras, "acc")
+    fn_acc = lambda solution_str, **kw: {"score": 1.0, "acc": solution_str == "de"}  # noqa: E731
+    _, _, extras = score_samples(fn_acc, tokenizer, rows, [make_prompt()], reward_cfg, 8)
+    assert extras == [{"acc": 0.0}, {"acc": 1.0}]  # the function's own acc, not its score
+    # the naive manager adds nothing
+    naive = load_config(None, []).reward_model
+    _, _, extras = score_samples(lambda **kw: 0.5, tokenizer, rows, [make_prompt()], naive, 8)
+    assert extras == [{}, {}]

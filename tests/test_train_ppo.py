@@ -11,6 +11,8 @@ step 1, so advantages, losses and gradients are not zero and the weights really 
   the GSM8K job's config on 6 ranks (60 prompts -> 720 samples -> 120 per rank), an untrained model
                         and weight decay 0: every gradient is exactly 0, and that is not a sync failure
   a learning check      (the demo's task, short: the validation score must rise)
+  verl's other losses   (one rank, one engine start: gpg, sapo, geo_mean, dppo_tv / dppo_kl, grpo_passk,
+                         token-sum and abs+ / k2+ / mse+, 2 steps each through train_step in-process)
 Config errors are checked with plain `python` runs: they must fail before any model loads.
 """
 
@@ -399,3 +401,64 @@ def test_multi_turn_rollouts_train_on_what_the_policy_sampled(tiny_assets, sft_m
     resets = [line for f in log_dir.glob("*.log") for line in f.read_text().splitlines() if line.endswith("reset")]
     assert len(list(log_dir.glob("*.log"))) == 2  # both TP ranks own some trajectories
     assert len(resets) == 2 * 32 * 8 + 2 * 16  # 2 steps x 32 prompts x n=8, validation before and at step 2
+
+
+# verl 0.9.1's losses, estimator, aggregation and KL forms, 2 steps each through the real train_step:
+# one build_run (one engine start), then each mode's config swapped in (validated, its plan and
+# ActorLoss resolved as build_run resolves them). Two mini batches per step, so the second trains off
+# policy and the losses' trust regions see ratios other than 1.
+MODES_DRIVER = """
+import json, sys
+import train_ppo
+from config import load_config
+from mesh_utils import init_distributed, validate
+base, modes = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+cfg = load_config("configs/tiny_cpu.yaml", base)
+run = train_ppo.build_run(cfg, init_distributed(timeout_s=cfg.actor_rollout_ref.nccl_timeout))
+train_ppo.move_to(run, "sync")
+step, out = 0, {}
+for name, overrides in modes.items():
+    mode_cfg = load_config("configs/tiny_cpu.yaml", base + overrides)
+    _, run.plan = validate(mode_cfg, 1)
+    run.cfg, run.actor_loss = mode_cfg, train_ppo.ActorLoss.from_config(mode_cfg)
+    out[name] = []
+    for _ in range(2):
+        step += 1
+        out[name].append(train_ppo.train_step(run, step))
+print("METRICS" + json.dumps(out))
+"""
+
+VERL_MODES = {  # each new loss, estimator, aggregation and KL form in one of five configurations
+    "gpg": ["actor_rollout_ref.actor.policy_loss.loss_mode=gpg", "algorithm.adv_estimator=gpg"],
+    "sapo": ["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.tau_neg=1.5",
+             "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"],
+    "geo_mean+grpo_passk": ["actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean",
+                            "algorithm.adv_estimator=grpo_passk", "actor_rollout_ref.actor.kl_loss_type=abs+"],
+    "dppo_tv": ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_tv", "actor_rollout_ref.actor.clip_ratio=0.15",
+                "actor_rollout_ref.actor.kl_loss_type=k2+"],
+    "dppo_kl+token-sum": ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_kl",
+                          "actor_rollout_ref.actor.clip_ratio=0.05", "actor_rollout_ref.actor.kl_loss_type=mse+",
+                          "actor_rollout_ref.actor.loss_agg_mode=token-sum"],
+}
+
+
+@pytest.mark.slow
+def test_verl_losses_and_estimators_train_two_steps_each(tiny_assets, sft_model, tmp_path):
+    base = [*tiny(tiny_assets, tmp_path / "run", sft_model), "trainer.n_gpus_per_node=1", "data.train_batch_size=4",
+            "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+            "actor_rollout_ref.actor.use_kl_loss=true", "trainer.val_before_train=false", "trainer.test_freq=-1"]
+    proc = run([sys.executable, "-c", MODES_DRIVER, json.dumps(base), json.dumps(VERL_MODES)], timeout=600)
+    got = json.loads(proc.stdout.split("METRICS", 1)[1].splitlines()[0])
+    assert list(got) == list(VERL_MODES)
+    for name, steps in got.items():
+        for m in steps:
+            assert m["actor/on_policy_shortcut"] == 0 and m["actor/skipped_steps"] == 0, (name, m)
+            for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/ppo_kl"):
+                assert math.isfinite(m[key]), (name, key, m[key])
+            assert m["actor/grad_norm"] > 0, (name, m)
+    # the trust regions and truncations report what they cut
+    assert all(0 <= m["actor/pg_clipfrac"] <= 1 for mode in ("geo_mean+grpo_passk", "dppo_tv", "dppo_kl+token-sum")
+               for m in got[mode])
+    # pass@k: only each group's best sample has an advantage, the lead over the second best (>= 0)
+    assert all(m["critic/advantages/min"] >= 0 for m in got["geo_mean+grpo_passk"])

@@ -90,6 +90,7 @@ def _generation_batch(gen_batch: int, rank: int) -> tuple[dict[str, torch.Tensor
     share = {"prompt_index": torch.tensor([p for p, _ in rows]),
              "responses": torch.tensor([[100 * p + s] for p, s in rows]),  # identifies the sample
              "scores": torch.tensor([float(SAMPLING_METRIC[p][s]) + 0.5 * s for p, s in rows])}  # all groups differ
+    share["fn_scores"] = share["scores"]  # the reward function's own (no overlong penalty here)
     return share, [{"acc": float(SAMPLING_METRIC[p][s])} for p, s in rows]
 
 
