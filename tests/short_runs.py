@@ -66,9 +66,29 @@ CASES: dict[str, tuple[str, list[str]]] = {
         *TWO_STEPS, f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce", f"{RC}.rollout_is=sequence",
         f"{RC}.rollout_rs=seq_max_k2,seq_sum_k1", f"{RC}.rollout_rs_threshold=1e-6,1.001",
         "actor_rollout_ref.actor.ppo_mini_batch_size=32"]),  # one optimizer step per step
+    # --- tests/test_train_ppo.py: verl's losses, estimator, aggregation and KL forms, 2 steps each; two mini
+    # batches per step, so the second trains off policy and the trust regions see ratios other than 1
+    **{f"verl_{name}": ("configs/tiny_cpu.yaml", [*TWO_STEPS, "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
+                                                 "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                                                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                                                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+                                                 "actor_rollout_ref.actor.use_kl_loss=true", *mode])
+       for name, mode in {
+           "gpg": ["actor_rollout_ref.actor.policy_loss.loss_mode=gpg", "algorithm.adv_estimator=gpg"],
+           "sapo": ["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.tau_neg=1.5",
+                    "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"],
+           "geo_mean_grpo_passk": ["actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean",
+                                   "algorithm.adv_estimator=grpo_passk", "actor_rollout_ref.actor.kl_loss_type=abs+"],
+           "dppo_tv": ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_tv", "actor_rollout_ref.actor.clip_ratio=0.15",
+                       "actor_rollout_ref.actor.kl_loss_type=k2+"],
+           "dppo_kl_token_sum": ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_kl",
+                                 "actor_rollout_ref.actor.clip_ratio=0.05", "actor_rollout_ref.actor.kl_loss_type=mse+",
+                                 "actor_rollout_ref.actor.loss_agg_mode=token-sum"],
+       }.items()},
 }
 
 ALGORITHM_CASES = ("dapo", "gspo", "drgrpo", "remax_clip_cov", "opo_cispo", "gpg_kl_cov", "reinforce_plus_plus_baseline")
+VERL_CASES = tuple(name for name in CASES if name.startswith("verl_"))
 
 
 def launch(names: list[str], assets: dict, model: Path, root: Path) -> Path:

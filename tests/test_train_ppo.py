@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from conftest import clean_env, run, short_run, torchrun, torchrun_cmd
 from safetensors.torch import load_file
+from short_runs import VERL_CASES
 
 import config
 from mesh_utils import plan_device_map, validate
@@ -403,54 +404,12 @@ def test_multi_turn_rollouts_train_on_what_the_policy_sampled(tiny_assets, sft_m
     assert len(resets) == 2 * 32 * 8 + 2 * 16  # 2 steps x 32 prompts x n=8, validation before and at step 2
 
 
-# verl 0.9.1's losses, estimator, aggregation and KL forms, 2 steps each through the real train_step:
-# one build_run (one engine start), then each mode's config swapped in (validated, its plan and
-# ActorLoss resolved as build_run resolves them). Two mini batches per step, so the second trains off
-# policy and the losses' trust regions see ratios other than 1.
-MODES_DRIVER = """
-import json, sys
-import train_ppo
-from config import load_config
-from mesh_utils import init_distributed, validate
-base, modes = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-cfg = load_config("configs/tiny_cpu.yaml", base)
-run = train_ppo.build_run(cfg, init_distributed(timeout_s=cfg.actor_rollout_ref.nccl_timeout))
-train_ppo.move_to(run, "sync")
-step, out = 0, {}
-for name, overrides in modes.items():
-    mode_cfg = load_config("configs/tiny_cpu.yaml", base + overrides)
-    _, run.plan = validate(mode_cfg, 1)
-    run.cfg, run.actor_loss = mode_cfg, train_ppo.ActorLoss.from_config(mode_cfg)
-    out[name] = []
-    for _ in range(2):
-        step += 1
-        out[name].append(train_ppo.train_step(run, step))
-print("METRICS" + json.dumps(out))
-"""
-
-VERL_MODES = {  # each new loss, estimator, aggregation and KL form in one of five configurations
-    "gpg": ["actor_rollout_ref.actor.policy_loss.loss_mode=gpg", "algorithm.adv_estimator=gpg"],
-    "sapo": ["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.tau_neg=1.5",
-             "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"],
-    "geo_mean+grpo_passk": ["actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean",
-                            "algorithm.adv_estimator=grpo_passk", "actor_rollout_ref.actor.kl_loss_type=abs+"],
-    "dppo_tv": ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_tv", "actor_rollout_ref.actor.clip_ratio=0.15",
-                "actor_rollout_ref.actor.kl_loss_type=k2+"],
-    "dppo_kl+token-sum": ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_kl",
-                          "actor_rollout_ref.actor.clip_ratio=0.05", "actor_rollout_ref.actor.kl_loss_type=mse+",
-                          "actor_rollout_ref.actor.loss_agg_mode=token-sum"],
-}
-
-
+# verl 0.9.1's losses, estimator, aggregation and KL forms, 2 steps each (tests/short_runs.py's verl_*
+# runs: each a run of its own, the engine shared)
 @pytest.mark.slow
-def test_verl_losses_and_estimators_train_two_steps_each(tiny_assets, sft_model, tmp_path):
-    base = [*tiny(tiny_assets, tmp_path / "run", sft_model), "trainer.n_gpus_per_node=1", "data.train_batch_size=4",
-            "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
-            "actor_rollout_ref.actor.use_kl_loss=true", "trainer.val_before_train=false", "trainer.test_freq=-1"]
-    proc = run([sys.executable, "-c", MODES_DRIVER, json.dumps(base), json.dumps(VERL_MODES)], timeout=600)
-    got = json.loads(proc.stdout.split("METRICS", 1)[1].splitlines()[0])
-    assert list(got) == list(VERL_MODES)
+@pytest.mark.short_run(*VERL_CASES)
+def test_verl_losses_and_estimators_train_two_steps_each(short_runs):
+    got = {name: step_rows(short_run(short_runs, name)) for name in VERL_CASES}
     for name, steps in got.items():
         for m in steps:
             assert m["actor/on_policy_shortcut"] == 0 and m["actor/skipped_steps"] == 0, (name, m)
@@ -458,7 +417,7 @@ def test_verl_losses_and_estimators_train_two_steps_each(tiny_assets, sft_model,
                 assert math.isfinite(m[key]), (name, key, m[key])
             assert m["actor/grad_norm"] > 0, (name, m)
     # the trust regions and truncations report what they cut
-    assert all(0 <= m["actor/pg_clipfrac"] <= 1 for mode in ("geo_mean+grpo_passk", "dppo_tv", "dppo_kl+token-sum")
-               for m in got[mode])
+    assert all(0 <= m["actor/pg_clipfrac"] <= 1 for mode in ("verl_geo_mean_grpo_passk", "verl_dppo_tv",
+                                                             "verl_dppo_kl_token_sum") for m in got[mode])
     # pass@k: only each group's best sample has an advantage, the lead over the second best (>= 0)
-    assert all(m["critic/advantages/min"] >= 0 for m in got["geo_mean+grpo_passk"])
+    assert all(m["critic/advantages/min"] >= 0 for m in got["verl_geo_mean_grpo_passk"])
