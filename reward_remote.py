@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import re
 import time
 import urllib.error
@@ -133,10 +134,10 @@ class RemoteScorer:
                               f"{{name: number}}, got {str(extras)[:200]!r}{first}")
         results = []
         for sample, score, extra in zip(samples, scores, extras, strict=True):
-            if not isinstance(extra, dict) or any(isinstance(v, bool) or not isinstance(v, int | float)
-                                                  for v in extra.values()) or "score" in extra:
-                raise RewardError(f"{self.__name__}: extras {extra!r} are not {{name: number}} (and not "
-                                  f"'score')\n{describe_sample(sample)}")
+            if not isinstance(extra, dict) or "score" in extra or any(
+                    isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) for v in extra.values()):
+                raise RewardError(f"{self.__name__}: extras {extra!r} are not {{name: finite number}} (and "
+                                  f"not 'score')\n{describe_sample(sample)}")
             results.append({**extra, "score": score})
         return results
 
@@ -192,7 +193,7 @@ class LLMJudge:
             raise RewardError(f"{self.__name__}: {what}\n{describe_sample(samples[failed.index])}") from None
 
     def messages(self, sample: Sample) -> list[dict[str, str]]:
-        content = self.template.format(question=sample.prompt, response=sample.response,
+        content = self.template.format(question=sample.question or sample.prompt, response=sample.response,
                                        reference="" if sample.ground_truth is None else sample.ground_truth)
         return [{"role": "user", "content": content}]
 

@@ -360,16 +360,22 @@ class Sample:
     """One response to score and its row: what a scorer sees."""
 
     data_source: str
-    prompt: str
+    prompt: str  # after the chat template
     response: str
     ground_truth: Any
     extra_info: dict[str, Any]
+    question: str = ""  # the row's last user message as written (the prompt when there is none)
+
+
+def _question(prompt: Prompt) -> str:
+    users = [m.get("content") for m in prompt.messages if m.get("role") == "user"]
+    return users[-1] if users and isinstance(users[-1], str) else prompt.text
 
 
 def _score_texts(reward_fn: RewardFn, texts: list[str], prompts: list[Prompt], rollout_info: list[dict[str, Any]],
                  timeout_s: float = 0.0) -> tuple[list[float], list[dict[str, float]]]:
     samples = [Sample(p.data_source, p.text, text, p.ground_truth,
-                      {**p.extra_info, "num_turns": _NUM_TURNS, "rollout_reward_scores": {}, **info})
+                      {**p.extra_info, "num_turns": _NUM_TURNS, "rollout_reward_scores": {}, **info}, _question(p))
                for text, p, info in zip(texts, prompts, rollout_info, strict=True)]
     if getattr(reward_fn, "batched", False):  # a scorer of whole batches (remote, judge): its errors are its own
         results = reward_fn(samples)

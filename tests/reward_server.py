@@ -2,7 +2,7 @@
 
     python tests/reward_server.py [--log FILE]     prints its port on the first line, then serves
 
-POST /ok           {"scores": 1.0 if the response holds `#### <ground_truth>` else 0.0,
+POST /ok           {"scores": 1.0 if the response's last `#### N` is the ground truth else 0.0,
                     "extras": [{"length": len(response)}]}; with --log, one JSON line per item scored
 POST /slow         /ok after 3 s
 POST /slow_ok      /ok after 0.4 s (concurrency: N requests take about 0.4 s, not N x 0.4 s)
@@ -10,6 +10,7 @@ POST /flaky        500 the first time a request body is seen, then /ok
 POST /malformed    a body that is not JSON
 POST /wrong_count  one score fewer than items
 POST /nan          NaN (as Python's json writes it) for the second item
+POST /nan_once     NaN for the first item of the first request, then /ok
 POST /bad_extras   an extra that is a string
 POST /status404    404
 POST /chat/v1/chat/completions   an OpenAI chat completion: "Score: <characters of the user message mod 10>"
@@ -18,6 +19,7 @@ POST /chat/v1/chat/completions   an OpenAI chat completion: "Score: <characters 
 import argparse
 import hashlib
 import json
+import re
 import sys
 import threading
 import time
@@ -27,8 +29,13 @@ SEEN: set[str] = set()
 LOCK = threading.Lock()
 
 
+ANSWER = re.compile(r"#### (-?[0-9.,]+)")
+
+
 def score(item: dict) -> float:
-    return 1.0 if f"#### {item['ground_truth']}" in item["response"] else 0.0
+    """The demo task's rule: the last `#### N` of the last 300 characters is the ground truth."""
+    found = ANSWER.findall(item["response"][-300:])
+    return float(bool(found) and found[-1].replace(",", "") == str(item["ground_truth"]))
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -75,6 +82,12 @@ class Handler(BaseHTTPRequestHandler):
             scores = scores[:-1]
         if path == "/nan":
             scores[1] = float("nan")
+        if path == "/nan_once":  # the first request only: one rank of a job fails
+            with LOCK:
+                first = "nan_once" not in SEEN
+                SEEN.add("nan_once")
+            if first:
+                scores[0] = float("nan")
         if path == "/bad_extras":
             extras[0] = {"length": "long"}
         if self.log_file is not None:

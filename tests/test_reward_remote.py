@@ -6,40 +6,31 @@ separate process on a free port, so everything in between (JSON, HTTP, threads, 
 """
 
 import json
-import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, run_gloo
+from conftest import ROOT, clean_env, run_gloo, start_reward_server
 
 import rewards
 from config import load_config, unread_keys
 from data import Prompt
-from reward_remote import LLMJudge, RemoteScorer, from_config, parse_judge_score
+from reward_remote import JUDGE_TEMPLATE, LLMJudge, RemoteScorer, from_config, parse_judge_score
 from rewards import RewardError, map_concurrent, run_concurrently
 
-SERVER = Path(__file__).with_name("reward_server.py")
 NO_PROXY = {"no_proxy": "127.0.0.1,localhost", "NO_PROXY": "127.0.0.1,localhost"}
-
-
-def start_server(log: Path | None = None) -> tuple[subprocess.Popen, str]:
-    os.environ.update(NO_PROXY)  # a proxy of the environment must not carry requests to this machine
-    proc = subprocess.Popen([sys.executable, str(SERVER), *(["--log", str(log)] if log else [])],
-                            stdout=subprocess.PIPE, text=True)
-    port = int(proc.stdout.readline())
-    return proc, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
 def server():
-    proc, url = start_server()
+    proc, url = start_reward_server()
     yield url
     proc.kill()
     proc.wait()
@@ -47,7 +38,9 @@ def server():
 
 def prompts_and_texts(n: int) -> tuple[list[Prompt], list[str]]:
     prompts = [Prompt(token_ids=[0], ground_truth=str(i % 3), data_source="arithmetic", text=f"q{i}",
-                      extra_info={"index": i}) for i in range(n)]
+                      extra_info={"index": i}, messages=[{"role": "system", "content": "be brief"},
+                                                         {"role": "user", "content": f"question {i}"}])
+               for i in range(n)]
     texts = [f"so it is #### {i % 2}" for i in range(n)]  # right when i % 3 == i % 2
     return prompts, texts
 
@@ -90,7 +83,7 @@ def test_500_then_200_is_retried(server):
     ("/malformed", 3, r"something that is not JSON: b'\{\"scores\": \[1.0, '"),
     ("/status404", 3, r"answered HTTP 404 Not Found"),
     ("/wrong_count", 0, r"asked for 3 scores, got 2 scores"),
-    ("/bad_extras", 0, r"extras \{'length': 'long'\} are not \{name: number\}"),
+    ("/bad_extras", 0, r"extras \{'length': 'long'\} are not \{name: finite number\}"),
 ])
 def test_failures_name_the_url_and_the_first_item(server, path, retries, message):
     start = time.monotonic()
@@ -123,10 +116,11 @@ def test_judge_scores_what_the_endpoint_replies(server):
     judge = LLMJudge(server + "/chat/v1", "judge", "Q: {question} A: {response} R: {reference}", 8, None, 5.0, 4, 0)
     prompts, texts = prompts_and_texts(5)
     got_scores, got_extras = score(judge, n=5)
-    samples = [rewards.Sample(p.data_source, p.text, t, p.ground_truth, {}) for p, t in zip(prompts, texts, strict=True)]
+    samples = [rewards.Sample(p.data_source, p.text, t, p.ground_truth, {}, f"question {i}")
+               for i, (p, t) in enumerate(zip(prompts, texts, strict=True))]
     assert got_scores == [float(len(judge.messages(s)[0]["content"]) % 10) for s in samples]
     assert got_extras == [{"judge_parsed": 1.0}] * 5
-    assert judge.messages(samples[1])[0]["content"] == "Q: q1 A: so it is #### 1 R: 1"
+    assert judge.messages(samples[1])[0]["content"] == "Q: question 1 A: so it is #### 1 R: 1"  # the user's words
 
 
 def test_judge_score_parser():
@@ -232,3 +226,54 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
     assert own.startswith("remote scorer http://x: HTTP 500\n")
     assert other == "rank 0 failed: remote scorer http://x: HTTP 500"
     assert max(t0, t1) < 5
+
+
+# -----------------------------------------------------------------------------
+# The judge against a real `vllm serve` of the tiny model: its scores are nonsense, the plumbing is real
+
+
+def serve_judge(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """`vllm serve` (the OpenAI-compatible server) of `model` on a free port, as `judge`; ready when it
+    lists its models."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+           "--port", str(port), "--served-model-name", "judge", "--dtype", "float32", "--enforce-eager",
+           "--max-model-len", "1024", "--max-num-seqs", "8", "--no-enable-chunked-prefill"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(VLLM_CPU_KVCACHE_SPACE="1", **NO_PROXY), stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
+    url, deadline = f"http://127.0.0.1:{port}/v1", time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/models", timeout=2) as answer:
+                if json.loads(answer.read())["data"][0]["id"] == "judge":
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    pytest.fail(f"vllm serve did not answer within 600 s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.mark.slow
+def test_judge_against_vllm_serve(tiny_assets, tmp_path):
+    proc, url = serve_judge(tiny_assets["tiny-qwen2"], tmp_path / "serve.log")
+    try:
+        # vLLM's structured outputs hold the tiny model to `Score: <digit>`: every reply parses
+        judge = LLMJudge(url, "judge", JUDGE_TEMPLATE, 8, None, 60.0, 4, 1, response_regex=r"Score: [0-9]")
+        scores, extras = score(judge, n=6)
+        assert all(s in range(10) for s in scores) and extras == [{"judge_parsed": 1.0}] * 6, (scores, extras)
+        # free text from a tiny model has no score: a clear error, or unparsed_score with judge_parsed 0
+        free = LLMJudge(url, "judge", JUDGE_TEMPLATE, 8, None, 60.0, 4, 1)
+        with pytest.raises(RewardError, match=r"no `Score: <number>` in the reply .*reward_model.judge.unparsed_score"):
+            score(free, n=2)
+        free.unparsed_score = -1.0
+        assert score(free, n=2) == ([-1.0, -1.0], [{"judge_parsed": 0.0}] * 2)
+        # a model the server does not serve: HTTP 404 at once, named
+        with pytest.raises(RewardError, match=rf"{url}/chat/completions answered HTTP 404"):
+            score(LLMJudge(url, "no-such-model", JUDGE_TEMPLATE, 8, None, 60.0, 4, 3), n=1)
+    finally:
+        proc.kill()
+        proc.wait()

@@ -7,7 +7,7 @@ step 1, so advantages, losses and gradients are not zero and the weights really 
                          checkpoint, export)
   GAE + KL, world 2     (critic, reference model, KL in reward with an adaptive controller, KL loss,
                          DAPO's reward manager with its overlong buffer, validation of an odd-sized
-                         held-out set over 2 rollout groups)
+                         held-out set over 2 rollout groups; scored by a remote scorer over HTTP)
   the GSM8K job's config on 6 ranks (60 prompts -> 720 samples -> 120 per rank), an untrained model
                         and weight decay 0: every gradient is exactly 0, and that is not a sync failure
   a learning check      (the demo's task, short: the validation score must rise)
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import clean_env, run, torchrun, torchrun_cmd
+from conftest import clean_env, run, start_reward_server, torchrun, torchrun_cmd
 from safetensors.torch import load_file
 
 import config
@@ -85,6 +85,17 @@ def grpo_tp2(tiny_assets, sft_model, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def gae_kl(tiny_assets, sft_model, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gae") / "run"
+    # scored by a remote scorer (tests/reward_server.py: the demo's rule, over HTTP), which logs what it scored
+    server, url = start_reward_server(out.parent / "scored.jsonl")
+    try:
+        _train_gae_kl(tiny_assets, sft_model, out, url)
+    finally:
+        server.kill()
+        server.wait()
+    return out
+
+
+def _train_gae_kl(tiny_assets: dict, sft_model: Path, out: Path, url: str) -> None:
     train(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model), "algorithm.adv_estimator=gae",
               "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
               "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",
@@ -96,8 +107,8 @@ def gae_kl(tiny_assets, sft_model, tmp_path_factory) -> Path:
               # every offload flag: on the CPU each move is a no-op, but the trainer walks the whole plan
               "actor_rollout_ref.actor.fsdp_config.param_offload=true",
               "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true", "critic.fsdp_config.param_offload=true",
-              "critic.fsdp_config.optimizer_offload=true", "actor_rollout_ref.ref.fsdp_config.param_offload=true"])
-    return out
+              "critic.fsdp_config.optimizer_offload=true", "actor_rollout_ref.ref.fsdp_config.param_offload=true",
+              f"reward_model.remote.url={url}/ok", "reward_model.remote.max_concurrent=3"])
 
 
 @pytest.mark.slow
@@ -139,18 +150,29 @@ def test_gae_with_kl(gae_kl):
         penalty = -0.5 * r["response_length/mean"] / 12
         assert r["reward_extra/overlong_reward"] == pytest.approx(penalty)
         assert r["critic/score/mean"] == pytest.approx(r["reward_extra/acc"] + penalty)
+    # The remote scorer's scores and extras are the step's: the server logged each item it scored, in
+    # order by step (both ranks finish scoring a step before either goes on), then validation's 17.
+    scored = [json.loads(line) for line in (gae_kl.parent / "scored.jsonl").read_text().splitlines()]
+    assert len(scored) == 2 * 256 + 17
+    for r, items in zip(rows, (scored[:256], scored[256:512]), strict=True):
+        assert r["reward_extra/acc"] == pytest.approx(sum(i["score"] for i in items) / 256)
+        assert r["reward_extra/length"] == pytest.approx(sum(len(i["response"]) for i in items) / 256)
+        assert r["timing_s/reward"] > 0
+    assert rows[-1]["val/score"] == pytest.approx(sum(i["score"] for i in scored[512:]) / 17)
+    assert {i["extra_info"]["num_turns"] for i in scored} == {2}  # verl's extra_info goes to the scorer too
 
 
 @pytest.mark.slow
 def test_every_config_key_is_read(grpo_tp2, gae_kl):
     """No key is accepted and ignored: between them, the two runs read every key of the schema
     (algorithm.rollout_correction's: tests/test_train_ppo_rollout_correction.py's two runs; the keys of
-    the other policy losses, which only their mode reads: tests/test_train_ppo_algorithms.py's)."""
+    the other policy losses, which only their mode reads: tests/test_train_ppo_algorithms.py's; the LLM
+    judge's, which only a judge reads: tests/test_reward_remote.py checks that it reads them all)."""
     unread = [set(json.loads((out / "config_unread.json").read_text())) for out in (grpo_tp2, gae_kl)]
     other_losses = {f"actor_rollout_ref.actor.policy_loss.{key}" for loss in config.algorithm_traits().policy_losses.values()
                     for key in loss.keys}
     unread_by_both = {k for k in set.intersection(*unread) - other_losses
-                      if not k.startswith("algorithm.rollout_correction.")}
+                      if not k.startswith(("algorithm.rollout_correction.", "reward_model.judge."))}
     assert unread_by_both == set(), sorted(unread_by_both)
 
 
