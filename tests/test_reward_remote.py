@@ -240,7 +240,7 @@ def serve_judge(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--served-model-name", "judge", "--dtype", "float32", "--enforce-eager",
-           "--max-model-len", "1024", "--max-num-seqs", "8", "--no-enable-chunked-prefill"]
+           "--max-model-len", "512", "--max-num-seqs", "8", "--no-enable-chunked-prefill"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(VLLM_CPU_KVCACHE_SPACE="1", **NO_PROXY), stdout=log.open("w"),
                             stderr=subprocess.STDOUT)
     url, deadline = f"http://127.0.0.1:{port}/v1", time.monotonic() + 600
