@@ -190,15 +190,18 @@ def test_reinforce_plus_plus_seq_mean_token_mean(tiny_assets, sft_model, tmp_pat
 
 @pytest.mark.slow
 def test_a_reward_function_that_raises_stops_the_run_with_the_sample(tiny_assets, tmp_path):
+    """It raises on rank 1 only: rank 1 shows the sample, and rank 0, told right after scoring
+    (mesh_utils.failing_together), names rank 1 instead of waiting for it in the next collective."""
     reward = tmp_path / "bad_reward.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return {'score': 1.0} if len(solution_str) > 100 else 1 / 0\n")
+    reward.write_text("import os\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return {'score': 1.0} if os.environ['RANK'] == '0' else 1 / 0\n")
     proc = run(torchrun_cmd(2, "train_ppo.py", "--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, tmp_path / "out"),
                             f"custom_reward_function.path={reward}", "trainer.total_training_steps=2",
                             "trainer.val_before_train=false", "trainer.test_freq=-1"), timeout=600, check=False)
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
     assert "ZeroDivisionError" in output and "response=" in output and "ground_truth=" in output, output[-3000:]
+    assert "[rank0]: rewards.RewardError: rank 1 failed: reward function compute_score raised ZeroDivisionError" in output
 
 
 @pytest.mark.slow
