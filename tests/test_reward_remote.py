@@ -6,6 +6,7 @@ separate process on a free port, so everything in between (JSON, HTTP, threads, 
 """
 
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -17,13 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, clean_env, run_gloo, start_reward_server
+from conftest import ROOT, clean_env, run_gloo, start_reward_server, torchrun
 
 import rewards
 from config import load_config, unread_keys
 from data import Prompt
 from reward_remote import JUDGE_TEMPLATE, LLMJudge, RemoteScorer, from_config, parse_judge_score
 from rewards import RewardError, map_concurrent, run_concurrently
+from tracking import read_metrics
 
 NO_PROXY = {"no_proxy": "127.0.0.1,localhost", "NO_PROXY": "127.0.0.1,localhost"}
 
@@ -274,6 +276,21 @@ def test_judge_against_vllm_serve(tiny_assets, tmp_path):
         # a model the server does not serve: HTTP 404 at once, named
         with pytest.raises(RewardError, match=rf"{url}/chat/completions answered HTTP 404"):
             score(LLMJudge(url, "no-such-model", JUDGE_TEMPLATE, 8, None, 60.0, 4, 3), n=1)
+        # one GRPO step on 2 ranks scored by the judge: 8 prompts x n=4, each rank's 16 samples 8 at a time
+        out = tmp_path / "run"
+        torchrun(2, "train_ppo.py", "--config", "configs/tiny_cpu.yaml",
+                 f"actor_rollout_ref.model.path={tiny_assets['tiny-qwen2']}", f"data.train_files={tiny_assets['train']}",
+                 "data.val_files=null", f"trainer.default_local_dir={out}", "trainer.total_training_steps=1",
+                 "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+                 f"reward_model.judge.url={url}", "reward_model.judge.response_regex='Score: [0-9]'",
+                 "reward_model.judge.max_tokens=8", timeout=600, env=clean_env(**NO_PROXY))
+        (row,) = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] == 1]
+        assert row["reward_extra/judge_parsed"] == 1.0 and 0 <= row["critic/score/min"] <= row["critic/score/max"] <= 9
+        assert row["timing_s/reward"] > 0 and math.isfinite(row["actor/pg_loss"])
+        unread = json.loads((out / "config_unread.json").read_text())
+        assert not [k for k in unread if k.startswith("reward_model.judge.")], unread
     finally:
         proc.kill()
         proc.wait()
