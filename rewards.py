@@ -22,6 +22,11 @@ would look like a model that cannot learn. So does one that runs longer than rew
 on a sample (a hung sandbox, a regex that backtracks without end): a SIGALRM timer on the main thread
 interrupts it, so no thread is left running it; a function that sets SIGALRM itself (math_verify's
 own timeout) replaces that timer while it runs.
+
+Scorers that wait on I/O run concurrently within a rank (map_concurrent): a `batched` scorer takes the
+whole batch of Samples (reward_remote.py's remote scorer and LLM judge), and a thread-safe per-sample
+function marked with run_concurrently(fn, max_concurrent) (a sandbox) is called on that many samples
+at once, each call still bounded by reward_model.timeout_s.
 """
 
 from __future__ import annotations
