@@ -50,6 +50,12 @@ def _optim(lr: float) -> dict[str, tuple[Any, Any]]:
     }
 
 
+def _http_scorer(**more: tuple[Any, Any]) -> dict[str, tuple[Any, Any]]:
+    """A scorer over HTTP: where, how long an attempt may take, how many requests at once, how many retries."""
+    return {"url": (_STR_OR_NONE, None), "timeout_s": (float, 60.0), "max_concurrent": (int, 8),
+            "max_retries": (int, 3), **more}
+
+
 def _fsdp_config(fsdp_size: tuple[Any, Any] = (int, -1)) -> dict[str, tuple[Any, Any]]:
     return {
         "fsdp_size": fsdp_size,  # -1: one FSDP group over all ranks; k: HSDP groups of k ranks
@@ -237,6 +243,15 @@ SCHEMA: dict[str, Any] = {
             "max_concurrent": (int, 64),  # programs (requests) at once per rank
             "memory_limit_mb": (int, 1024),  # the memory of each program
         },
+        # project keys (verl has none): scorers over HTTP (reward_remote.py); a url turns one on
+        "remote": _http_scorer(),  # POST {"items": [...]} -> {"scores": [...]}
+        "judge": _http_scorer(  # an LLM judge behind an OpenAI-compatible chat endpoint (url: .../v1)
+            model=(str, "judge"),  # the served model name (vllm serve --served-model-name)
+            prompt_template=(_STR_OR_NONE, None),  # a text file with {question} {response} {reference}; null: built-in
+            max_tokens=(int, 64),  # the judge's reply length
+            response_regex=(_STR_OR_NONE, None),  # vLLM servers: the reply is made to match it; null: free text
+            unparsed_score=(_FLOAT_OR_NONE, None),  # the score of a reply without `Score: N`; null: an error
+        ),
     },
     "custom_reward_function": {
         "path": (_STR_OR_NONE, None),
@@ -654,6 +669,10 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reward_model.overlong_buffer.penalty_factor": _NON_NEGATIVE,
     "reward_model.sandbox_fusion.max_concurrent": _ONE_OR_MORE,
     "reward_model.sandbox_fusion.memory_limit_mb": _ONE_OR_MORE,
+    **{f"reward_model.{scorer}.{key}": rule for scorer in ("remote", "judge")
+       for key, rule in (("timeout_s", (_POSITIVE[0], "> 0 seconds per attempt")), ("max_concurrent", _ONE_OR_MORE),
+                         ("max_retries", (_NON_NEGATIVE[0], ">= 0 (the attempts after the first)")))},
+    "reward_model.judge.max_tokens": _ONE_OR_MORE,
     "algorithm.gamma": _FRACTION,
     "algorithm.lam": _FRACTION,
     "algorithm.kl_ctrl.kl_coef": _NON_NEGATIVE,
@@ -768,6 +787,7 @@ def check_supported(cfg: Config) -> None:
     check_algorithm(cfg)
     check_multi_turn(cfg)
     check_timeouts(cfg)
+    check_reward_source(cfg)
     unknown = [name for name in cfg.trainer.logger if name not in LOGGERS]
     if unknown:
         raise ConfigError(f"trainer.logger has unknown entries {unknown}; valid: {', '.join(LOGGERS)}.")
@@ -949,6 +969,20 @@ def check_timeouts(cfg: Config) -> None:
     if cfg.reward_model.timeout_s < 0:
         raise ConfigError(f"reward_model.timeout_s={cfg.reward_model.timeout_s:g} must be >= 0 seconds per sample "
                           f"(0: no limit).")
+
+
+def check_reward_source(cfg: Config) -> None:
+    """At most one of a custom reward function, a remote scorer and an LLM judge scores the samples."""
+    chosen = {key: value for key, value in (("custom_reward_function.path", cfg.custom_reward_function.path),
+                                            ("reward_model.remote.url", cfg.reward_model.remote.url),
+                                            ("reward_model.judge.url", cfg.reward_model.judge.url))
+              if value is not None}
+    if len(chosen) > 1:
+        raise ConfigError(f"{' and '.join(f'{k}={v!r}' for k, v in chosen.items())} are both set, but one scorer "
+                          f"gives the sample's score; set the others to null.")
+    for key, url in chosen.items():
+        if key.endswith(".url") and not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{key}={url!r} must be an http:// or https:// URL.")
 
 
 def non_defaults(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -22,11 +22,13 @@ too, and checks more (the launch, the data, the models) as it starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import socket
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -583,6 +585,31 @@ def gather_rows(x: Any, group: Any) -> Any:
     """Every rank's rows of x (the same shape on each), in group-rank order: (B, ...) -> (B * size, ...).
     With my_rows, the one way to compute on the step's whole batch and keep this rank's part. Collective."""
     return gather_in_group(x.flatten(), group).view(-1, *x.shape[1:])
+
+
+@contextlib.contextmanager
+def failing_together(error_type: type[Exception], device: Any) -> Iterator[None]:
+    """Collective: run the block on every rank, then raise on every rank if it raised error_type on any
+    (a failed rank its own error, the others one naming it). Without this, the ranks that succeeded
+    would wait in the next collective for one that is gone, until a timeout."""
+    import torch
+    import torch.distributed as dist
+
+    failure = None
+    try:
+        yield
+    except error_type as e:
+        failure = e
+    failed = torch.tensor([failure is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(failed)  # how many ranks failed
+    if failed.item() == 0:
+        return
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if failure is None else str(failure).splitlines()[0])
+    if failure is not None:
+        raise failure
+    ranks = [r for r, m in enumerate(messages) if m is not None]
+    raise error_type(f"rank {ranks[0]} failed{f' (and ranks {ranks[1:]})' if ranks[1:] else ''}: {messages[ranks[0]]}")
 
 
 def my_rows(x: Any, group: Any) -> Any:

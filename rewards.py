@@ -25,6 +25,11 @@ would look like a model that cannot learn. So does one that runs longer than rew
 on a sample (a hung sandbox, a regex that backtracks without end): a SIGALRM timer on the main thread
 interrupts it, so no thread is left running it; a function that sets SIGALRM itself (math_verify's
 own timeout) replaces that timer while it runs.
+
+Scorers that wait on I/O run concurrently within a rank (map_concurrent): a `batched` scorer takes the
+whole batch of Samples (reward_remote.py's remote scorer and LLM judge), and a thread-safe per-sample
+function marked with run_concurrently(fn, max_concurrent) (a sandbox) is called on that many samples
+at once, each call still bounded by reward_model.timeout_s.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ import numbers
 import re
 import signal
 import threading
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -416,48 +423,177 @@ def _decode_and_score(reward_fn: RewardFn, tokenizer: Any, responses: torch.Tens
     return texts, scores, extras, returned_dict
 
 
+@dataclass(frozen=True)
+class Sample:
+    """One response to score and its row: what a scorer sees."""
+
+    data_source: str
+    prompt: str  # after the chat template
+    response: str
+    ground_truth: Any
+    extra_info: dict[str, Any]
+    question: str = ""  # the row's last user message as written (the prompt when there is none)
+
+
+def _question(prompt: Prompt) -> str:
+    users = [m.get("content") for m in prompt.messages if m.get("role") == "user"]
+    return users[-1] if users and isinstance(users[-1], str) else prompt.text
+
+
 def _score_texts(reward_fn: RewardFn, texts: list[str], prompts: list[Prompt], rollout_info: list[dict[str, Any]],
                  timeout_s: float = 0.0) -> tuple[list[float], list[dict[str, float]], list[bool]]:
     """score_batch's scores and extras, and per sample whether the function returned a dict."""
-    scores, extras, returned_dict = [], [], []
-    for text, prompt, info in zip(texts, prompts, rollout_info, strict=True):
-        extras.append({})
-        extra_info = {**prompt.extra_info, "num_turns": _NUM_TURNS, "rollout_reward_scores": {}, **info}
+    samples = [Sample(p.data_source, p.text, text, p.ground_truth,
+                      {**p.extra_info, "num_turns": _NUM_TURNS, "rollout_reward_scores": {}, **info}, _question(p))
+               for text, p, info in zip(texts, prompts, rollout_info, strict=True)]
+    if getattr(reward_fn, "batched", False):  # a scorer of whole batches (remote, judge): its errors are its own
+        results = reward_fn(samples)
+        if len(results) != len(samples):
+            raise RewardError(f"reward function {_name(reward_fn)} returned {len(results)} results for "
+                              f"{len(samples)} samples")
+    elif getattr(reward_fn, "max_concurrent", 1) > 1:  # a thread-safe per-sample function
         try:
-            result = _call_with_timeout(reward_fn, timeout_s, data_source=prompt.data_source, solution_str=text,
-                                        ground_truth=prompt.ground_truth, extra_info=extra_info)
-        except _RewardTimeout:
-            raise RewardError(_describe(reward_fn, f"did not return within reward_model.timeout_s={timeout_s:g} s",
-                                        prompt, text)) from None
-        except Exception as e:
-            raise RewardError(_describe(reward_fn, f"raised {type(e).__name__}: {e}", prompt, text)) from e
-        score = result
-        if isinstance(result, dict):  # verl's form: {"score": ..., other keys to log}
-            if "score" not in result:
-                raise RewardError(_describe(reward_fn, f"returned a dict without a 'score' key: {result!r}",
-                                            prompt, text))
-            score = result["score"]
-            for key, value in result.items():
-                if key != "score" and not isinstance(value, str | bytes):
-                    try:  # numbers, bools (an `acc` flag averages to accuracy), numpy and 0-d tensor values
-                        number = float(value)
-                    except (TypeError, ValueError):
-                        continue  # not a number (None, a list): nothing to average
-                    extras[-1][str(key)] = number
-        # A bool score is refused: it is usually a correctness flag returned where a reward was meant.
-        if isinstance(score, bool) or not isinstance(score, numbers.Real) or not math.isfinite(score):
-            raise RewardError(_describe(
-                reward_fn, f"returned the score {score!r} ({type(score).__name__}), not a finite number; "
-                "return a float (or a dict whose 'score' is one)", prompt, text))
-        scores.append(float(score))
-        returned_dict.append(isinstance(result, dict))
-    return scores, extras, returned_dict
+            results = map_concurrent(lambda s: reward_fn(**_reward_kwargs(s)), samples, reward_fn.max_concurrent,
+                                     timeout_s)
+        except ItemFailed as failed:
+            raise RewardError(_describe(reward_fn, _failure(failed.error, timeout_s, failed.timed_out),
+                                        samples[failed.index])) from None
+    else:  # one at a time on this thread, each bounded by SIGALRM
+        results = []
+        for sample in samples:
+            try:
+                results.append(_call_with_timeout(reward_fn, timeout_s, **_reward_kwargs(sample)))
+            except _RewardTimeout:
+                raise RewardError(_describe(reward_fn, _failure(None, timeout_s, timed_out=True), sample)) from None
+            except Exception as e:
+                raise RewardError(_describe(reward_fn, _failure(e, timeout_s), sample)) from e
+    checked = [_check_result(reward_fn, result, sample) for result, sample in zip(results, samples, strict=True)]
+    return ([score for score, _ in checked], [extras for _, extras in checked],
+            [isinstance(result, dict) for result in results])
 
 
-def _describe(reward_fn: RewardFn, what: str, prompt: Prompt, response: str) -> str:
-    return (f"reward function {getattr(reward_fn, '__name__', reward_fn)} {what}\n"
-            f"  data_source={prompt.data_source!r}\n  prompt={prompt.text!r}\n  response={response!r}\n"
-            f"  ground_truth={prompt.ground_truth!r}\n  extra_info={prompt.extra_info!r}")
+def _reward_kwargs(sample: Sample) -> dict[str, Any]:
+    """verl's arguments to a reward function."""
+    return dict(data_source=sample.data_source, solution_str=sample.response, ground_truth=sample.ground_truth,
+                extra_info=sample.extra_info)
+
+
+def _failure(error: BaseException | None, timeout_s: float, timed_out: bool = False) -> str:
+    if timed_out:
+        return f"did not return within reward_model.timeout_s={timeout_s:g} s"
+    return f"raised {type(error).__name__}: {error}"
+
+
+def _check_result(reward_fn: RewardFn, result: Any, sample: Sample) -> tuple[float, dict[str, float]]:
+    """(the score, the numeric extras) of one result: a number, or a dict with a "score" and extras."""
+    extras: dict[str, float] = {}
+    score = result
+    if isinstance(result, dict):  # verl's form: {"score": ..., other keys to log}
+        if "score" not in result:
+            raise RewardError(_describe(reward_fn, f"returned a dict without a 'score' key: {result!r}", sample))
+        score = result["score"]
+        for key, value in result.items():
+            if key != "score" and not isinstance(value, str | bytes):
+                try:  # numbers, bools (an `acc` flag averages to accuracy), numpy and 0-d tensor values
+                    number = float(value)
+                except (TypeError, ValueError):
+                    continue  # not a number (None, a list): nothing to average
+                extras[str(key)] = number
+    # A bool score is refused: it is usually a correctness flag returned where a reward was meant.
+    if isinstance(score, bool) or not isinstance(score, numbers.Real) or not math.isfinite(score):
+        raise RewardError(_describe(
+            reward_fn, f"returned the score {score!r} ({type(score).__name__}), not a finite number; "
+            "return a float (or a dict whose 'score' is one)", sample))
+    return float(score), extras
+
+
+def _name(reward_fn: RewardFn) -> str:
+    return str(getattr(reward_fn, "__name__", reward_fn))
+
+
+def _describe(reward_fn: RewardFn, what: str, sample: Sample) -> str:
+    return f"reward function {_name(reward_fn)} {what}\n{describe_sample(sample)}"
+
+
+def describe_sample(sample: Sample) -> str:
+    """The sample's fields, one a line, for an error message."""
+    info = {k: v for k, v in sample.extra_info.items() if k not in ("num_turns", "rollout_reward_scores")}
+    return (f"  data_source={sample.data_source!r}\n  prompt={sample.prompt!r}\n  response={sample.response!r}\n"
+            f"  ground_truth={sample.ground_truth!r}\n  extra_info={info!r}")
+
+
+# -----------------------------------------------------------------------------
+# Concurrency within a rank: scorers that wait on I/O (a remote scorer, a judge, a sandbox) run their
+# calls on threads, so a batch costs about its slowest calls, not the sum of all of them
+
+
+class ItemFailed(Exception):
+    """map_concurrent's fn raised on items[index] (error), or ran past the timeout (timed_out, error None)."""
+
+    def __init__(self, index: int, error: BaseException | None):
+        what = "timed out" if error is None else f"{type(error).__name__}: {error}"
+        super().__init__(f"item {index}: {what}")
+        self.index, self.error, self.timed_out = index, error, error is None
+
+
+def map_concurrent(fn: Callable[[Any], Any], items: Sequence[Any], max_workers: int,
+                   timeout_s: float = 0.0) -> list[Any]:
+    """[fn(item) for item in items], up to max_workers calls at once, on daemon threads. At the first
+    failure it stops starting items and raises ItemFailed(index, error); a call running longer than
+    timeout_s (> 0) fails too (timed_out). A call left running is abandoned, never waited for (a
+    daemon thread does not hold up the exit), so a hung call cannot hang the rank."""
+    results: list[Any] = [None] * len(items)
+    errors: dict[int, BaseException | None] = {}  # None: timed out
+    running: dict[int, float] = {}  # index -> its start (time.monotonic)
+    state = threading.Condition()
+    todo = iter(range(len(items)))
+    finished = 0
+
+    def work() -> None:
+        nonlocal finished
+        while True:
+            with state:
+                i = next(todo, None)
+                if i is None or errors:
+                    return
+                running[i] = time.monotonic()
+            try:
+                value, error = fn(items[i]), None
+            except BaseException as e:  # reported on the caller's thread
+                value, error = None, e
+            with state:
+                running.pop(i, None)
+                results[i] = value
+                if error is not None:
+                    errors[i] = error
+                finished += 1
+                state.notify()
+
+    for _ in range(max(1, min(max_workers, len(items)))):
+        threading.Thread(target=work, daemon=True).start()
+    with state:
+        while finished < len(items) and not errors:
+            wait = None
+            if timeout_s > 0 and running:
+                oldest = min(running, key=running.get)
+                wait = running[oldest] + timeout_s - time.monotonic()
+                if wait <= 0:
+                    errors[oldest] = None
+                    break
+            state.wait(wait)
+        if errors:
+            first = min(errors)
+            raise ItemFailed(first, errors[first])
+    return results
+
+
+def run_concurrently(reward_fn: RewardFn, max_concurrent: int) -> RewardFn:
+    """Mark a thread-safe per-sample reward function (verl's signature) to be called on up to
+    max_concurrent samples at once; reward_model.timeout_s still bounds each call."""
+    if max_concurrent < 1:
+        raise ConfigError(f"max_concurrent={max_concurrent} must be >= 1.")
+    reward_fn.max_concurrent = max_concurrent
+    return reward_fn
 
 
 # -----------------------------------------------------------------------------

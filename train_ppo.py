@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 import ppo_core as core
+import reward_remote
 import rollout_correction
 import ulysses
 import watchdog
@@ -78,6 +79,7 @@ from mesh_utils import (
     check_launch,
     check_validation_share,
     describe,
+    failing_together,
     gather_rows,
     init_distributed,
     my_rows,
@@ -102,7 +104,15 @@ from models import (
     token_budget_micro_batches,
 )
 from reward_model import RewardModel
-from rewards import RewardFn, check_data_sources, filter_metric, load_reward_fn, score_batch, score_samples
+from rewards import (
+    RewardError,
+    RewardFn,
+    check_data_sources,
+    filter_metric,
+    load_reward_fn,
+    score_batch,
+    score_samples,
+)
 from tracking import (
     Tracker,
     batch_metrics,
@@ -676,7 +686,7 @@ def rollout_step(run: Run, step: int, gen_batch: int,
         rows.update(num_turns=turn_stats.num_turns, tool_calls=turn_stats.tool_calls,
                     tool_failures=turn_stats.tool_failures)
         metrics["timing_s/tool"] = metrics.get("timing_s/tool", 0.0) + turn_stats.tool_seconds
-    with timed(metrics, "reward"):
+    with timed(metrics, "reward"), failing_together(RewardError, run.env.device):
         # scores: the reward trained on; fn_scores: the function's own (they differ by the overlong penalty)
         rows["scores"], rows["fn_scores"], extras = score(rows, rollout_info=turn_stats and turn_stats.reward_info)
         if baseline_rollout == "greedy":
@@ -707,8 +717,9 @@ def run_validation(run: Run, step: int) -> dict[str, float]:
     generated, turn_stats = generate(run, [prompts[i] for i in indices], indices, step, run.val_sampling)
     rows = [prompts[i] for i in generated.prompt_index.tolist()]
     response_tokens = generated.attention_mask[:, -generated.responses.shape[1]:]  # (B, R)
-    texts, scores, extras = score_batch(run.reward_fn, run.tokenizer, generated.responses, response_tokens, rows,
-                                        turn_stats and turn_stats.reward_info, run.cfg.reward_model.timeout_s)
+    with failing_together(RewardError, run.env.device):
+        texts, scores, extras = score_batch(run.reward_fn, run.tokenizer, generated.responses, response_tokens, rows,
+                                            turn_stats and turn_stats.reward_info, run.cfg.reward_model.timeout_s)
     if rollout_mesh.get_local_rank("infer_tp") == 0:
         (run.out_dir / "val_generations").mkdir(parents=True, exist_ok=True)
         with open(run.out_dir / "val_generations" / f"step{step}_dp{dp_rank}.jsonl", "w") as f:
@@ -942,7 +953,8 @@ def load_data(cfg: Config, dims: ParallelDims,
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     multi_turn = load_multi_turn(cfg, tokenizer)
-    rule_reward = cfg.custom_reward_function.path is None  # the built-in rules need each row's ground truth
+    http_scorer = reward_remote.from_config(cfg.reward_model)  # reward_model.remote.url / judge.url: over HTTP
+    rule_reward = cfg.custom_reward_function.path is None and http_scorer is None  # rules need each row's ground truth
     load_kwargs = dict(prompt_key=data_cfg.prompt_key, max_prompt_length=data_cfg.max_prompt_length,
                        filter_overlong=data_cfg.filter_overlong_prompts, truncation=data_cfg.truncation,
                        require_ground_truth=rule_reward, tools=multi_turn.schemas if multi_turn else None)
@@ -954,8 +966,8 @@ def load_data(cfg: Config, dims: ParallelDims,
         val_prompts, _ = load_prompts(data_cfg.val_files, tokenizer, key="data.val_files", **load_kwargs)
         val_prompts = val_prompts[:data_cfg.max_val_samples] if data_cfg.max_val_samples else val_prompts
         check_validation_share(len(val_prompts), dims, data_cfg.max_val_samples)
-    reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
-                               cfg.reward_model.sandbox_fusion)
+    reward_fn = http_scorer or load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
+                                              cfg.reward_model.sandbox_fusion)
     if rule_reward:  # a data source without a rule fails now, not at the first rollout
         check_data_sources(p.data_source for p in train_prompts + val_prompts)
     return tokenizer, train_prompts, val_prompts, reward_fn, multi_turn

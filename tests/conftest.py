@@ -126,6 +126,14 @@ def torchrun(nproc: int, script: str | Path, *args: str, timeout: float = 900,
     return run(torchrun_cmd(nproc, script, *args, launcher=launcher), timeout=timeout, env=env)
 
 
+def start_reward_server(log: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """tests/reward_server.py as a process on a free port: (the process, its base URL). Kill it after."""
+    os.environ.update(no_proxy="127.0.0.1,localhost", NO_PROXY="127.0.0.1,localhost")  # never via a proxy
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("reward_server.py")),
+                             *(["--log", str(log)] if log else [])], stdout=subprocess.PIPE, text=True)
+    return proc, f"http://127.0.0.1:{int(proc.stdout.readline())}"
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--slurm", action="store_true",
                      help="also run the tests marked `slurm`: they start a local SLURM cluster (root; apt-get "

@@ -55,7 +55,10 @@ CASES: dict[str, tuple[str, list[str]]] = {
         # every offload flag: on the CPU each move is a no-op, but the trainer walks the whole plan
         "actor_rollout_ref.actor.fsdp_config.param_offload=true",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true", "critic.fsdp_config.param_offload=true",
-        "critic.fsdp_config.optimizer_offload=true", "actor_rollout_ref.ref.fsdp_config.param_offload=true"]),
+        "critic.fsdp_config.optimizer_offload=true", "actor_rollout_ref.ref.fsdp_config.param_offload=true",
+        # scored by a remote scorer (tests/reward_server.py: the demo's rule, over HTTP), which logs what it
+        # scored to <dir>/gae_kl.scored.jsonl
+        "reward_model.remote.url={reward_server}/ok", "reward_model.remote.max_concurrent=3"]),
     "reinforce_plus_plus": ("configs/tiny_cpu.yaml", [
         "algorithm.adv_estimator=reinforce_plus_plus", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
         *TWO_STEPS]),
@@ -92,14 +95,29 @@ VERL_CASES = tuple(name for name in CASES if name.startswith("verl_"))
 
 
 def launch(names: list[str], assets: dict, model: Path, root: Path) -> Path:
-    """Run the named cases (in CASES' order) in one 2-rank launch; root/<name> is each run's directory."""
-    from conftest import torchrun
+    """Run the named cases (in CASES' order) in one 2-rank launch; root/<name> is each run's directory.
+    A case that names `{reward_server}` gets tests/reward_server.py's URL, which logs the items it
+    scores to root/<name>.scored.jsonl."""
+    from conftest import start_reward_server, torchrun
 
     unknown = set(names) - set(CASES)
     assert not unknown, f"no such short run: {sorted(unknown)}"
-    cases = [[name, ["--config", config, f"actor_rollout_ref.model.path={model}", f"data.train_files={assets['train']}",
-                     f"data.val_files={assets['val']}", f"trainer.default_local_dir={root / name}", *overrides]]
-             for name, (config, overrides) in CASES.items() if name in names]
-    if cases:
-        torchrun(2, "tests/run_cases.py", json.dumps(cases), timeout=300 * len(cases))
+    servers, cases = [], []
+    for name, (config, overrides) in CASES.items():
+        if name not in names:
+            continue
+        if any("{reward_server}" in o for o in overrides):
+            server, url = start_reward_server(root / f"{name}.scored.jsonl")
+            servers.append(server)
+            overrides = [o.replace("{reward_server}", url) for o in overrides]
+        cases.append([name, ["--config", config, f"actor_rollout_ref.model.path={model}",
+                             f"data.train_files={assets['train']}", f"data.val_files={assets['val']}",
+                             f"trainer.default_local_dir={root / name}", *overrides]])
+    try:
+        if cases:
+            torchrun(2, "tests/run_cases.py", json.dumps(cases), timeout=300 * len(cases))
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
     return root

@@ -7,7 +7,7 @@ step 1, so advantages, losses and gradients are not zero and the weights really 
                          checkpoint, export)
   GAE + KL, world 2     (critic, reference model, KL in reward with an adaptive controller, KL loss,
                          DAPO's reward manager with its overlong buffer, validation of an odd-sized
-                         held-out set over 2 rollout groups)
+                         held-out set over 2 rollout groups; scored by a remote scorer over HTTP)
   the GSM8K job's config on 6 ranks (60 prompts -> 720 samples -> 120 per rank), an untrained model
                         and weight decay 0: every gradient is exactly 0, and that is not a sync failure
   a learning check      (the demo's task, short: the validation score must rise)
@@ -131,6 +131,16 @@ def test_gae_with_kl(gae_kl):
         penalty = -0.5 * r["response_length/mean"] / 12
         assert r["reward_extra/overlong_reward"] == pytest.approx(penalty)
         assert r["critic/score/mean"] == pytest.approx(r["reward_extra/acc"] + penalty)
+    # The remote scorer's scores and extras are the step's: the server logged each item it scored, in
+    # order by step (both ranks finish scoring a step before either goes on), then validation's 17.
+    scored = [json.loads(line) for line in (gae_kl.parent / "gae_kl.scored.jsonl").read_text().splitlines()]
+    assert len(scored) == 2 * 256 + 17
+    for r, items in zip(rows, (scored[:256], scored[256:512]), strict=True):
+        assert r["reward_extra/acc"] == pytest.approx(sum(i["score"] for i in items) / 256)
+        assert r["reward_extra/length"] == pytest.approx(sum(len(i["response"]) for i in items) / 256)
+        assert r["timing_s/reward"] > 0
+    assert rows[-1]["val/score"] == pytest.approx(sum(i["score"] for i in scored[512:]) / 17)
+    assert {i["extra_info"]["num_turns"] for i in scored} == {2}  # verl's extra_info goes to the scorer too
 
 
 @pytest.mark.slow
@@ -138,12 +148,13 @@ def test_gae_with_kl(gae_kl):
 def test_every_config_key_is_read(grpo_tp2, gae_kl):
     """No key is accepted and ignored: between them, the two runs read every key of the schema
     (algorithm.rollout_correction's: tests/test_train_ppo_rollout_correction.py's two runs; the keys of
-    the other policy losses, which only their mode reads: tests/test_train_ppo_algorithms.py's)."""
+    the other policy losses, which only their mode reads: tests/test_train_ppo_algorithms.py's; the LLM
+    judge's, which only a judge reads: tests/test_reward_remote.py checks that it reads them all)."""
     unread = [set(json.loads((out / "config_unread.json").read_text())) for out in (grpo_tp2, gae_kl)]
     other_losses = {f"actor_rollout_ref.actor.policy_loss.{key}" for loss in config.algorithm_traits().policy_losses.values()
                     for key in loss.keys}
     unread_by_both = {k for k in set.intersection(*unread) - other_losses
-                      if not k.startswith("algorithm.rollout_correction.")}
+                      if not k.startswith(("algorithm.rollout_correction.", "reward_model.judge."))}
     assert unread_by_both == set(), sorted(unread_by_both)
 
 
@@ -159,15 +170,18 @@ def test_reinforce_plus_plus_seq_mean_token_mean(short_runs):
 
 @pytest.mark.slow
 def test_a_reward_function_that_raises_stops_the_run_with_the_sample(tiny_assets, tmp_path):
+    """It raises on rank 1 only: rank 1 shows the sample, and rank 0, told right after scoring
+    (mesh_utils.failing_together), names rank 1 instead of waiting for it in the next collective."""
     reward = tmp_path / "bad_reward.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return {'score': 1.0} if len(solution_str) > 100 else 1 / 0\n")
+    reward.write_text("import os\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return {'score': 1.0} if os.environ['RANK'] == '0' else 1 / 0\n")
     proc = run(torchrun_cmd(2, "train_ppo.py", "--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, tmp_path / "out"),
                             f"custom_reward_function.path={reward}", "trainer.total_training_steps=2",
                             "trainer.val_before_train=false", "trainer.test_freq=-1"), timeout=600, check=False)
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
     assert "ZeroDivisionError" in output and "response=" in output and "ground_truth=" in output, output[-3000:]
+    assert "[rank0]: rewards.RewardError: rank 1 failed: reward function compute_score raised ZeroDivisionError" in output
 
 
 def code_rows(n: int) -> list[dict]:
