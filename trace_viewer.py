@@ -74,10 +74,10 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def metrics_svg(rows: list[dict[str, Any]], width: int = 230, height: int = 120) -> str:
+def metrics_svg(rows: list[dict[str, Any]], width: int = 240, height: int = 120) -> str:
     """Small multiples, one inline SVG panel per PLOT_KEYS metric the rows have: value against step."""
     panels = []
-    pad_l, pad_r, pad_t, pad_b = 44, 8, 18, 18
+    pad_l, pad_r, pad_t, pad_b = 58, 8, 18, 18
     for key in PLOT_KEYS:
         pts = [(r["step"], r[key]) for r in rows if _finite(r.get(key)) and _finite(r.get("step"))]
         if not pts:
@@ -145,7 +145,8 @@ SCRIPT = r"""
 const data = JSON.parse(document.getElementById('trace-data').textContent);
 const el = (tag, cls, text) => { const e = document.createElement(tag); if (cls) e.className = cls;
   if (text !== undefined) e.textContent = text; return e; };
-const fmt = v => (typeof v === 'number') ? (Math.abs(v) >= 1e-3 || v === 0 ? v.toFixed(3) : v.toExponential(1)) : String(v);
+const fmt = v => typeof v !== 'number' || Number.isInteger(v) ? String(v)
+  : Math.abs(v) >= 1e-3 ? v.toFixed(3) : v.toExponential(1);
 const views = [];
 for (const kind of ['rollout', 'validation']) for (const s of data[kind]) views.push({kind, ...s});
 const state = {view: null, colour: 'advantage'};
@@ -164,7 +165,7 @@ function tokens(sample, scale) {
   const pre = el('pre', 'response');
   sample.pieces.forEach((piece, i) => {
     const a = sample.token_advantages[i], g = sample.logprob_gap ? sample.logprob_gap[i] : null;
-    const span = el('span', 'tok ' + advClass(a, scale) + ' ' + gapClass(g) + (sample.mask[i] ? '' : ' untrained'), piece);
+    const span = el('span', 'tok ' + (sample.mask[i] ? advClass(a, scale) + ' ' + gapClass(g) : 'untrained'), piece);
     span.title = 'token ' + sample.tokens[i] + (sample.mask[i] ? '' : ' (not trained)') + ' · advantage ' + fmt(a) +
       (g === null ? '' : ' · engine - actor log-prob ' + fmt(g));
     pre.appendChild(span);
@@ -174,7 +175,7 @@ function tokens(sample, scale) {
 function sampleCard(sample, index, scale) {
   const card = el('article', 'sample');
   const meta = el('div', 'meta');
-  const fields = [['#', index], ['score', sample.score], ['advantage', sample.advantage], ['gts', sample.gts],
+  const fields = [['#', String(index)], ['score', sample.score], ['advantage', sample.advantage], ['gts', sample.gts],
     ['data_source', sample.data_source], ['num_turns', sample.num_turns]];
   for (const [name, value] of fields) if (value !== undefined && value !== null) {
     meta.appendChild(el('b', '', name + ' ')); meta.appendChild(document.createTextNode(fmt(value) + '  '));
@@ -212,7 +213,8 @@ function render() {
   main.appendChild(el('h2', 'view-title', (view.kind === 'rollout' ? 'training step ' : 'validation at step ') +
     view.step + ': ' + view.samples.length + ' of ' + view.total + ' samples'));
   if (view.kind === 'rollout') main.appendChild(legend());
-  const scale = Math.max(0, ...view.samples.flatMap(s => (s.token_advantages || []).map(Math.abs)));
+  const scale = Math.max(0, ...view.samples.flatMap(s => (s.token_advantages || []).filter((_, i) => s.mask[i])
+    .map(Math.abs)));  // the step's largest |advantage| on a trained token
   view.samples.forEach((s, i) => main.appendChild(sampleCard(s, i, scale)));
 }
 function fromHash() {

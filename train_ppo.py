@@ -844,9 +844,9 @@ def dump_rollouts(run: Run, step: int, batch: Batch, reward_extras: list[dict[st
         reward_extras = [extra for rank_extras in every_rank for extra in rank_extras]
     if 0 not in dist.get_process_group_ranks(run.dp_group):
         return  # an sp rank whose rows rank 0's group already holds
-    width = batch["responses"].shape[1]
-    outputs = run.tokenizer.batch_decode([r[m.bool()] for r, m in zip(batch["responses"], batch["attention_mask"][
-        :, -width:], strict=True)], skip_special_tokens=True)  # what the reward function read
+    response_tokens = batch["attention_mask"][:, -batch["responses"].shape[1]:].bool()  # (B, R) the real ones
+    outputs = run.tokenizer.batch_decode([r[m] for r, m in zip(batch["responses"], response_tokens, strict=True)],
+                                         skip_special_tokens=True)  # the texts the reward function read
     records = sample_records(step, [run.train_prompts[i] for i in batch["prompt_index"].tolist()], outputs,
                              batch["token_level_scores"].sum(-1).tolist(), reward_extras)
     gap = None if old is None else batch["rollout_log_probs"] - old.sampling_log_probs  # (B, R)
