@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: setup setup-gpu demo demo-tools test test-slurm lint plan clean
+.PHONY: setup setup-gpu demo demo-tools test test-slurm lint plan clean chromium traces
 
 # Idempotent: reinstalls only when requirements-cpu.txt changes (seconds when done).
 $(STAMP): requirements-cpu.txt
@@ -33,7 +33,14 @@ demo: setup
 	$(PY) make_assets.py --out assets
 	$(PY) sft_warmup.py --model assets/tiny-qwen2 --data assets/data/train.parquet --out assets/tiny-qwen2-sft --steps 75
 	rm -rf outputs/tiny_cpu
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train_ppo.py --config configs/tiny_cpu.yaml $(ARGS)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train_ppo.py --config configs/tiny_cpu.yaml \
+		trainer.rollout_data_dir=outputs/tiny_cpu/rollout_data $(ARGS)
+	$(PY) trace_viewer.py outputs/tiny_cpu
+
+# The demo's traces in a page (outputs/tiny_cpu/traces.html) and the screenshot in docs/metrics-and-logs.md.
+traces: chromium
+	$(PY) trace_viewer.py outputs/tiny_cpu --max-samples 8 --screenshot docs/trace_viewer.png \
+		--fragment "step=rollout:$$(ls outputs/tiny_cpu/rollout_data | sort -n | tail -1 | cut -d. -f1)"
 
 # The tool-use demo: two-digit multiplication (`37*48=`), which the tiny model cannot do in its head,
 # with a calculator tool (`calc(37*48)`; configs/tools/calculator.yaml). The warm-up trains on tool
@@ -58,8 +65,17 @@ plan: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
-test: setup lint
+test: setup lint chromium
 	$(VENV)/bin/pytest -q
+
+# Debian's headless Chromium, which the trace viewer's tests render pages in. Idempotent; installs
+# (root, apt-get) only when missing, refreshing the package lists once if the first try fails.
+chromium:
+	@command -v chromium >/dev/null || { \
+		[ "$$(id -u)" = 0 ] || { echo "chromium is not installed; run make as root, or apt-get install chromium" >&2; exit 1; }; \
+		echo "installing chromium"; export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q --no-install-recommends chromium >/dev/null || \
+		{ apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium >/dev/null; }; }
 
 # The sbatch wrappers under a real SLURM started on this machine (launch/slurm_local.sh): one node x 2
 # ranks and two nodes x 1 rank train 2 steps each, and a config the planner refuses fails its job

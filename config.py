@@ -303,6 +303,10 @@ SCHEMA: dict[str, Any] = {
         "max_actor_ckpt_to_keep": (_INT_OR_NONE, None),
         "max_critic_ckpt_to_keep": (_INT_OR_NONE, None),
         "default_local_dir": (str, "outputs/run"),
+        # each training step's samples, advantages and per-token log-prob gaps as <dir>/<step>.jsonl; null: none
+        "rollout_data_dir": (_STR_OR_NONE, None),
+        # each validation's samples as <dir>/<step>.jsonl; null: <default_local_dir>/val_generations (verl: none)
+        "validation_data_dir": (_STR_OR_NONE, None),
         "seed": (int, 1),
         "max_consecutive_skipped_steps": (int, 3),
         # project key: a rank in one phase this long ends the job with a report (watchdog.py); 0: off

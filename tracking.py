@@ -347,3 +347,70 @@ if __name__ == "__main__":
     if args.out:
         Path(args.out).write_text(text + "\n")
     print(text)
+
+
+# -----------------------------------------------------------------------------
+# A step's samples as jsonl, <dir>/<step>.jsonl (trainer.rollout_data_dir, trainer.validation_data_dir):
+# verl's fields (input, output, gts, score, step and the reward function's extras), then this
+# project's own. trace_viewer.py turns a run's dumps into one HTML page.
+
+
+def _short(value: float) -> float:
+    return float(f"{value:.4g}")  # 4 significant digits: a gap of 1e-7 stays visible, files stay small
+
+
+def sample_records(step: int, prompts: list[Any], outputs: list[str], scores: list[float],
+                   extras: list[dict[str, float]]) -> list[dict[str, Any]]:
+    """One record per sample: verl's fields (input: the prompt after the chat template, output: the
+    response decoded without special tokens, gts, score, step), the reward extras beside them, and
+    data_source (this project's). prompts[i]: sample i's data.Prompt."""
+    records = []
+    for prompt, text, score, extra in zip(prompts, outputs, scores, extras, strict=True):
+        record = {"input": prompt.text, "output": text, "gts": prompt.ground_truth, "score": score, "step": step}
+        record.update({k: v for k, v in extra.items() if k not in record})
+        record["data_source"] = prompt.data_source
+        records.append(record)
+    return records
+
+
+def add_token_fields(records: list[dict[str, Any]], tokenizer: Any, batch: dict[str, torch.Tensor],
+                     logprob_gap: torch.Tensor | None) -> None:
+    """This project's per-sample and per-token fields of a training batch's records (one per row):
+    prompt_index, advantage (the mean over the loss mask), num_turns (multi-turn); per response token
+    its id (tokens), text (pieces), loss mask (mask: 0 on tool or user replies and rejected tokens),
+    advantage (token_advantages) and, given logprob_gap (B, R), the engine's log-prob minus the actor's
+    (null where the mask is 0)."""
+    width = batch["responses"].shape[1]
+    real = batch["attention_mask"][:, -width:].bool()  # (B, R) every real response token
+    mask, adv = batch["response_mask"].float(), batch["advantages"].float()  # (B, R) each
+    sample_adv = ((adv * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist()  # (B,)
+    pieces: dict[int, str] = {}  # one decode per distinct token id
+    for b, record in enumerate(records):
+        ids = batch["responses"][b][real[b]].tolist()
+        row_mask = mask[b][real[b]].tolist()
+        for i in ids:
+            if i not in pieces:
+                pieces[i] = tokenizer.decode([i])
+        record.update(prompt_index=int(batch["prompt_index"][b]), advantage=_short(sample_adv[b]))
+        if "num_turns" in batch:
+            record["num_turns"] = int(batch["num_turns"][b])
+        record.update(tokens=ids, pieces=[pieces[i] for i in ids], mask=[int(m) for m in row_mask],
+                      token_advantages=[_short(a) for a in adv[b][real[b]].tolist()])
+        if logprob_gap is not None:
+            gaps = logprob_gap[b][real[b]].tolist()
+            record["logprob_gap"] = [_short(g) if m else None for g, m in zip(gaps, row_mask, strict=True)]
+
+
+def write_samples(records: list[dict[str, Any]], directory: Path, step: int, group: dist.ProcessGroup) -> Path:
+    """Rank 0 writes every rank's records, in group-rank order, to <directory>/<step>.jsonl (verl's layout:
+    one file per step). Collective over `group`, which must hold global rank 0 and each sample once."""
+    gathered: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank() == 0 else None
+    dist.gather_object(records, gathered, dst=0, group=group)
+    path = Path(directory) / f"{step}.jsonl"
+    if gathered is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            for rank_records in gathered:
+                for record in rank_records:
+                    f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return path

@@ -115,6 +115,7 @@ from rewards import (
 )
 from tracking import (
     Tracker,
+    add_token_fields,
     batch_metrics,
     count_batch,
     machine,
@@ -124,11 +125,13 @@ from tracking import (
     print0,
     reduce_metrics,
     route_library_logs,
+    sample_records,
     stats,
     summary,
     timed,
     truncate_metrics,
     values_by_key,
+    write_samples,
 )
 
 if TYPE_CHECKING:
@@ -582,6 +585,8 @@ class Run:
     param_dtype: torch.dtype
     offload: OffloadFlags
     old_log_probs_from: str  # "engine" | "update" | "forward" (old_log_prob_source)
+    rollout_data_dir: Path | None  # trainer.rollout_data_dir: each step's samples; None: not written
+    validation_data_dir: Path  # trainer.validation_data_dir (null: <out_dir>/val_generations)
     start_step: int = 0
     llm: LLM | None = None
     engine_settings: dict[str, Any] = field(default_factory=dict)  # what the engine was built with
@@ -709,8 +714,8 @@ def reward_model_scores(run: Run, rows: dict[str, torch.Tensor], rollout_info: l
 def run_validation(run: Run, step: int) -> dict[str, float]:
     """Scores on the whole held-out set (greedy unless rollout.val_kwargs.do_sample), verl's names:
     val-core/<data_source>/reward/mean@<n>, val-aux/<data_source>/<extra>/mean@<n>, and val/score.
-    Each rollout dp group generates for a contiguous share; its generations go to
-    <out_dir>/val_generations/step<N>_dp<g>.jsonl."""
+    Each rollout dp group generates for a contiguous share; every sample goes to
+    <validation_data_dir>/<step>.jsonl (write_samples)."""
     rollout_mesh, prompts = run.meshes.rollout, run.val_prompts
     dp, dp_rank = rollout_mesh.size(0), rollout_mesh.get_local_rank("dp")
     indices = list(range(len(prompts) * dp_rank // dp, len(prompts) * (dp_rank + 1) // dp))
@@ -720,14 +725,12 @@ def run_validation(run: Run, step: int) -> dict[str, float]:
     with failing_together(RewardError, run.env.device):
         texts, scores, extras = score_batch(run.reward_fn, run.tokenizer, generated.responses, response_tokens, rows,
                                             turn_stats and turn_stats.reward_info, run.cfg.reward_model.timeout_s)
-    if rollout_mesh.get_local_rank("infer_tp") == 0:
-        (run.out_dir / "val_generations").mkdir(parents=True, exist_ok=True)
-        with open(run.out_dir / "val_generations" / f"step{step}_dp{dp_rank}.jsonl", "w") as f:
-            for i, (prompt, text, score) in enumerate(zip(rows, texts, scores, strict=True)):
-                record = {"prompt": prompt.text, "response": text, "ground_truth": prompt.ground_truth, "score": score}
-                if turn_stats is not None:  # every turn: role, text, token count, whether it was trained on
-                    record["turns"] = turn_stats.turns[i]
-                f.write(json.dumps(record) + "\n")
+    if rollout_mesh.get_local_rank("infer_tp") == 0:  # the TP ranks of a group hold the same samples
+        records = sample_records(step, rows, texts, scores, extras)
+        if turn_stats is not None:  # every turn: role, text, token count, whether it was trained on
+            for record, turns in zip(records, turn_stats.turns, strict=True):
+                record["turns"] = turns
+        write_samples(records, run.validation_data_dir, step, rollout_mesh.get_group("dp"))
     # Means over every rank's samples (the TP ranks of a group hold the same ones, which leaves means
     # unchanged); mean@n: over all n samples of every prompt.
     n = run.val_sampling["n"]
@@ -824,10 +827,11 @@ def train_step(run: Run, step: int) -> dict[str, float]:
                                          run.sp_group))
         run.critic_sched.step()
     with timed(metrics, "update_actor"):
-        actor_metrics, old = update_actor(run.actor, run.actor_optim, batch, run.actor_loss, plan.actor_update,
-                                          generator, run.dp_group, run.sp_group,
-                                          own_old_log_probs=run.old_log_probs_from == "update")
-    if old is not None and run.old_log_probs_from == "update":  # 5b's checks, from the update's forward
+        actor_metrics, update_old = update_actor(run.actor, run.actor_optim, batch, run.actor_loss,
+                                                 plan.actor_update, generator, run.dp_group, run.sp_group,
+                                                 own_old_log_probs=run.old_log_probs_from == "update")
+    if update_old is not None:  # 5b's checks, from the update's forward
+        old = update_old
         batch["old_log_probs"] = old.old_log_probs
         metrics.update(check_old_policy(batch, old, algo_cfg.rollout_correction, actor_cfg.loss_agg_mode,
                                         run.dp_group))
@@ -837,6 +841,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     metrics["actor/lr"] = run.actor_sched.get_last_lr()[0]
     run.actor_sched.step()
     run.consecutive_skips = run.consecutive_skips + 1 if actor_metrics.get("actor/skipped_steps", 0) else 0
+    if run.rollout_data_dir is not None:  # the step's samples, their advantages, the engine-vs-actor gaps
+        with timed(metrics, "dump_rollout_generations"):
+            dump_rollouts(run, step, batch, reward_extras, old)
 
     # 7. metrics (verl's names), reduced over ranks
     metrics["timing_s/step"] = time.perf_counter() - step_start
@@ -854,6 +861,30 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             f"(trainer.max_consecutive_skipped_steps={limit}); stopping. "
             f"Lower actor_rollout_ref.actor.optim.lr or check the reward function's values.")
     return metrics
+
+
+def dump_rollouts(run: Run, step: int, batch: Batch, reward_extras: list[dict[str, float]],
+                  old: PolicyForward | None) -> None:
+    """The step's samples to <trainer.rollout_data_dir>/<step>.jsonl (tracking.write_samples: verl's fields,
+    and per token the advantage and, when the old log-probs are the actor's, the engine's log-prob minus
+    the actor's under the same top-k / top-p cut). Each rank builds its rows' records (the decoding is
+    spread over the ranks) and rank 0 gathers and writes them: one file per step, as verl's, on any file
+    system. The ranks of rank 0's train dp group hold every sample once; under Ulysses the sp ranks share
+    rows, whose reward extras each rank gathers from its group first. Collective."""
+    if run.sp_group is not None:  # the rows of the whole sp group (ulysses.gather_rows' order)
+        every_rank: list[Any] = [None] * dist.get_world_size(run.sp_group)
+        dist.all_gather_object(every_rank, reward_extras, group=run.sp_group)
+        reward_extras = [extra for rank_extras in every_rank for extra in rank_extras]
+    if 0 not in dist.get_process_group_ranks(run.dp_group):
+        return  # an sp rank whose rows rank 0's group already holds
+    response_tokens = batch["attention_mask"][:, -batch["responses"].shape[1]:].bool()  # (B, R) the real ones
+    outputs = run.tokenizer.batch_decode([r[m] for r, m in zip(batch["responses"], response_tokens, strict=True)],
+                                         skip_special_tokens=True)  # the texts the reward function read
+    records = sample_records(step, [run.train_prompts[i] for i in batch["prompt_index"].tolist()], outputs,
+                             batch["token_level_scores"].sum(-1).tolist(), reward_extras)
+    gap = None if old is None else batch["rollout_log_probs"] - old.sampling_log_probs  # (B, R)
+    add_token_fields(records, run.tokenizer, batch, gap)
+    write_samples(records, run.rollout_data_dir, step, run.dp_group)
 
 
 def old_policy_forward(run: Run, batch: Batch) -> PolicyForward:
@@ -897,7 +928,8 @@ def build_run(cfg: Config, env: DistEnv, engine_of: Run | None = None) -> Run:
     several runs in one program pay one engine start-up."""
     dims, plan = validate(cfg, env.world_size)
     check_launch(dims, env)
-    out_dir = Path(cfg.trainer.default_local_dir)
+    tc = cfg.trainer
+    out_dir = Path(tc.default_local_dir)
     print0("config (keys that differ from the defaults; all of them in "
            f"{out_dir / 'config.yaml'}):\n" + "".join(f"  {k}={v}\n" for k, v in non_defaults(cfg).items()))
     print0(describe(cfg, dims, plan))
@@ -926,6 +958,8 @@ def build_run(cfg: Config, env: DistEnv, engine_of: Run | None = None) -> Run:
               tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts, reward_fn=reward_fn,
               sampler=sampler, total_steps=total_steps, actor_loss=ActorLoss.from_config(cfg),
               param_dtype=param_dtype, offload=OffloadFlags.from_config(cfg), old_log_probs_from=source,
+              rollout_data_dir=Path(tc.rollout_data_dir) if tc.rollout_data_dir is not None else None,
+              validation_data_dir=Path(tc.validation_data_dir or out_dir / "val_generations"),
               multi_turn=multi_turn, **models)
     resume(run)
     build_engine(run, engine_of)

@@ -5,6 +5,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,45 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slurm" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def chromium() -> Callable[..., str]:
+    """trace_viewer.chromium (headless Chromium: a page's DOM after its scripts ran). `make test` installs
+    Debian's package first, so there a missing browser fails the test; a plain pytest run without it
+    skips, saying how to install it."""
+    import trace_viewer
+
+    if trace_viewer.chromium_binary() is None:
+        why = "needs headless Chromium: apt-get install chromium (as root: make chromium)"
+        if os.environ.get("MAKELEVEL"):  # under make, which was to install it
+            pytest.fail(why)
+        pytest.skip(why)
+    return trace_viewer.chromium
+
+
+class DomNodes(HTMLParser):
+    """Every element of an HTML document as (tag, attrs, text directly inside it), in document order."""
+
+    def __init__(self, page: str) -> None:
+        super().__init__()
+        self.nodes: list[tuple[str, dict[str, str], list[str]]] = []
+        self._open: list[int] = []
+        self.feed(page)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.nodes.append((tag, {k: v or "" for k, v in attrs}, []))
+        if tag not in ("meta", "input", "br", "img", "circle", "rect", "polyline", "link"):
+            self._open.append(len(self.nodes) - 1)
+
+    def handle_endtag(self, tag: str) -> None:
+        while self._open:
+            if self.nodes[self._open.pop()][0] == tag:
+                break
+
+    def handle_data(self, data: str) -> None:
+        if self._open:
+            self.nodes[self._open[-1]][2].append(data)
+
+    def with_class(self, name: str) -> list[tuple[str, dict[str, str], str]]:
+        return [(tag, attrs, "".join(text)) for tag, attrs, text in self.nodes if name in attrs.get("class", "").split()]

@@ -92,9 +92,9 @@ def test_killed_rank_resumes_and_reproduces(tiny_assets, sft_model, tmp_path):
 
 def check_export(run_dir: Path, out: Path) -> Path:
     run([sys.executable, "export_hf.py", str(run_dir), "--out", str(out)])
-    expected = [json.loads(line) for f in sorted((run_dir / "val_generations").glob("step6_*.jsonl"))
+    expected = [json.loads(line) for f in (run_dir / "val_generations").glob("6.jsonl")
                 for line in f.read_text().splitlines()]
-    prompts = [r["prompt"] for r in expected]
+    prompts = [r["input"] for r in expected]
     code = f"""
 import json, sys
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -114,7 +114,7 @@ print("RESULT" + json.dumps({{"hf": hf, "vllm": [tok.decode(r.outputs[0].token_i
     proc = run([sys.executable, "-c", code, json.dumps(prompts)], timeout=600,
                env=clean_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1"))
     got = json.loads(proc.stdout.split("RESULT", 1)[1])
-    want = [r["response"] for r in expected]
+    want = [r["output"] for r in expected]
     assert got["hf"] == want
     assert got["vllm"] == want
     return out
@@ -145,6 +145,6 @@ def test_resume_at_a_smaller_world_size(tiny_assets, sft_model, tmp_path):
 
 
 def validation_answers(run_dir: Path, step: int) -> dict[str, str]:
-    """prompt -> greedy response, from every rollout group's val_generations file of `step`."""
-    return {row["prompt"]: row["response"] for f in (run_dir / "val_generations").glob(f"step{step}_dp*.jsonl")
+    """prompt -> greedy response, from the validation dump of `step`."""
+    return {row["input"]: row["output"] for f in (run_dir / "val_generations").glob(f"{step}.jsonl")
             for row in map(json.loads, f.read_text().splitlines())}

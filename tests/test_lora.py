@@ -274,13 +274,13 @@ def test_lora_grpo_learns_and_exports(tiny_assets, sft_model, tmp_path):
     run([sys.executable, "export_hf.py", str(out), "--out", str(merged)])
     run([sys.executable, "export_hf.py", str(out), "--out", str(adapter), "--adapter-only"])
     assert (adapter / "adapter_config.json").is_file() and not (adapter / "model.safetensors").exists()
-    expected = [json.loads(line) for f in sorted((out / "val_generations").glob(f"step{steps}_*.jsonl"))
+    expected = [json.loads(line) for f in (out / "val_generations").glob(f"{steps}.jsonl")
                 for line in f.read_text().splitlines()][:16]
     proc = run([sys.executable, "-c", VLLM_ADAPTER, str(sft_model), str(merged), str(adapter),
-                json.dumps([r["prompt"] for r in expected])], timeout=600,
+                json.dumps([r["input"] for r in expected])], timeout=600,
                env=clean_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1"))
     got = json.loads(proc.stdout.split("RESULT", 1)[1])
-    want = [r["response"] for r in expected]
+    want = [r["output"] for r in expected]
     assert got["merged"] == want and got["peft"] == want and got["vllm"] == want, (got, want)
 
 

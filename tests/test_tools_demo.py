@@ -49,7 +49,7 @@ def test_grpo_teaches_the_tiny_model_to_use_the_calculator(tiny_assets, tmp_path
         # the engine's log-probs of every sampled token equal the actor's, tool replies in between
         assert r["rollout/logprob_diff_max"] < 1e-4, r
         assert r["num_turns/max"] >= 4 and r["tools/failure_frequency"] <= 0.2, r
-    records = [json.loads(line) for f in (out / "val_generations").glob("step20_*.jsonl")
+    records = [json.loads(line) for f in (out / "val_generations").glob("20.jsonl")
                for line in f.read_text().splitlines()]
     turns = [t for r in records for t in r["turns"]]
     assert {(t["role"], t["trained"]) for t in turns} == {("assistant", True), ("tool", False)}

@@ -388,29 +388,40 @@ def test_one_step_replays_in_process(tiny_assets, sft_model, tmp_path):
     assert {k: got[k] for k in compared} == {k: logged[2][k] for k in compared}
 
 
-@pytest.mark.slow
-def test_multi_turn_rollouts_train_on_what_the_policy_sampled(tiny_assets, sft_model, tmp_path):
-    """Two GRPO steps at TP=2 where a scripted user (tests/multi_turn_env.py) answers each response twice:
-    the actor's log-probs of every sampled token equal the engine's (the end-to-end check that masks,
-    positions and the user's ids are what vLLM saw), three assistant turns and two user turns make
-    num_turns 6, the user's turns are logged untrained, and each trajectory's environment ran on exactly
-    one rank of the TP group (the resets across ranks equal the trajectories generated)."""
-    out, log_dir = tmp_path / "run", tmp_path / "users"
+@pytest.fixture(scope="module")
+def multi_turn_run(tiny_assets, sft_model, tmp_path_factory) -> tuple[Path, Path]:
+    """Two GRPO steps at TP=2 where a scripted user (tests/multi_turn_env.py) answers each response twice,
+    dumping every training step's samples (trainer.rollout_data_dir) and each validation's (the default
+    trainer.validation_data_dir). Returns (the run directory, the scripted users' logs)."""
+    root = tmp_path_factory.mktemp("multi_turn")
+    out, log_dir = root / "run", root / "users"
     log_dir.mkdir()
     env = clean_env(PYTHONPATH=str(Path(__file__).parent), SCRIPTED_USER_LOG=str(log_dir))
     run(torchrun_cmd(2, "train_ppo.py", "--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model),
                      "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "data.max_response_length=48",
                      "actor_rollout_ref.rollout.multi_turn.enable=true",
                      "actor_rollout_ref.rollout.multi_turn.environment=multi_turn_env.AskAgain",
-                     "trainer.total_training_steps=2", "trainer.test_freq=2", "data.max_val_samples=16"),
+                     "trainer.total_training_steps=2", "trainer.test_freq=2", "data.max_val_samples=16",
+                     f"trainer.rollout_data_dir={root / 'rollouts'}"),
         timeout=900, env=env)
+    return out, log_dir
+
+
+@pytest.mark.slow
+def test_multi_turn_rollouts_train_on_what_the_policy_sampled(multi_turn_run):
+    """The actor's log-probs of every sampled token equal the engine's (the end-to-end check that masks,
+    positions and the user's ids are what vLLM saw), three assistant turns and two user turns make
+    num_turns 6, the user's turns are logged untrained, and each trajectory's environment ran on exactly
+    one rank of the TP group (the resets across ranks equal the trajectories generated)."""
+    out, log_dir = multi_turn_run
     rows = step_rows(out)
     assert len(rows) == 2
     for r in rows:
         assert r["rollout/logprob_diff_max"] < 1e-4, r
         assert r["num_turns/max"] == 6 and r["num_turns/min"] >= 2 and r["actor/grad_norm"] > 0, r
-    records = [json.loads(line) for f in (out / "val_generations").glob("step2_*.jsonl")
+    records = [json.loads(line) for f in (out / "val_generations").glob("2.jsonl")
                for line in f.read_text().splitlines()]
+    assert len(records) == 16  # each held-out prompt once, though both TP ranks of the group generated it
     turns = [t for r in records for t in r["turns"]]
     assert {(t["role"], t["trained"]) for t in turns} == {("assistant", True), ("user", False)}
     resets = [line for f in log_dir.glob("*.log") for line in f.read_text().splitlines() if line.endswith("reset")]
@@ -435,3 +446,66 @@ def test_verl_losses_and_estimators_train_two_steps_each(short_runs):
                                                              "verl_dppo_kl_token_sum") for m in got[mode])
     # pass@k: only each group's best sample has an advantage, the lead over the second best (>= 0)
     assert all(m["critic/advantages/min"] >= 0 for m in got["verl_geo_mean_grpo_passk"])
+
+
+@pytest.mark.slow
+def test_rollout_dumps_hold_each_sample_once_with_its_advantage_and_gap(multi_turn_run, tiny_assets):
+    """trainer.rollout_data_dir: <step>.jsonl with every sample of the step once (the two TP ranks train on
+    different halves of their group's samples), verl's fields, GRPO's advantage recomputed here from the
+    dumped scores, the tokens decoding to the output, and the per-token engine-vs-actor gap, whose largest value
+    on each rank is what that rank reported as rollout/logprob_diff_max."""
+    from transformers import AutoTokenizer
+
+    out, _ = multi_turn_run
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets["tiny-qwen2"])
+    metrics = {r["step"]: r for r in step_rows(out)}
+    for step in (1, 2):
+        records = [json.loads(line) for line in (out.parent / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+        assert len(records) == 256 and {r["step"] for r in records} == {step}
+        groups: dict[int, list[dict]] = {}
+        for r in records:
+            groups.setdefault(r["prompt_index"], []).append(r)
+        assert len(groups) == 32 and {len(g) for g in groups.values()} == {8}
+        for group in groups.values():  # (score - group mean) / (group std + 1e-6), std with Bessel's correction
+            scores = [r["score"] for r in group]
+            mean = sum(scores) / 8
+            std = math.sqrt(sum((x - mean) ** 2 for x in scores) / 7)
+            for r in group:
+                assert r["advantage"] == pytest.approx((r["score"] - mean) / (std + 1e-6), rel=1e-3, abs=1e-3)
+                assert r["gts"] is not None and r["input"] and "turns" not in r
+        for r in records:
+            n = len(r["tokens"])
+            assert len(r["pieces"]) == len(r["mask"]) == len(r["token_advantages"]) == len(r["logprob_gap"]) == n
+            assert tokenizer.decode(r["tokens"], skip_special_tokens=True) == r["output"]
+            assert all((g is None) == (m == 0) for g, m in zip(r["logprob_gap"], r["mask"], strict=True))
+            assert all(a == pytest.approx(r["advantage"], rel=1e-3) or m == 0
+                       for a, m in zip(r["token_advantages"], r["mask"], strict=True))
+        assert sum(r["mask"].count(0) for r in records) > 0  # the user's replies, untrained
+        assert max(r["num_turns"] for r in records) == metrics[step]["num_turns/max"]
+        # rollout/logprob_diff_max is each rank's largest gap, averaged over the ranks (the first 128 rows
+        # are rank 0's, the rest rank 1's)
+        largest = [max(abs(g) for r in half for g in r["logprob_gap"] if g is not None)
+                   for half in (records[:128], records[128:])]
+        assert sum(largest) / 2 == pytest.approx(metrics[step]["rollout/logprob_diff_max"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_trace_page_of_the_multi_turn_run(multi_turn_run, chromium):
+    """trace_viewer.py on the run: Chromium shows both training steps and both validations, a step's
+    samples with their tokens, and the user's replies marked untrained."""
+    from conftest import DomNodes
+
+    import trace_viewer
+
+    out, _ = multi_turn_run
+    trace_viewer.main([str(out), "--max-samples", "8"])
+    first = json.loads((out.parent / "rollouts" / "1.jsonl").read_text().splitlines()[0])
+    dom = DomNodes(chromium(out / "traces.html", fragment="step=rollout:1"))
+    assert [t for _, _, t in dom.with_class("step")] == ["step 1 (256)", "step 2 (256)", "step 0 (16)", "step 2 (16)"]
+    assert [t for _, _, t in dom.with_class("view-title")] == ["training step 1: 8 of 256 samples"]
+    shown = [(attrs["class"].split(), text) for _, attrs, text in dom.with_class("tok") if "title" in attrs]
+    assert [text for _, text in shown[:len(first["pieces"])]] == first["pieces"]
+    assert [("untrained" in c) for c, _ in shown[:len(first["pieces"])]] == [m == 0 for m in first["mask"]]
+    val = DomNodes(chromium(out / "traces.html", fragment="step=validation:2"))
+    assert len(val.with_class("sample")) == 8
+    assert {t.split(" · ")[0] for _, _, t in val.with_class("role")} == {"assistant", "user (not trained)"}
