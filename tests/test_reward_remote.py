@@ -49,7 +49,7 @@ def prompts_and_texts(n: int) -> tuple[list[Prompt], list[str]]:
 
 def score(scorer, n: int = 6, timeout_s: float = 0.0):
     prompts, texts = prompts_and_texts(n)
-    return rewards._score_texts(scorer, texts, prompts, [{}] * n, timeout_s)
+    return rewards._score_texts(scorer, texts, prompts, [{}] * n, timeout_s)[:2]  # (scores, extras)
 
 
 def remote(url: str, path: str, timeout_s: float = 5.0, max_concurrent: int = 2, max_retries: int = 0):
