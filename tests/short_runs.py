@@ -73,8 +73,8 @@ CASES: dict[str, tuple[str, list[str]]] = {
     # batches per step, so the second trains off policy and the trust regions see ratios other than 1
     **{f"verl_{name}": ("configs/tiny_cpu.yaml", [*TWO_STEPS, "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
                                                  "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-                                                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-                                                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+                                                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                                                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
                                                  "actor_rollout_ref.actor.use_kl_loss=true", *mode])
        for name, mode in {
            "gpg": ["actor_rollout_ref.actor.policy_loss.loss_mode=gpg", "algorithm.adv_estimator=gpg"],

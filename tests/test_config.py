@@ -288,3 +288,21 @@ def test_values_that_cannot_work_are_refused(override, message):
 ])
 def test_edge_values_that_work_are_accepted(override):
     check_supported(load_config(None, [DATA, override]))
+
+
+def test_every_short_run_config_is_valid():
+    """tests/short_runs.py's cases share one launch, where one bad config fails every test that uses the
+    launch; check each here, in the fast loop, as the trainer would before any model loads (2 ranks)."""
+    from short_runs import CASES
+
+    from config import check_supported
+    from mesh_utils import validate
+
+    for name, (path, overrides) in CASES.items():
+        cfg = load_config(path, ["data.train_files=assets/data/train.parquet",
+                                 *(o.replace("{reward_server}", "http://127.0.0.1:1") for o in overrides)])
+        try:
+            check_supported(cfg)
+            validate(cfg, 2)
+        except ConfigError as e:
+            raise AssertionError(f"short run {name}: {e}") from None
