@@ -1095,13 +1095,16 @@ def build_engine(run: Run, engine_of: Run | None = None) -> None:
         run.llm = rollout.build_rollout_engine(settings.pop("model_path"), run.meshes.rollout,
                                                **{k: v for k, v in settings.items() if k != "tensor_model_parallel_size"})
     else:
+        # an engine built for longer sequences serves shorter ones; every other setting must be equal
+        at_most = ("max_model_len", "max_num_batched_tokens")
         differ = {k: (engine_of.engine_settings[k], v) for k, v in run.engine_settings.items()
-                  if engine_of.engine_settings[k] != v}
+                  if (v > engine_of.engine_settings[k] if k in at_most else v != engine_of.engine_settings[k])}
         if differ:
             raise ConfigError("cannot reuse the earlier run's rollout engine; these settings differ (then, now): "
-                              + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in differ.items()))
+                              + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in differ.items())
+                              + f" (the engine serves a run whose {' and '.join(at_most)} are at most its own)")
         move_to(engine_of, "generate")  # the engine awake, as a new run (placed LOADED) assumes
-        run.llm = engine_of.llm
+        run.llm, run.engine_settings = engine_of.llm, engine_of.engine_settings
     limits = dict(max_tokens=data_cfg.max_response_length, max_prompt_length=data_cfg.max_prompt_length,
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     seed = cfg.trainer.seed

@@ -43,7 +43,7 @@ def sft_model(tiny_assets, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def short_runs(request, tiny_assets, sft_model, tmp_path_factory) -> Path:
     """<dir>/<name>: the runs of tests/short_runs.py that the selected tests name with
-    @pytest.mark.short_run("name", ...), all in one 2-rank launch."""
+    @pytest.mark.short_run("name", ...), in a few launches (short_runs.LAUNCHES)."""
     import short_runs as cases
 
     wanted = {name for item in request.session.items for mark in item.iter_markers("short_run") for name in mark.args}
@@ -52,8 +52,15 @@ def short_runs(request, tiny_assets, sft_model, tmp_path_factory) -> Path:
 
 def short_run(short_runs: Path, name: str) -> Path:
     """One short run's directory; the test asking must carry @pytest.mark.short_run(name)."""
-    out = short_runs / name
-    assert (out / "metrics.jsonl").is_file(), f"{name} did not run: mark the test @pytest.mark.short_run({name!r})"
+    import short_runs as cases
+
+    out, launch = short_runs / name, short_runs / cases.launch_of(name)
+    assert out.is_dir(), f"{name} did not run: mark the test @pytest.mark.short_run({name!r})"
+    finished = (f"case {name} done", f"case {name} stopped, as expected")
+    if not any(line.startswith(finished) for line in launch.with_suffix(".out").read_text().splitlines()):
+        failed = launch.with_suffix(".failed")
+        raise AssertionError(f"{name} did not finish; its launch's output ends:\n"
+                             + (failed.read_text() if failed.is_file() else "(it did not fail)"))
     return out
 
 

@@ -1,11 +1,12 @@
-"""The short 2-rank runs that several test modules check, launched together.
+"""The short end-to-end runs that several test modules check, launched together.
 
-Each case is a train_ppo run on 2 CPU ranks at TP 1 with configs/tiny_cpu.yaml's lengths, the warmed
-(SFT) tiny model and the demo data; its test checks the files it leaves in <dir>/<name>. All the
-cases the selected tests use (`@pytest.mark.short_run("name")`) run in one torchrun launch, one after
-another, sharing the vLLM engine (tests/run_cases.py): most of a short run's time on a CPU is the
-imports and the engine start-up, which the launch pays once. The `short_runs` fixture (conftest.py)
-starts it.
+Each case is a train_ppo run with configs/tiny_cpu.yaml's lengths, the warmed (SFT) tiny model and the
+demo data; its test checks the files it leaves in <dir>/<name>. The cases the selected tests use
+(`@pytest.mark.short_run("name")`) run in a few torchrun launches (LAUNCHES: 2 ranks at TP 1, 2 ranks at
+TP 2, 4 ranks), one after another in each, sharing the vLLM engine (tests/run_cases.py): most of a short
+run's time on a CPU is the imports and the engine start-up, which a launch pays once. A case expected to
+stop with an error (EXPECTED_ERRORS) leaves each rank's error in <dir>/<name>/error.rank<r>.txt, and the
+launch goes on. The `short_runs` fixture (conftest.py) starts them.
 """
 
 import json
@@ -23,6 +24,20 @@ TINY = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_par
         "trainer.save_freq=-1"]
 TWO_STEPS = ["trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1"]
 RC = "algorithm.rollout_correction"
+RESUME = ["trainer.total_training_steps=6", "trainer.save_freq=3", "trainer.val_before_train=false",
+          "trainer.test_freq=6", "data.max_val_samples=32"]
+PACKING = ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
+           "actor_rollout_ref.actor.entropy_coeff=0.01", "trainer.total_training_steps=3", "trainer.val_before_train=false",
+           "trainer.test_freq=0", "actor_rollout_ref.actor.ppo_mini_batch_size=32"]
+RC_DECOUPLED = [
+    "actor_rollout_ref.actor.fsdp_config.fsdp_size=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    "algorithm.adv_estimator=rloo", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum",
+    "actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.shuffle=true",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "actor_rollout_ref.rollout.top_p=0.9",
+    "actor_rollout_ref.rollout.top_k=20", "data.max_val_samples=32",
+    f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=2.0", f"{RC}.rollout_is_batch_normalize=true",
+    # a band of 0.1% around ratio 1: exactness rejects nothing, the full-vocabulary comparison half
+    f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=0.999_1.001"]
 
 CASES: dict[str, tuple[str, list[str]]] = {
     # --- tests/test_train_ppo_algorithms.py: the recipes as shipped, and each estimator and loss mode once
@@ -69,6 +84,60 @@ CASES: dict[str, tuple[str, list[str]]] = {
         *TWO_STEPS, f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce", f"{RC}.rollout_is=sequence",
         f"{RC}.rollout_rs=seq_max_k2,seq_sum_k1", f"{RC}.rollout_rs_threshold=1e-6,1.001",
         "actor_rollout_ref.actor.ppo_mini_batch_size=32"]),  # one optimizer step per step
+    # --- tests/test_train_ppo_packing.py: GAE with a reference model and a critic, 3 steps, one mini batch
+    # of 256 samples per step; padded (a separate old-log-prob forward, kept by a rejection band no token
+    # comes near) and packed with token-budget micro batches of a few samples each in every forward
+    "padded": ("configs/tiny_cpu.yaml", [*PACKING, "actor_rollout_ref.model.use_remove_padding=false",
+                                         "critic.model.use_remove_padding=false", f"{RC}.rollout_rs=token_k1",
+                                         f"{RC}.rollout_rs_threshold=0.5_2.0"]),
+    "packed": ("configs/tiny_cpu.yaml", [*PACKING, "actor_rollout_ref.model.use_remove_padding=true",
+                                         "critic.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=200",
+                                         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=300",
+                                         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=120",
+                                         "critic.ppo_max_token_len_per_gpu=250", "critic.forward_max_token_len_per_gpu=400"]),
+    # --- tests/test_checkpoint.py: the uninterrupted reference of the killed-rank resume, 6 steps, checkpoints
+    # at 3 and 6 (the killed run is RESUME's, too)
+    "resume_reference": ("configs/tiny_cpu.yaml", [*RESUME, "trainer.max_actor_ckpt_to_keep=2"]),
+    # --- tests/test_train_ppo.py: runs that must stop with an error (EXPECTED_ERRORS)
+    # a reward function that raises on rank 1 only (tests/bad_reward.py)
+    "reward_raises": ("configs/tiny_cpu.yaml", [*TWO_STEPS, "custom_reward_function.path={tests}/bad_reward.py"]),
+    # an entropy bonus beyond float32's range; validation before training on a code data set ({code_val})
+    "non_finite": ("configs/tiny_cpu.yaml", ["actor_rollout_ref.actor.entropy_coeff=1e39",
+                                             "trainer.max_consecutive_skipped_steps=2", "trainer.total_training_steps=4",
+                                             "trainer.test_freq=-1", "data.val_files={code_val}",
+                                             "reward_model.sandbox_fusion.max_concurrent=4"]),
+    # --- TP 2 (LAUNCHES["tp2"]); the longest first: the engine it builds serves the shorter runs after it
+    # tests/test_train_ppo.py: a scripted user (tests/multi_turn_env.py) answers each response twice
+    "multi_turn": ("configs/tiny_cpu.yaml", [
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "data.max_response_length=48",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.environment=multi_turn_env.AskAgain",
+        "trainer.total_training_steps=2", "trainer.test_freq=2", "data.max_val_samples=16",
+        "trainer.rollout_data_dir={root}/multi_turn_rollouts"]),
+    # tests/test_train_ppo.py: GRPO with DAPO's dynamic sampling, validation, a checkpoint and its export
+    "grpo_tp2": ("configs/tiny_cpu.yaml", [
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.total_training_steps=3",
+        "trainer.test_freq=3", "trainer.save_freq=3", "data.max_val_samples=16",
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=10"]),
+    # tests/test_train_ppo_ulysses.py: sp=2 on the rollout's TP=2 group, packed forwards cut by token
+    # budgets (a sample is at most 16 + 12 tokens), a KL loss; the sp ranks must shuffle alike
+    "ulysses": ("configs/tiny_cpu.yaml", [
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=true",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=300", "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.shuffle=true", *TWO_STEPS]),
+    # tests/test_checkpoint.py: rc_decoupled's step-2 checkpoint, written by 4 ranks, resumed on 2 (DCP
+    # reshards), validated before a third step
+    "resume_smaller": ("configs/tiny_cpu.yaml", [
+        *RC_DECOUPLED, "trainer.resume_mode=resume_path", "trainer.resume_from_path={root}/rc_decoupled/global_step_2",
+        "trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=true"]),
+    # --- 4 ranks (LAUNCHES["w4"]); tests/test_train_ppo_rollout_correction.py: decoupled, top_k=20 and top_p=0.9,
+    # FSDP groups of 2 (HSDP), vLLM TP=2, RLOO, 2 shuffled PPO epochs; saved and validated at step 2
+    "rc_decoupled": ("configs/tiny_cpu.yaml", [
+        *RC_DECOUPLED, "trainer.n_gpus_per_node=4", "trainer.total_training_steps=2", "trainer.save_freq=2",
+        "trainer.test_freq=2", "trainer.val_before_train=false"]),
     # --- tests/test_train_ppo.py: verl's losses, estimator, aggregation and KL forms, 2 steps each; two mini
     # batches per step, so the second trains off policy and the trust regions see ratios other than 1
     **{f"verl_{name}": ("configs/tiny_cpu.yaml", [*TWO_STEPS, "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
@@ -94,28 +163,75 @@ ALGORITHM_CASES = ("dapo", "gspo", "drgrpo", "remax_clip_cov", "opo_cispo", "gpg
 VERL_CASES = tuple(name for name in CASES if name.startswith("verl_"))
 
 
-def launch(names: list[str], assets: dict, model: Path, root: Path) -> Path:
-    """Run the named cases (in CASES' order) in one 2-rank launch; root/<name> is each run's directory.
-    A case that names `{reward_server}` gets tests/reward_server.py's URL, which logs the items it
-    scores to root/<name>.scored.jsonl."""
-    from conftest import start_reward_server, torchrun
+# The launches, in this order (a case can read an earlier launch's files): (processes, the cases).
+# Cases not named here run in "tp1"; within a launch they run in CASES' order.
+LAUNCHES: dict[str, tuple[int, tuple[str, ...]]] = {
+    "w4": (4, ("rc_decoupled",)),
+    "tp2": (2, ("multi_turn", "grpo_tp2", "ulysses", "resume_smaller")),
+    "tp1": (2, ()),
+}
+# cases that stop with an error, as their tests expect: each rank's is written to <name>/error.rank<r>.txt
+EXPECTED_ERRORS = {"reward_raises", "non_finite"}
+# cases that read another case's files ({root}/<name>): selecting one runs the other too
+NEEDS = {"resume_smaller": ("rc_decoupled",)}
 
-    unknown = set(names) - set(CASES)
+
+def launch_of(name: str) -> str:
+    return next((launch for launch, (_, names) in LAUNCHES.items() if name in names), "tp1")
+
+
+def code_rows(n: int) -> list[dict]:
+    """Rows of a code data set (data_source apps) with one test, no input. Even rows expect no output: a
+    response passes when, run as a program, it exits 0 and prints nothing (`#### 7`, `7` do; `1+` does
+    not). Odd rows expect `never`, which no response of the tiny model prints."""
+    return [{"data_source": "apps", "prompt": [{"role": "user", "content": f"{i % 10}+{i // 10}="}],
+             "reward_model": {"style": "rule", "ground_truth": json.dumps({"inputs": [""],
+                                                                           "outputs": ["" if i % 2 == 0 else "never"]})},
+             "extra_info": {"index": i}} for i in range(n)]
+
+
+def launch(names: list[str], assets: dict, model: Path, root: Path) -> Path:
+    """Run the named cases (and those they need) in LAUNCHES' launches; root/<name> is each run's
+    directory, root/<launch>.out a launch's output. Placeholders in a case's overrides: `{root}`,
+    `{tests}` (this directory), `{code_val}` (a parquet of code_rows(16)), `{reward_server}`
+    (tests/reward_server.py's URL, which logs the items it scores to root/<name>.scored.jsonl). A launch
+    that fails is recorded in root/<launch>.failed, and the next launch still runs: only the tests of
+    its cases fail (conftest.short_run)."""
+    import datasets
+    from conftest import clean_env, run, start_reward_server, torchrun_cmd
+
+    names = set(names) | {need for name in names for need in NEEDS.get(name, ())}
+    unknown = names - set(CASES)
     assert not unknown, f"no such short run: {sorted(unknown)}"
-    servers, cases = [], []
-    for name, (config, overrides) in CASES.items():
-        if name not in names:
-            continue
-        if any("{reward_server}" in o for o in overrides):
-            server, url = start_reward_server(root / f"{name}.scored.jsonl")
-            servers.append(server)
-            overrides = [o.replace("{reward_server}", url) for o in overrides]
-        cases.append([name, ["--config", config, f"actor_rollout_ref.model.path={model}",
-                             f"data.train_files={assets['train']}", f"data.val_files={assets['val']}",
-                             f"trainer.default_local_dir={root / name}", *overrides]])
+    fixed = {"{root}": str(root), "{tests}": str(Path(__file__).parent)}
+    if any("{code_val}" in o for name in names for o in CASES[name][1]):
+        fixed["{code_val}"] = str(root / "code_val.parquet")
+        datasets.Dataset.from_list(code_rows(16)).to_parquet(fixed["{code_val}"])
+    env = clean_env(SCRIPTED_USER_LOG=str(root / "multi_turn_users"))  # tests/multi_turn_env.py's log
+    (root / "multi_turn_users").mkdir()
+    servers = []
     try:
-        if cases:
-            torchrun(2, "tests/run_cases.py", json.dumps(cases), timeout=300 * len(cases))
+        for launch_name, (nproc, _) in LAUNCHES.items():
+            cases = []
+            for name, (config, overrides) in CASES.items():
+                if name not in names or launch_of(name) != launch_name:
+                    continue
+                if any("{reward_server}" in o for o in overrides):
+                    server, url = start_reward_server(root / f"{name}.scored.jsonl")
+                    servers.append(server)
+                    overrides = [o.replace("{reward_server}", url) for o in overrides]
+                for key, value in fixed.items():
+                    overrides = [o.replace(key, value) for o in overrides]
+                cases.append([name, ["--config", config, f"actor_rollout_ref.model.path={model}",
+                                     f"data.train_files={assets['train']}", f"data.val_files={assets['val']}",
+                                     f"trainer.default_local_dir={root / name}", *overrides], name in EXPECTED_ERRORS])
+            if not cases:
+                continue
+            proc = run(torchrun_cmd(nproc, "tests/run_cases.py", json.dumps(cases)), timeout=300 * len(cases),
+                       env=env, check=False)
+            (root / f"{launch_name}.out").write_text(proc.stdout + proc.stderr)
+            if proc.returncode != 0:
+                (root / f"{launch_name}.failed").write_text(proc.stdout[-4000:] + proc.stderr[-6000:])
     finally:
         for server in servers:
             server.kill()

@@ -6,8 +6,8 @@ metrics and the final weights.
   B  the same run under `torchrun --max-restarts=1`, one rank SIGKILLed after step 4: torchrun
      restarts the job, it resumes from step 3 on its own, and steps 4-6 must equal A's, every
      metric and the final weights
-  C  world 4 for 2 steps, then D resumes it at world 2 (DCP reshards) for a third step; E runs the
-     same 3 steps at world 2 without stopping: D's step 3 equals E's within float tolerance
+  C  world 4 for 2 steps, then D resumes it at world 2 (DCP reshards) for a third step, validating
+     first: the same greedy answers (tests/short_runs.py's rc_decoupled and resume_smaller)
   the export of A's final actor equals B's final weights bit for bit and differs from the initial
   weights, and answers greedily exactly as the trained actor did in A's validation at that step
   (which vLLM produced from the synced actor), in HF and in vLLM
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, clean_env, run, torchrun, torchrun_cmd
+from conftest import ROOT, clean_env, run, short_run, torchrun_cmd
 from safetensors.torch import load_file
+from short_runs import RESUME
 
 from checkpoint import complete_checkpoints, find_resume_path
 from tracking import read_metrics
@@ -38,8 +39,7 @@ def compared(row: dict) -> dict:
 def args_for(assets: dict, model: Path, out: Path, *extra: str) -> list[str]:
     return ["--config", "configs/tiny_cpu.yaml", f"actor_rollout_ref.model.path={model}",
             f"data.train_files={assets['train']}", f"data.val_files={assets['val']}", f"trainer.default_local_dir={out}",
-            "trainer.total_training_steps=6", "trainer.save_freq=3", "trainer.val_before_train=false",
-            "trainer.test_freq=6", "data.max_val_samples=32", *extra]
+            *RESUME, *extra]
 
 
 def by_step(out: Path) -> dict[int, dict]:
@@ -47,9 +47,9 @@ def by_step(out: Path) -> dict[int, dict]:
 
 
 @pytest.mark.slow
-def test_killed_rank_resumes_and_reproduces(tiny_assets, sft_model, tmp_path):
-    ref_dir, run_dir = tmp_path / "A", tmp_path / "B"
-    torchrun(2, "train_ppo.py", *args_for(tiny_assets, sft_model, ref_dir, "trainer.max_actor_ckpt_to_keep=2"))
+@pytest.mark.short_run("resume_reference")
+def test_killed_rank_resumes_and_reproduces(tiny_assets, sft_model, short_runs, tmp_path):
+    ref_dir, run_dir = short_run(short_runs, "resume_reference"), tmp_path / "B"  # A ran in tests/short_runs.py
     assert [p.name for p in complete_checkpoints(ref_dir)] == ["global_step_3", "global_step_6"]
 
     proc = subprocess.Popen(torchrun_cmd(2, "train_ppo.py", *args_for(tiny_assets, sft_model, run_dir,
@@ -121,24 +121,21 @@ print("RESULT" + json.dumps({{"hf": hf, "vllm": [tok.decode(r.outputs[0].token_i
 
 
 @pytest.mark.slow
-def test_resume_at_a_smaller_world_size(tiny_assets, sft_model, tmp_path):
-    """C trains 2 steps on 4 ranks and validates its final weights; D resumes them on 2 ranks (DCP
-    reshards) and validates before training: the same weights must answer the held-out prompts with
-    the same greedy tokens, although they now live in 2 shards and 2 engines instead of 4."""
-    out = tmp_path / "reshard"
-    four = ["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-            "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=2"]
-    torchrun(4, "train_ppo.py", *args_for(tiny_assets, sft_model, out, *four))
-    assert [p.name for p in complete_checkpoints(out)] == ["global_step_2"]
-    written_by_four = validation_answers(out, step=2)
+@pytest.mark.short_run("rc_decoupled", "resume_smaller")
+def test_resume_at_a_smaller_world_size(short_runs):
+    """C (tests/short_runs.py's rc_decoupled) trains 2 steps on 4 ranks, saves and validates its final
+    weights; D (resume_smaller) resumes them on 2 ranks (DCP reshards) and validates before training: the
+    same weights must answer the held-out prompts with the same greedy tokens, although they now live in 2
+    shards and 1 engine instead of 4 and 2."""
+    four, two = short_run(short_runs, "rc_decoupled"), short_run(short_runs, "resume_smaller")
+    assert [p.name for p in complete_checkpoints(four)] == ["global_step_2"]
+    written_by_four = validation_answers(four, step=2)
     assert len(written_by_four) > 10, written_by_four
-    two = ["trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.test_freq=-1",
-           "trainer.val_before_train=true"]
-    proc = torchrun(2, "train_ppo.py", *args_for(tiny_assets, sft_model, out, *two))
-    assert "resumed from" in proc.stdout and "written by 4 ranks" in proc.stdout
-    assert validation_answers(out, step=2) == written_by_four  # exact: the very same weights
-    rows = by_step(out)
-    assert sorted(rows) == [1, 2, 3]
+    output = (short_runs / "tp2.out").read_text()
+    assert f"resumed from {four / 'global_step_2'} (step 2, written by 4 ranks)" in output
+    assert validation_answers(two, step=2) == written_by_four  # exact: the very same weights
+    rows = by_step(two)
+    assert sorted(rows) == [2, 3]  # the validation before training, then the third step
     # the resharded weights reached both the actor and the engine: their logprobs agree
     assert rows[3]["rollout/logprob_diff_max"] < 1e-3 and rows[3]["actor/grad_norm"] > 0
     assert rows[3]["training/epoch"] == 0 and rows[3]["batch/num_prompts"] == 32

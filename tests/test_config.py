@@ -1,4 +1,6 @@
 
+import re
+
 import pytest
 from conftest import ROOT
 
@@ -290,19 +292,24 @@ def test_edge_values_that_work_are_accepted(override):
     check_supported(load_config(None, [DATA, override]))
 
 
+PLACEHOLDER_VALUES = {"reward_server": "http://127.0.0.1:1", "tests": "tests", "root": "outputs/short_runs",
+                      "code_val": "assets/data/val.parquet"}
+
+
 def test_every_short_run_config_is_valid():
-    """tests/short_runs.py's cases share one launch, where one bad config fails every test that uses the
-    launch; check each here, in the fast loop, as the trainer would before any model loads (2 ranks)."""
-    from short_runs import CASES
+    """tests/short_runs.py's cases share a few launches, where one bad config fails every test that uses
+    the launch; check each here, in the fast loop, as the trainer would before any model loads (at its
+    launch's world size)."""
+    from short_runs import CASES, LAUNCHES, launch_of
 
     from config import check_supported
     from mesh_utils import validate
 
     for name, (path, overrides) in CASES.items():
         cfg = load_config(path, ["data.train_files=assets/data/train.parquet",
-                                 *(o.replace("{reward_server}", "http://127.0.0.1:1") for o in overrides)])
+                                 *(re.sub(r"\{(\w+)\}", lambda m: PLACEHOLDER_VALUES[m[1]], o) for o in overrides)])
         try:
             check_supported(cfg)
-            validate(cfg, 2)
+            validate(cfg, LAUNCHES[launch_of(name)][0])
         except ConfigError as e:
             raise AssertionError(f"short run {name}: {e}") from None

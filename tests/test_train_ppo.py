@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import clean_env, run, short_run, torchrun, torchrun_cmd
+from conftest import run, short_run, torchrun
 from safetensors.torch import load_file
 from short_runs import VERL_CASES
 
@@ -76,14 +76,9 @@ def assert_learning_signal(rows: list[dict]) -> None:
         assert r["actor/grad_norm"] > 0 and r["actor/pg_loss"] != 0, r
 
 
-@pytest.fixture(scope="module")
-def grpo_tp2(tiny_assets, sft_model, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("grpo") / "run"
-    train(2, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model),
-              "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.total_training_steps=3",
-              "trainer.test_freq=3", "trainer.save_freq=3", "data.max_val_samples=16",
-              "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=10"])
-    return out
+@pytest.fixture
+def grpo_tp2(short_runs) -> Path:
+    return short_run(short_runs, "grpo_tp2")
 
 
 @pytest.fixture
@@ -92,6 +87,7 @@ def gae_kl(short_runs) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.short_run("grpo_tp2")
 def test_grpo_tp2(grpo_tp2, sft_model):
     rows = step_rows(grpo_tp2)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -144,7 +140,7 @@ def test_gae_with_kl(gae_kl):
 
 
 @pytest.mark.slow
-@pytest.mark.short_run("gae_kl")
+@pytest.mark.short_run("grpo_tp2", "gae_kl")
 def test_every_config_key_is_read(grpo_tp2, gae_kl):
     """No key is accepted and ignored: between them, the two runs read every key of the schema
     (algorithm.rollout_correction's: tests/test_train_ppo_rollout_correction.py's two runs; the keys of
@@ -171,29 +167,15 @@ def test_reinforce_plus_plus_seq_mean_token_mean(short_runs):
 
 
 @pytest.mark.slow
-def test_a_reward_function_that_raises_stops_the_run_with_the_sample(tiny_assets, tmp_path):
-    """It raises on rank 1 only: rank 1 shows the sample, and rank 0, told right after scoring
-    (mesh_utils.failing_together), names rank 1 instead of waiting for it in the next collective."""
-    reward = tmp_path / "bad_reward.py"
-    reward.write_text("import os\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return {'score': 1.0} if os.environ['RANK'] == '0' else 1 / 0\n")
-    proc = run(torchrun_cmd(2, "train_ppo.py", "--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, tmp_path / "out"),
-                            f"custom_reward_function.path={reward}", "trainer.total_training_steps=2",
-                            "trainer.val_before_train=false", "trainer.test_freq=-1"), timeout=600, check=False)
-    assert proc.returncode != 0
-    output = proc.stdout + proc.stderr
-    assert "ZeroDivisionError" in output and "response=" in output and "ground_truth=" in output, output[-3000:]
-    assert "[rank0]: rewards.RewardError: rank 1 failed: reward function compute_score raised ZeroDivisionError" in output
-
-
-def code_rows(n: int) -> list[dict]:
-    """Rows of a code data set (data_source apps) with one test, no input. Even rows expect no output: a
-    response passes when, run as a program, it exits 0 and prints nothing (`#### 7`, `7` do; `1+` does
-    not). Odd rows expect `never`, which no response of the tiny model prints."""
-    return [{"data_source": "apps", "prompt": [{"role": "user", "content": f"{i % 10}+{i // 10}="}],
-             "reward_model": {"style": "rule", "ground_truth": json.dumps({"inputs": [""],
-                                                                           "outputs": ["" if i % 2 == 0 else "never"]})},
-             "extra_info": {"index": i}} for i in range(n)]
+@pytest.mark.short_run("reward_raises")
+def test_a_reward_function_that_raises_stops_the_run_with_the_sample(short_runs):
+    """It raises on rank 1 only (tests/bad_reward.py): rank 1 shows the sample, and rank 0, told right
+    after scoring (mesh_utils.failing_together), names rank 1 instead of waiting for it in the next collective."""
+    out = short_run(short_runs, "reward_raises")
+    rank0, rank1 = ((out / f"error.rank{r}.txt").read_text() for r in (0, 1))
+    assert "ZeroDivisionError" in rank1 and "response=" in rank1 and "ground_truth=" in rank1, rank1[-3000:]
+    assert rank0.startswith("rewards.RewardError: rank 1 failed: reward function compute_score raised "
+                            "ZeroDivisionError"), rank0[-3000:]
 
 
 def passes_as_a_program(response: str, ground_truth: str) -> float:
@@ -205,23 +187,17 @@ def passes_as_a_program(response: str, ground_truth: str) -> float:
 
 
 @pytest.mark.slow
-def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_assets, sft_model, tmp_path):
+@pytest.mark.short_run("non_finite")
+def test_non_finite_steps_are_skipped_then_stop_the_run(short_runs):
     """An entropy bonus beyond float32's range makes every actor loss and gradient non-finite: each such
     step is skipped (the weights stay as they were, so the sync check still passes), and the run stops
     with the key to change once trainer.max_consecutive_skipped_steps are skipped in a row.
-    Its validation before training is on a code data set: each response is run in the real sandbox
-    (the warmed-up model answers `#### N`, which runs as a comment, so both scores occur)."""
-    import datasets
-
-    out, val = tmp_path / "nan", tmp_path / "code_val.parquet"
-    datasets.Dataset.from_list(code_rows(16)).to_parquet(str(val))
-    proc = run(torchrun_cmd(2, "train_ppo.py", "--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model),
-                            "actor_rollout_ref.actor.entropy_coeff=1e39", "trainer.max_consecutive_skipped_steps=2",
-                            "trainer.total_training_steps=4", "trainer.test_freq=-1", f"data.val_files={val}",
-                            "reward_model.sandbox_fusion.max_concurrent=4"),
-               timeout=600, check=False)
-    assert proc.returncode != 0
-    assert "2 steps in a row had non-finite actor losses" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    Its validation before training is on a code data set (short_runs.code_rows): each response is run in
+    the real sandbox (the warmed-up model answers `#### N`, which runs as a comment, so both scores occur)."""
+    out = short_run(short_runs, "non_finite")
+    for rank in (0, 1):
+        error = (out / f"error.rank{rank}.txt").read_text()
+        assert "2 steps in a row had non-finite actor losses" in error, error[-3000:]
     rows = step_rows(out)
     assert [r["step"] for r in rows] == [1]  # step 2's line is not written: the run stopped there
     assert rows[0]["actor/skipped_steps"] > 0 and not math.isfinite(rows[0]["actor/grad_norm"])
@@ -390,26 +366,17 @@ def test_one_step_replays_in_process(tiny_assets, sft_model, tmp_path):
     assert {k: got[k] for k in compared} == {k: logged[2][k] for k in compared}
 
 
-@pytest.fixture(scope="module")
-def multi_turn_run(tiny_assets, sft_model, tmp_path_factory) -> tuple[Path, Path]:
+@pytest.fixture
+def multi_turn_run(short_runs) -> tuple[Path, Path]:
     """Two GRPO steps at TP=2 where a scripted user (tests/multi_turn_env.py) answers each response twice,
-    dumping every training step's samples (trainer.rollout_data_dir) and each validation's (the default
-    trainer.validation_data_dir). Returns (the run directory, the scripted users' logs)."""
-    root = tmp_path_factory.mktemp("multi_turn")
-    out, log_dir = root / "run", root / "users"
-    log_dir.mkdir()
-    env = clean_env(PYTHONPATH=str(Path(__file__).parent), SCRIPTED_USER_LOG=str(log_dir))
-    run(torchrun_cmd(2, "train_ppo.py", "--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model),
-                     "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "data.max_response_length=48",
-                     "actor_rollout_ref.rollout.multi_turn.enable=true",
-                     "actor_rollout_ref.rollout.multi_turn.environment=multi_turn_env.AskAgain",
-                     "trainer.total_training_steps=2", "trainer.test_freq=2", "data.max_val_samples=16",
-                     f"trainer.rollout_data_dir={root / 'rollouts'}"),
-        timeout=900, env=env)
-    return out, log_dir
+    dumping every training step's samples (trainer.rollout_data_dir: <dir>/multi_turn_rollouts) and each
+    validation's (the default trainer.validation_data_dir). Returns (the run directory, the scripted
+    users' logs)."""
+    return short_run(short_runs, "multi_turn"), short_runs / "multi_turn_users"
 
 
 @pytest.mark.slow
+@pytest.mark.short_run("multi_turn")
 def test_multi_turn_rollouts_train_on_what_the_policy_sampled(multi_turn_run):
     """The actor's log-probs of every sampled token equal the engine's (the end-to-end check that masks,
     positions and the user's ids are what vLLM saw), three assistant turns and two user turns make
@@ -451,6 +418,7 @@ def test_verl_losses_and_estimators_train_two_steps_each(short_runs):
 
 
 @pytest.mark.slow
+@pytest.mark.short_run("multi_turn")
 def test_rollout_dumps_hold_each_sample_once_with_its_advantage_and_gap(multi_turn_run, tiny_assets):
     """trainer.rollout_data_dir: <step>.jsonl with every sample of the step once (the two TP ranks train on
     different halves of their group's samples), verl's fields, GRPO's advantage recomputed here from the
@@ -462,7 +430,7 @@ def test_rollout_dumps_hold_each_sample_once_with_its_advantage_and_gap(multi_tu
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets["tiny-qwen2"])
     metrics = {r["step"]: r for r in step_rows(out)}
     for step in (1, 2):
-        records = [json.loads(line) for line in (out.parent / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (out.parent / "multi_turn_rollouts" / f"{step}.jsonl").read_text().splitlines()]
         assert len(records) == 256 and {r["step"] for r in records} == {step}
         groups: dict[int, list[dict]] = {}
         for r in records:
@@ -492,6 +460,7 @@ def test_rollout_dumps_hold_each_sample_once_with_its_advantage_and_gap(multi_tu
 
 
 @pytest.mark.slow
+@pytest.mark.short_run("multi_turn")
 def test_trace_page_of_the_multi_turn_run(multi_turn_run, chromium):
     """trace_viewer.py on the run: Chromium shows both training steps and both validations, a step's
     samples with their tokens, and the user's replies marked untrained."""
@@ -501,7 +470,7 @@ def test_trace_page_of_the_multi_turn_run(multi_turn_run, chromium):
 
     out, _ = multi_turn_run
     trace_viewer.main([str(out), "--max-samples", "8"])
-    first = json.loads((out.parent / "rollouts" / "1.jsonl").read_text().splitlines()[0])
+    first = json.loads((out.parent / "multi_turn_rollouts" / "1.jsonl").read_text().splitlines()[0])
     dom = DomNodes(chromium(out / "traces.html", fragment="step=rollout:1"))
     assert [t for _, _, t in dom.with_class("step")] == ["step 1 (256)", "step 2 (256)", "step 0 (16)", "step 2 (16)"]
     assert [t for _, _, t in dom.with_class("view-title")] == ["training step 1: 8 of 256 samples"]

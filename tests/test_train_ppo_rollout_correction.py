@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import short_run
-from test_train_ppo import assert_common, assert_learning_signal, step_rows, tiny, train
+from test_train_ppo import assert_common, assert_learning_signal, step_rows
 
 RC = "algorithm.rollout_correction"
 
@@ -29,20 +29,9 @@ def assert_weights_one(rows: list[dict]) -> None:
             assert abs(r[f"rollout_corr/{key}"]) < 1e-4, (r["step"], key)
 
 
-@pytest.fixture(scope="module")
-def decoupled_top_p(tiny_assets, sft_model, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("rc_decoupled") / "run"
-    train(4, ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model), "trainer.n_gpus_per_node=4",
-              "actor_rollout_ref.actor.fsdp_config.fsdp_size=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-              "algorithm.adv_estimator=rloo", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum",
-              "actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.shuffle=true",
-              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
-              "actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.top_k=20",
-              "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
-              f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=2.0", f"{RC}.rollout_is_batch_normalize=true",
-              # a band of 0.1% around ratio 1: exactness rejects nothing, the full-vocabulary comparison half
-              f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=0.999_1.001"])
-    return out
+@pytest.fixture
+def decoupled_top_p(short_runs) -> Path:
+    return short_run(short_runs, "rc_decoupled")
 
 
 @pytest.fixture
@@ -51,6 +40,7 @@ def bypass(short_runs) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.short_run("rc_decoupled")
 def test_decoupled_weights_are_one_under_top_k_top_p_rloo_hsdp(decoupled_top_p):
     rows = step_rows(decoupled_top_p)
     assert [r["step"] for r in rows] == [1, 2]
@@ -82,7 +72,7 @@ def test_bypass_mode_skips_the_old_log_prob_forward(bypass):
 
 
 @pytest.mark.slow
-@pytest.mark.short_run("rc_bypass")
+@pytest.mark.short_run("rc_decoupled", "rc_bypass")
 def test_every_rollout_correction_key_is_read(decoupled_top_p, bypass):
     """tests/test_train_ppo.py's every-key check leaves algorithm.rollout_correction to these two runs."""
     unread = [set(json.loads((out / "config_unread.json").read_text())) for out in (decoupled_top_p, bypass)]

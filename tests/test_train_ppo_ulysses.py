@@ -8,26 +8,19 @@ joined are the planner's."""
 import json
 
 import pytest
-from test_train_ppo import assert_common, assert_learning_signal, step_rows, tiny, train
+from conftest import short_run
+from short_runs import CASES
+from test_train_ppo import assert_common, assert_learning_signal, step_rows
 
 from config import load_config
 from mesh_utils import plan_device_map, validate
 
-OVERRIDES = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
-             "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=true",
-             # a sample is at most 16 + 12 tokens: micro batches of a few samples, 1/2 of their tokens per rank
-             "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100",
-             "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=300", "actor_rollout_ref.actor.use_kl_loss=true",
-             # the sp ranks must shuffle alike: different micro batches on them would not even line up
-             "actor_rollout_ref.actor.shuffle=true",
-             "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=0"]
-
 
 @pytest.mark.slow
-def test_grpo_with_sequence_parallel(tiny_assets, sft_model, tmp_path):
-    out = tmp_path / "run"
-    args = ["--config", "configs/tiny_cpu.yaml", *tiny(tiny_assets, out, sft_model), *OVERRIDES]
-    train(2, args)
+@pytest.mark.short_run("ulysses")
+def test_grpo_with_sequence_parallel(short_runs):
+    """tests/short_runs.py's ulysses case."""
+    out = short_run(short_runs, "ulysses")
     rows = step_rows(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert_common(rows, prompts=32, samples=256)  # rollout/logprob_diff_max < 1e-3: the sp forward is exact
@@ -35,7 +28,8 @@ def test_grpo_with_sequence_parallel(tiny_assets, sft_model, tmp_path):
     # the reference starts as the actor; the actor moves away from it over the 2 x 2 optimizer steps
     assert all(r["actor/kl_loss"] >= 0 for r in rows) and rows[1]["actor/kl_loss"] > 0
 
-    dims, plan = validate(load_config(args[1], args[2:]), 2)
+    config_path, overrides = CASES["ulysses"]
+    dims, plan = validate(load_config(config_path, overrides), 2)
     device_map = plan_device_map(dims)
     assert rows[0]["batch/ppo_mini_batch_size_per_rank"] == plan.actor_update.mini_batch_size == 128  # 16 x 8 / 1
     for rank in range(2):
