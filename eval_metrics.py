@@ -90,6 +90,29 @@ def prompt_metrics(values: Sequence[float], preds: Sequence[Hashable | None] | N
     return out
 
 
+def per_prompt_metrics(prompt_ids: Sequence[Hashable], data_sources: Sequence[str],
+                       variables: dict[str, Sequence[float | None]], preds: Sequence[Hashable | None],
+                       seed: int = BOOTSTRAP_SEED) -> dict[tuple[str, str, str], list[float]]:
+    """{(data_source, var, metric): one value per prompt} for the samples given (sample i of prompt
+    prompt_ids[i]; each of a prompt's samples must be here). variables: per name, a value per sample
+    (None where the sample has none: the prompt's metric is over those that do); preds: the answer per
+    sample, or None. pass@k for `reward` and `acc`."""
+    samples: dict[Hashable, list[int]] = defaultdict(list)
+    for i, prompt in enumerate(prompt_ids):
+        samples[prompt].append(i)
+    out: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    for members in samples.values():
+        prompt_preds = [preds[i] for i in members]
+        for var, values in variables.items():
+            present = [values[i] for i in members if values[i] is not None]
+            if not present:
+                continue
+            for metric, value in prompt_metrics(present, prompt_preds, unbiased_pass=var in ("reward", "acc"),
+                                                seed=seed).items():
+                out[data_sources[members[0]], var, metric].append(value)
+    return dict(out)
+
+
 def metric_name(data_source: str, var: str, metric: str, core_var: str, n_max: int) -> str:
     """verl's name of a metric averaged over a data source's prompts: val-core/<source>/<var>/<metric> for
     the core variable's mean / maj / best at the largest n, val-aux/... for the rest; pass@k (this

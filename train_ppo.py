@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+import eval_metrics
 import ppo_core as core
 import reward_remote
 import rollout_correction
@@ -718,8 +719,10 @@ def reward_model_scores(run: Run, rows: dict[str, torch.Tensor], rollout_info: l
 
 
 def run_validation(run: Run, step: int) -> dict[str, float]:
-    """Scores on the whole held-out set (greedy unless rollout.val_kwargs.do_sample), verl's names:
-    val-core/<data_source>/reward/mean@<n>, val-aux/<data_source>/<extra>/mean@<n>, and val/score.
+    """Scores on the whole held-out set (greedy unless rollout.val_kwargs.do_sample), rollout.val_kwargs.n
+    samples per prompt, verl's names: val-core/<data_source>/reward/mean@<n> (acc/ where the reward function
+    returns an `acc`), val-aux/<data_source>/<extra>/mean@<n>; with n > 1 also std@n, best@k, worst@k and
+    maj@k (eval_metrics), and this project's val-unbiased/<data_source>/reward/pass@<k>; and val/score.
     Each rollout dp group generates for a contiguous share; every sample goes to
     <validation_data_dir>/<step>.jsonl (write_samples)."""
     rollout_mesh, prompts = run.meshes.rollout, run.val_prompts
@@ -729,23 +732,25 @@ def run_validation(run: Run, step: int) -> dict[str, float]:
     rows = [prompts[i] for i in generated.prompt_index.tolist()]
     response_tokens = generated.attention_mask[:, -generated.responses.shape[1]:]  # (B, R)
     with failing_together(RewardError, run.env.device):
-        texts, scores, extras = score_batch(run.reward_fn, run.tokenizer, generated.responses, response_tokens, rows,
-                                            turn_stats and turn_stats.reward_info, run.cfg.reward_model.timeout_s)
+        texts, scores, extras, preds = score_batch(
+            run.reward_fn, run.tokenizer, generated.responses, response_tokens, rows,
+            turn_stats and turn_stats.reward_info, run.cfg.reward_model.timeout_s)
     if rollout_mesh.get_local_rank("infer_tp") == 0:  # the TP ranks of a group hold the same samples
         records = sample_records(step, rows, texts, scores, extras)
         if turn_stats is not None:  # every turn: role, text, token count, whether it was trained on
             for record, turns in zip(records, turn_stats.turns, strict=True):
                 record["turns"] = turns
         write_samples(records, run.validation_data_dir, step, rollout_mesh.get_group("dp"))
-    # Means over every rank's samples (the TP ranks of a group hold the same ones, which leaves means
-    # unchanged); mean@n: over all n samples of every prompt.
-    n = run.val_sampling["n"]
-    by_name: dict[str, list[float]] = {"val/score": scores}
-    for prompt, score, sample_extras in zip(rows, scores, extras, strict=True):
-        by_name.setdefault(f"val-core/{prompt.data_source}/reward/mean@{n}", []).append(score)
-        for key, value in sample_extras.items():
-            by_name.setdefault(f"val-aux/{prompt.data_source}/{key}/mean@{n}", []).append(value)
-    metrics = mean_over_ranks(by_name, "", run.env.device)
+    # Means over every rank's samples and prompts (the TP ranks of a group hold the same ones, which leaves
+    # means unchanged). A prompt's n samples are all in one group: its mean@n, best@k, maj@k, pass@k
+    # (eval_metrics) are computed there, then averaged over the data source's prompts.
+    prompt_ids = generated.prompt_index.tolist()
+    extra_keys = sorted({key for sample_extras in extras for key in sample_extras})
+    variables = {"reward": scores, **{key: [e.get(key) for e in extras] for key in extra_keys}}  # None: not given
+    per_prompt = eval_metrics.per_prompt_metrics(prompt_ids, [p.data_source for p in rows], variables, preds)
+    means = mean_over_ranks({"\t".join(key): values for key, values in per_prompt.items()}, "", run.env.device)
+    metrics = eval_metrics.name_metrics({tuple(key.split("\t")): value for key, value in means.items()})
+    metrics.update(mean_over_ranks({"val/score": scores}, "", run.env.device))
     count = torch.tensor([len(scores)], dtype=torch.float64, device=run.env.device)
     dist.all_reduce(count, group=rollout_mesh.get_group("dp"))  # each group's samples once
     metrics["val/num_samples"] = count.item()
