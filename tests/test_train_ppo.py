@@ -12,7 +12,10 @@ step 1, so advantages, losses and gradients are not zero and the weights really 
                         and weight decay 0: every gradient is exactly 0, and that is not a sync failure
   a learning check      (the demo's task, short: the validation score must rise)
   verl's other losses   (one rank, one engine start: gpg, sapo, geo_mean, dppo_tv / dppo_kl, grpo_passk,
-                         token-sum and abs+ / k2+ / mse+, 2 steps each through train_step in-process)
+                         optimal_token_baseline, token-sum and abs+ / k2+ / mse+, 2 steps each through
+                         train_step in-process)
+  the critic's warm-up  (step 1 the critic alone, step 2 both; validation over 4 samples per prompt:
+                         verl's best@k / worst@k / maj@k and pass@k recomputed from the samples file)
 Config errors are checked with plain `python` runs: they must fail before any model loads.
 """
 
