@@ -123,6 +123,9 @@ SCHEMA: dict[str, Any] = {
             "tau_neg": (float, 1.05),  # sapo: where A <= 0
             "loss_agg_mode": (str, "token-mean"),
             "entropy_coeff": (float, 0.0),
+            # the old-log-prob forward also gives sum_v pi(v)^2 per token (algorithm.adv_estimator=
+            # optimal_token_baseline reads it)
+            "calculate_sum_pi_squared": (bool, False),
             "use_kl_loss": (bool, False),
             "kl_loss_coef": (float, 0.001),
             "kl_loss_type": (str, "low_var_kl"),
@@ -298,6 +301,9 @@ SCHEMA: dict[str, Any] = {
         "val_before_train": (bool, True),
         "test_freq": (int, -1),
         "save_freq": (int, -1),
+        # the actor is not updated while the step (1, 2, ...) is below this: critic_warmup=N gives the
+        # critic N - 1 steps alone, as verl's `critic_warmup <= global_steps` (GAE only)
+        "critic_warmup": (int, 0),
         "resume_mode": (str, "auto"),  # auto | disable | resume_path
         "resume_from_path": (_STR_OR_NONE, None),
         "max_actor_ckpt_to_keep": (_INT_OR_NONE, None),
@@ -687,6 +693,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
                                      "trainer.total_epochs x the batches of an epoch)"),
     "trainer.test_freq": _FREQ,
     "trainer.save_freq": _FREQ,
+    "trainer.critic_warmup": (_NON_NEGATIVE[0], ">= 0 (0: the actor trains from step 1)"),
     "trainer.max_actor_ckpt_to_keep": (_ONE_OR_MORE[0], ">= 1 (null keeps every checkpoint)"),
     "trainer.max_critic_ckpt_to_keep": (_ONE_OR_MORE[0], ">= 1 (null keeps every checkpoint)"),
     "trainer.max_consecutive_skipped_steps": _ONE_OR_MORE,
@@ -917,10 +924,35 @@ def check_algorithm(cfg: Config) -> None:
             raise ConfigError(f"{key}={value!r} is read by loss_mode={' / '.join(readers)} only, not by "
                               f"{prefix}loss_mode={mode.name}, which would ignore it. Set loss_mode={readers[0]}, "
                               f"or leave {name} at its default ({default!r}).")
+    check_estimator_inputs(cfg)
     lower, upper = _peek(policy_loss, "clip_cov_lb"), _peek(policy_loss, "clip_cov_ub")
     if not lower < upper:
         raise ConfigError(f"{prefix}clip_cov_lb={lower} must be below clip_cov_ub={upper}: clip_cov draws its "
                           f"tokens from the covariances between them (defaults 1.0, 5.0).")
+
+
+def check_estimator_inputs(cfg: Config) -> None:
+    """What the estimator needs beside rewards: a critic to warm up; the optimal token baseline's
+    per-token sum of squared probabilities, which only the separate old-log-prob forward computes."""
+    actor, algorithm, estimator = cfg.actor_rollout_ref.actor, cfg.algorithm, cfg.algorithm.adv_estimator
+    if cfg.trainer.critic_warmup > 0 and not adv_estimator_traits(estimator).needs_critic:
+        critics = [e.name for e in _ALGORITHMS.adv_estimators.values() if e.needs_critic]
+        raise ConfigError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} with algorithm.adv_estimator="
+                          f"{estimator}, which has no critic to warm up; set trainer.critic_warmup=0, or "
+                          f"adv_estimator={' / '.join(critics)}.")
+    if estimator != "optimal_token_baseline":
+        return
+    if not actor.calculate_sum_pi_squared:
+        raise ConfigError("algorithm.adv_estimator=optimal_token_baseline reads sum_v pi(v)^2 per token from the "
+                          "old-log-prob forward; set actor_rollout_ref.actor.calculate_sum_pi_squared=true (as verl).")
+    rc = algorithm.rollout_correction
+    if rc.bypass_mode:
+        raise ConfigError(f"algorithm.adv_estimator=optimal_token_baseline with {_RC}.bypass_mode=true: bypass mode "
+                          f"runs no old-log-prob forward, so there is no sum_v pi(v)^2; set {_RC}.bypass_mode=false.")
+    if rc.rollout_is is not None:
+        raise ConfigError(f"algorithm.adv_estimator=optimal_token_baseline with {_RC}.rollout_is={rc.rollout_is!r}: "
+                          f"here the IS weights are computed after the advantages, so the baseline cannot be "
+                          f"weighted by them as verl's is; set {_RC}.rollout_is=null.")
 
 
 # agent.PARSERS implements each (tests/test_agent.py checks the two agree); said here so that config

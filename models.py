@@ -470,11 +470,13 @@ def compute_log_probs(
     use_remove_padding: bool = False,
     sp_group: dist.ProcessGroup | None = None,
     truncation: tuple[int, float] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    calc_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
     """Log-probs (B, R) of the response tokens under logits / temperature, and their entropies if
     asked. Grad flows if the caller has it enabled. With truncation=(top_k, top_p), a third (B, R)
     tensor: the log-probs under the engine's sampling distribution, the top-k / top-p cut of the same
-    logits (ppo_core.truncated_log_probs), from the same forward.
+    logits (ppo_core.truncated_log_probs), from the same forward. With calc_sum_pi_squared, last,
+    sum_v pi(v)^2 (B, R) of the same logits (ppo_core.sum_pi_squared_from_logits), laid out as the log-probs.
 
     batch holds "input_ids", "attention_mask", "position_ids" (each (B, P+R): prompts, then responses)
     and "responses" (B, R), which gives R. Micro batches are runs of micro_batch_size rows, or cut by
@@ -492,17 +494,20 @@ def compute_log_probs(
     """
     response_len = _response_len(batch)
     _check_sp_packed(sp_group, use_remove_padding)
-    log_probs, entropies, truncated, row_groups = [], [], [], []
+    log_probs, entropies, truncated, sum_sq, row_groups = [], [], [], [], []
     for rows, inputs in _micro_batches(batch, micro_batch_size, max_token_len):
         if sp_group is not None:
             model_inputs, predictors, response_valid = _pack(inputs, response_len)
-            token_log_probs, token_entropy, *cut = ulysses.sequence_parallel_log_probs(
-                model, model_inputs, temperature, sp_group, calc_entropy, truncation)  # (1, N) each, on every rank
+            token_log_probs, token_entropy, *more = ulysses.sequence_parallel_log_probs(
+                model, model_inputs, temperature, sp_group, calc_entropy, truncation,
+                calc_sum_pi_squared)  # (1, N) each, on every rank
             log_probs.append(_unpack(token_log_probs[0, predictors], response_valid))  # (b, R)
             if calc_entropy:
                 entropies.append(_unpack(token_entropy[0, predictors], response_valid))  # (b, R)
             if truncation is not None:
-                truncated.append(_unpack(cut[0][0, predictors], response_valid))  # (b, R)
+                truncated.append(_unpack(more[0][0, predictors], response_valid))  # (b, R)
+            if calc_sum_pi_squared:
+                sum_sq.append(_unpack(more[-1][0, predictors], response_valid))  # (b, R)
         elif use_remove_padding:
             model_inputs, predictors, response_valid = _pack(inputs, response_len)
             out = model(**model_inputs, use_cache=False, logits_to_keep=predictors)
@@ -513,6 +518,8 @@ def compute_log_probs(
                 entropies.append(_unpack(core.entropy_from_logits(logits), response_valid))  # (b, R)
             if truncation is not None:
                 truncated.append(_unpack(core.truncated_log_probs(logits, labels, *truncation), response_valid))  # (b, R)
+            if calc_sum_pi_squared:
+                sum_sq.append(_unpack(core.sum_pi_squared_from_logits(logits), response_valid))  # (b, R)
         else:
             inputs, kept = _trim(inputs, response_len)  # (b, <= P+R): the micro batch's longest sample
             out = model(**inputs, use_cache=False, logits_to_keep=kept + 1)
@@ -529,11 +536,15 @@ def compute_log_probs(
                 entropies.append(F.pad(core.entropy_from_logits(logits)[:, :-1], to_full))  # (b, R)
             if truncation is not None:
                 truncated.append(F.pad(core.truncated_log_probs(logits, labels, *truncation)[:, :-1], to_full))  # (b, R)
+            if calc_sum_pi_squared:
+                sum_sq.append(F.pad(core.sum_pi_squared_from_logits(logits)[:, :-1], to_full))  # (b, R)
         row_groups.append(rows)
-    entropy = _in_batch_order(entropies, row_groups) if calc_entropy else None
+    out = [_in_batch_order(log_probs, row_groups), _in_batch_order(entropies, row_groups) if calc_entropy else None]
     if truncation is not None:
-        return _in_batch_order(log_probs, row_groups), entropy, _in_batch_order(truncated, row_groups)
-    return _in_batch_order(log_probs, row_groups), entropy
+        out.append(_in_batch_order(truncated, row_groups))
+    if calc_sum_pi_squared:
+        out.append(_in_batch_order(sum_sq, row_groups))
+    return tuple(out)
 
 
 def compute_values(critic: nn.Module, batch: Mapping[str, torch.Tensor], micro_batch_size: int, *,

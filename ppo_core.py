@@ -321,6 +321,46 @@ def compute_grpo_passk_outcome_advantage(
     return adv, adv
 
 
+@register_adv_estimator("optimal_token_baseline", compares_group=True)
+@torch.no_grad()
+def compute_optimal_token_baseline_advantage(
+    token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor, old_log_probs: Tensor,
+    sum_pi_squared: Tensor, rollout_is_weights: Tensor | None = None, handle_zero_tail: bool = True,
+    epsilon: float = 1e-8, **_: Any,
+) -> tuple[Tensor, Tensor]:
+    """Optimal token baseline (verl 0.9.1): a baseline per prompt group and position t, the group's
+    returns-to-go G_t weighted by each sample's cumulative score-norm proxy W_t = sum_{j<=t} w_j, with
+    w_j = 1 - 2 pi(y_j) + sum_v pi(v)^2 of the old policy (times the rollout IS weight squared, given
+    rollout_is_weights): B_t = sum_i G_t W_t / (sum_i W_t + epsilon) over the group's samples still
+    running at t. A group of one keeps its return (no baseline). handle_zero_tail: where one sample is
+    strictly the longest of its group, its baseline past the second longest's end is 0.
+    old_log_probs, sum_pi_squared (and the weights) (B, T). Returns (advantages G_t - B_t, returns G_t)."""
+    mask = response_mask.to(token_level_rewards.dtype)  # (B, T)
+    returns = (token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1)  # (B, T) reward-to-go
+    w = 1 - 2 * old_log_probs.exp() + sum_pi_squared  # (B, T) per-token score-norm proxy
+    if rollout_is_weights is not None:
+        w = w * rollout_is_weights ** 2
+    cum_w = (w * mask).cumsum(-1) * mask  # (B, T) W_t, 0 past the response's end
+    group = _group_ids(index, returns.device)  # (B,)
+    num_groups = int(group.max()) + 1
+    zeros = returns.new_zeros(num_groups, returns.shape[1])  # (G, T)
+    numerator = zeros.index_add(0, group, returns * cum_w)  # (G, T)
+    denominator = zeros.index_add(0, group, cum_w) + epsilon  # (G, T)
+    size = torch.bincount(group, minlength=num_groups)  # (G,)
+    baselines = torch.where((size > 1)[group].unsqueeze(-1), (numerator / denominator)[group], 0.0)  # (B, T)
+    if handle_zero_tail:
+        lengths = mask.sum(-1)  # (B,)
+        for g in range(num_groups):
+            members = (group == g).nonzero().squeeze(-1)  # (n,)
+            if len(members) < 2:
+                continue
+            top = torch.topk(lengths[members], 2).values  # (2,) longest, second longest
+            longest = members[lengths[members] == top[0]]
+            if len(longest) == 1 and top[0] > top[1]:  # one sample runs past every other
+                baselines[longest[0], int(top[1]):] = 0.0
+    return (returns - baselines) * mask, returns
+
+
 @register_adv_estimator("remax", baseline_rollout="greedy")
 @torch.no_grad()
 def compute_remax_outcome_advantage(
@@ -904,6 +944,16 @@ def _rowwise(logits: Tensor, fn: Callable[..., Tensor], chunk_size: int, *per_ro
     out = torch.cat([fn(chunk.to(dtype), *extra)
                      for chunk, *extra in zip(flat.split(chunk_size), *rows, strict=True)])  # (N,)
     return out.view(logits.shape[:-1])
+
+
+def sum_pi_squared_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
+    """sum_v softmax(logits)_v^2 per position, (..., V) -> (...), as exp(logsumexp(2x) - 2 logsumexp(x))
+    (the optimal token baseline's input)."""
+
+    def sum_sq(x: Tensor) -> Tensor:
+        return torch.exp(torch.logsumexp(2 * x, dim=-1) - 2 * torch.logsumexp(x, dim=-1))  # (rows,)
+
+    return _rowwise(logits, sum_sq, chunk_size)
 
 
 def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:

@@ -393,34 +393,36 @@ _NUM_TURNS = 2
 def score_batch(
     reward_fn: RewardFn, tokenizer: Any, responses: torch.Tensor, response_mask: torch.Tensor, prompts: list[Prompt],
     rollout_info: list[dict[str, Any]] | None = None, timeout_s: float = 0.0,
-) -> tuple[list[str], list[float], list[dict[str, float]]]:
+) -> tuple[list[str], list[float], list[dict[str, float]], list[Any]]:
     """Decode each response and score it against its prompt's row.
 
     responses (B, R) token ids, response_mask (B, R) 1 on the response's own tokens, prompts[i] the row
     of sample i. The function gets verl's arguments, with the row's extra_info plus verl's `num_turns`
     and `rollout_reward_scores`. Returns (texts, scores, extras): the decoded responses, one finite
     float per sample, and per sample the extra numbers its function returned in a dict (math_dapo's
-    `acc`; {} for a float), so a key's mean is over the samples that have it. Text extras (`pred`) are
-    not kept.
+    `acc`; {} for a float), so a key's mean is over the samples that have it. Returns a fourth list,
+    each sample's `pred` (the answer its function read, for maj@k; None where it returned none); other
+    text extras are not kept.
     Raises RewardError showing the sample when the function raises, runs longer than timeout_s (> 0,
     reward_model.timeout_s) on it, or its score is not a finite number.
     rollout_info: per sample, what a multi-turn rollout adds to extra_info (num_turns, rollout_reward_scores).
     """
-    texts, scores, extras, _ = _decode_and_score(reward_fn, tokenizer, responses, response_mask, prompts,
-                                                 rollout_info, timeout_s)
-    return texts, scores, extras
+    texts, scores, extras, _, preds = _decode_and_score(reward_fn, tokenizer, responses, response_mask, prompts,
+                                                        rollout_info, timeout_s)
+    return texts, scores, extras, preds
 
 
 def _decode_and_score(reward_fn: RewardFn, tokenizer: Any, responses: torch.Tensor, response_mask: torch.Tensor,
                       prompts: list[Prompt], rollout_info: list[dict[str, Any]] | None, timeout_s: float
-                      ) -> tuple[list[str], list[float], list[dict[str, float]], list[bool]]:
-    """score_batch's outputs, and per sample whether the function returned a dict (score_samples reads it)."""
+                      ) -> tuple[list[str], list[float], list[dict[str, float]], list[bool], list[Any]]:
+    """score_batch's texts, scores and extras, per sample whether the function returned a dict
+    (score_samples reads it), and score_batch's preds."""
     texts = tokenizer.batch_decode([r[m.bool()] for r, m in zip(responses, response_mask, strict=True)],
                                    skip_special_tokens=True)
     reward_fn = _code_scored_at_once(reward_fn, texts, prompts)
-    scores, extras, returned_dict = _score_texts(reward_fn, texts, prompts, rollout_info or [{}] * len(texts),
-                                                 timeout_s)
-    return texts, scores, extras, returned_dict
+    scores, extras, returned_dict, preds = _score_texts(reward_fn, texts, prompts,
+                                                        rollout_info or [{}] * len(texts), timeout_s)
+    return texts, scores, extras, returned_dict, preds
 
 
 @dataclass(frozen=True)
@@ -441,8 +443,8 @@ def _question(prompt: Prompt) -> str:
 
 
 def _score_texts(reward_fn: RewardFn, texts: list[str], prompts: list[Prompt], rollout_info: list[dict[str, Any]],
-                 timeout_s: float = 0.0) -> tuple[list[float], list[dict[str, float]], list[bool]]:
-    """score_batch's scores and extras, and per sample whether the function returned a dict."""
+                 timeout_s: float = 0.0) -> tuple[list[float], list[dict[str, float]], list[bool], list[Any]]:
+    """score_batch's scores and extras, per sample whether the function returned a dict, and its `pred`."""
     samples = [Sample(p.data_source, p.text, text, p.ground_truth,
                       {**p.extra_info, "num_turns": _NUM_TURNS, "rollout_reward_scores": {}, **info}, _question(p))
                for text, p, info in zip(texts, prompts, rollout_info, strict=True)]
@@ -469,7 +471,8 @@ def _score_texts(reward_fn: RewardFn, texts: list[str], prompts: list[Prompt], r
                 raise RewardError(_describe(reward_fn, _failure(e, timeout_s), sample)) from e
     checked = [_check_result(reward_fn, result, sample) for result, sample in zip(results, samples, strict=True)]
     return ([score for score, _ in checked], [extras for _, extras in checked],
-            [isinstance(result, dict) for result in results])
+            [isinstance(result, dict) for result in results],
+            [result.get("pred") if isinstance(result, dict) else None for result in results])
 
 
 def _reward_kwargs(sample: Sample) -> dict[str, Any]:
@@ -616,7 +619,7 @@ def score_samples(reward_fn: RewardFn, tokenizer: Any, rows: dict[str, torch.Ten
     width = rows["responses"].shape[1]
     response_tokens = rows["attention_mask"][:, -width:]  # (B, R) every real response token
     samples = [prompts[i] for i in rows["prompt_index"].tolist()]
-    _, scores, extras, returned_dict = _decode_and_score(reward_fn, tokenizer, rows["responses"], response_tokens,
+    _, scores, extras, returned_dict, _ = _decode_and_score(reward_fn, tokenizer, rows["responses"], response_tokens,
                                                          samples, rollout_info, reward_cfg.timeout_s)
     scores = torch.tensor(scores, dtype=torch.float32)  # (B,)
     reward = scores

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+import eval_metrics
 import ppo_core as core
 import reward_remote
 import rollout_correction
@@ -200,9 +201,12 @@ def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLCont
         if runs is None or not bool((runs == runs[:, :1]).all()) or len(set(all_index.tolist())) != len(runs):
             raise RuntimeError(f"{estimator.name} needs the step's samples in prompt-major order, rollout.n="
                                f"{samples_per_prompt} per prompt; got prompt indices {all_index.tolist()[:24]}...")
+        # the old policy's per-token statistics, when asked for (the optimal token baseline reads them)
+        per_token = {k: gather_rows(batch[k], dp_group) for k in ("old_log_probs", "sum_pi_squared")
+                     if "sum_pi_squared" in batch}  # (B * dp, R) each
         all_adv, _ = core.compute_advantage(
             estimator.name, token_level_rewards=all_rewards, response_mask=all_mask, index=all_index.tolist(),
-            norm_adv_by_std_in_grpo=algo_cfg.norm_adv_by_std_in_grpo)  # (B * dp, R)
+            norm_adv_by_std_in_grpo=algo_cfg.norm_adv_by_std_in_grpo, **per_token)  # (B * dp, R)
         batch["advantages"] = batch["returns"] = my_rows(all_adv, dp_group)  # (B, R)
     else:
         batch["advantages"], batch["returns"] = core.compute_advantage(
@@ -339,6 +343,7 @@ class PolicyForward:
     old_log_probs: torch.Tensor
     entropy: torch.Tensor
     sampling_log_probs: torch.Tensor  # under the engine's top-k / top-p cut (old_log_probs without one)
+    sum_pi_squared: torch.Tensor | None = None  # sum_v pi(v)^2 per token, with actor.calculate_sum_pi_squared
 
 
 def _actor_micro_batch(actor: torch.nn.Module, loss: ActorLoss, loss_agg_mode: str, use_remove_padding: bool,
@@ -413,7 +418,7 @@ def update_critic(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
 
 
 def old_log_prob_source(actor: torch.nn.Module, algo_cfg: Config, spec: UpdateSpec,
-                        samples_per_rank: int) -> tuple[str, str]:
+                        samples_per_rank: int, calculate_sum_pi_squared: bool = False) -> tuple[str, str]:
     """("engine" | "update" | "forward", why). engine: bypass mode, the engine's log-probs are the old
     ones. update: one epoch of one mini batch, so the update's forward runs on the weights that sampled
     the batch and its detached log-probs are the old ones (verl and TRL do the same; the ratio is 1).
@@ -422,6 +427,8 @@ def old_log_prob_source(actor: torch.nn.Module, algo_cfg: Config, spec: UpdateSp
     rc_cfg = algo_cfg.rollout_correction
     if rc_cfg.bypass_mode:
         return "engine", "algorithm.rollout_correction.bypass_mode: the engine's log-probs are the old ones"
+    if calculate_sum_pi_squared:
+        return "forward", "actor.calculate_sum_pi_squared: the advantages need sum_v pi(v)^2 before the update"
     if spec.epochs != 1:
         return "forward", f"actor.ppo_epochs={spec.epochs}: later epochs train on updated weights"
     if samples_per_rank > spec.mini_batch_size:
@@ -712,8 +719,10 @@ def reward_model_scores(run: Run, rows: dict[str, torch.Tensor], rollout_info: l
 
 
 def run_validation(run: Run, step: int) -> dict[str, float]:
-    """Scores on the whole held-out set (greedy unless rollout.val_kwargs.do_sample), verl's names:
-    val-core/<data_source>/reward/mean@<n>, val-aux/<data_source>/<extra>/mean@<n>, and val/score.
+    """Scores on the whole held-out set (greedy unless rollout.val_kwargs.do_sample), rollout.val_kwargs.n
+    samples per prompt, verl's names: val-core/<data_source>/reward/mean@<n> (acc/ where the reward function
+    returns an `acc`), val-aux/<data_source>/<extra>/mean@<n>; with n > 1 also std@n, best@k, worst@k and
+    maj@k (eval_metrics), and this project's val-unbiased/<data_source>/reward/pass@<k>; and val/score.
     Each rollout dp group generates for a contiguous share; every sample goes to
     <validation_data_dir>/<step>.jsonl (write_samples)."""
     rollout_mesh, prompts = run.meshes.rollout, run.val_prompts
@@ -723,23 +732,25 @@ def run_validation(run: Run, step: int) -> dict[str, float]:
     rows = [prompts[i] for i in generated.prompt_index.tolist()]
     response_tokens = generated.attention_mask[:, -generated.responses.shape[1]:]  # (B, R)
     with failing_together(RewardError, run.env.device):
-        texts, scores, extras = score_batch(run.reward_fn, run.tokenizer, generated.responses, response_tokens, rows,
-                                            turn_stats and turn_stats.reward_info, run.cfg.reward_model.timeout_s)
+        texts, scores, extras, preds = score_batch(
+            run.reward_fn, run.tokenizer, generated.responses, response_tokens, rows,
+            turn_stats and turn_stats.reward_info, run.cfg.reward_model.timeout_s)
     if rollout_mesh.get_local_rank("infer_tp") == 0:  # the TP ranks of a group hold the same samples
         records = sample_records(step, rows, texts, scores, extras)
         if turn_stats is not None:  # every turn: role, text, token count, whether it was trained on
             for record, turns in zip(records, turn_stats.turns, strict=True):
                 record["turns"] = turns
         write_samples(records, run.validation_data_dir, step, rollout_mesh.get_group("dp"))
-    # Means over every rank's samples (the TP ranks of a group hold the same ones, which leaves means
-    # unchanged); mean@n: over all n samples of every prompt.
-    n = run.val_sampling["n"]
-    by_name: dict[str, list[float]] = {"val/score": scores}
-    for prompt, score, sample_extras in zip(rows, scores, extras, strict=True):
-        by_name.setdefault(f"val-core/{prompt.data_source}/reward/mean@{n}", []).append(score)
-        for key, value in sample_extras.items():
-            by_name.setdefault(f"val-aux/{prompt.data_source}/{key}/mean@{n}", []).append(value)
-    metrics = mean_over_ranks(by_name, "", run.env.device)
+    # Means over every rank's samples and prompts (the TP ranks of a group hold the same ones, which leaves
+    # means unchanged). A prompt's n samples are all in one group: its mean@n, best@k, maj@k, pass@k
+    # (eval_metrics) are computed there, then averaged over the data source's prompts.
+    prompt_ids = generated.prompt_index.tolist()
+    extra_keys = sorted({key for sample_extras in extras for key in sample_extras})
+    variables = {"reward": scores, **{key: [e.get(key) for e in extras] for key in extra_keys}}  # None: not given
+    per_prompt = eval_metrics.per_prompt_metrics(prompt_ids, [p.data_source for p in rows], variables, preds)
+    means = mean_over_ranks({"\t".join(key): values for key, values in per_prompt.items()}, "", run.env.device)
+    metrics = eval_metrics.name_metrics({tuple(key.split("\t")): value for key, value in means.items()})
+    metrics.update(mean_over_ranks({"val/score": scores}, "", run.env.device))
     count = torch.tensor([len(scores)], dtype=torch.float64, device=run.env.device)
     dist.all_reduce(count, group=rollout_mesh.get_group("dp"))  # each group's samples once
     metrics["val/num_samples"] = count.item()
@@ -788,12 +799,16 @@ def train_step(run: Run, step: int) -> dict[str, float]:
 
     # 4. old log-probs (run.old_log_probs_from), reference log-probs, values: no-grad forwards
     old = None
+    # trainer.critic_warmup: the actor is not updated before that step (verl's `critic_warmup <= global_steps`)
+    update_actor_now = step >= cfg.trainer.critic_warmup
     if run.old_log_probs_from == "engine":  # bypass mode: one forward less
         batch["old_log_probs"] = batch["rollout_log_probs"]
-    elif run.old_log_probs_from == "forward":
+    elif run.old_log_probs_from == "forward" or not update_actor_now:  # no update forward to take them from
         with timed(metrics, "old_log_prob"):
             old = old_policy_forward(run, batch)
         batch["old_log_probs"] = old.old_log_probs
+        if old.sum_pi_squared is not None:  # the optimal token baseline's input
+            batch["sum_pi_squared"] = old.sum_pi_squared
     if run.ref is not None:
         spec = plan.ref_log_prob
         with timed(metrics, "ref"), torch.no_grad(), run.reference_mode():
@@ -826,21 +841,22 @@ def train_step(run: Run, step: int) -> dict[str, float]:
                                          cfg.critic.cliprange_value, cfg.data.max_response_length, run.dp_group,
                                          run.sp_group))
         run.critic_sched.step()
-    with timed(metrics, "update_actor"):
-        actor_metrics, update_old = update_actor(run.actor, run.actor_optim, batch, run.actor_loss,
-                                                 plan.actor_update, generator, run.dp_group, run.sp_group,
-                                                 own_old_log_probs=run.old_log_probs_from == "update")
-    if update_old is not None:  # 5b's checks, from the update's forward
-        old = update_old
-        batch["old_log_probs"] = old.old_log_probs
-        metrics.update(check_old_policy(batch, old, algo_cfg.rollout_correction, actor_cfg.loss_agg_mode,
-                                        run.dp_group))
-    metrics["actor/on_policy_shortcut"] = float(run.old_log_probs_from == "update")
+    if update_actor_now:  # during the critic's warm-up no actor metric, and its schedule does not advance
+        with timed(metrics, "update_actor"):
+            actor_metrics, update_old = update_actor(run.actor, run.actor_optim, batch, run.actor_loss,
+                                                     plan.actor_update, generator, run.dp_group, run.sp_group,
+                                                     own_old_log_probs=run.old_log_probs_from == "update")
+        if update_old is not None:  # 5b's checks, from the update's forward
+            old = update_old
+            batch["old_log_probs"] = old.old_log_probs
+            metrics.update(check_old_policy(batch, old, algo_cfg.rollout_correction, actor_cfg.loss_agg_mode,
+                                            run.dp_group))
+        metrics["actor/on_policy_shortcut"] = float(run.old_log_probs_from == "update")
+        metrics.update(actor_metrics)
+        metrics["actor/lr"] = run.actor_sched.get_last_lr()[0]
+        run.actor_sched.step()
+        run.consecutive_skips = run.consecutive_skips + 1 if actor_metrics.get("actor/skipped_steps", 0) else 0
     move_to(run, "sync")  # optimizer_offload: Adam's state back to the host; ready for the next sync
-    metrics.update(actor_metrics)
-    metrics["actor/lr"] = run.actor_sched.get_last_lr()[0]
-    run.actor_sched.step()
-    run.consecutive_skips = run.consecutive_skips + 1 if actor_metrics.get("actor/skipped_steps", 0) else 0
     if run.rollout_data_dir is not None:  # the step's samples, their advantages, the engine-vs-actor gaps
         with timed(metrics, "dump_rollout_generations"):
             dump_rollouts(run, step, batch, reward_extras, old)
@@ -893,11 +909,13 @@ def old_policy_forward(run: Run, batch: Batch) -> PolicyForward:
     spec, truncation = run.plan.old_log_prob, run.actor_loss.truncation
     run.actor.eval()
     with torch.no_grad():
-        log_probs, entropy, *truncated = compute_log_probs(
+        with_sum_sq = run.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
+        log_probs, entropy, *more = compute_log_probs(
             run.actor, batch, run.actor_loss.temperature, spec.micro_batch_size, calc_entropy=True,
             max_token_len=spec.max_token_len, use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group,
-            truncation=truncation)
-    return PolicyForward(log_probs, entropy, truncated[0] if truncated else log_probs)
+            truncation=truncation, calc_sum_pi_squared=with_sum_sq)
+    return PolicyForward(log_probs, entropy, more[0] if truncation is not None else log_probs,
+                         more[-1] if with_sum_sq else None)
 
 
 def step_metrics(run: Run, batch: Batch, step_seconds: float) -> dict[str, float]:
@@ -951,7 +969,8 @@ def build_run(cfg: Config, env: DistEnv, engine_of: Run | None = None) -> Run:
     param_dtype, _ = default_dtypes(env.device_type)
     models = load_models(cfg, meshes, env, total_steps)
     models["reward_model"] = load_learned_reward_model(cfg, meshes, env, tokenizer)
-    source, why = old_log_prob_source(models["actor"], cfg.algorithm, plan.actor_update, plan.samples_per_rank)
+    source, why = old_log_prob_source(models["actor"], cfg.algorithm, plan.actor_update, plan.samples_per_rank,
+                                      cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
     print0(f"old log-probs: {source} ({why})")
     run = Run(cfg=cfg, env=env, dims=dims, plan=plan, meshes=meshes, dp_group=train_dp_group(meshes),
               sp_group=meshes.sp.get_group("sp") if meshes.sp is not None else None, out_dir=out_dir,

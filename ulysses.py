@@ -272,23 +272,26 @@ def _sliced_forward(model: nn.Module, sharded: ShardedBatch, sp_group: ProcessGr
 
 def sequence_parallel_log_probs(
     model: nn.Module, batch: dict[str, torch.Tensor], temperature: float, sp_group: ProcessGroup,
-    calc_entropy: bool = False, truncation: tuple[int, float] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    calc_entropy: bool = False, truncation: tuple[int, float] | None = None, calc_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
     """Per position t, log p(token t+1) under logits / temperature, (B, T) on every rank of sp_group
     (the last position's is meaningless), and the entropies if asked. For a padded batch of prompts
     then R responses, the response log-probs are [:, -R-1:-1]. Grad flows if enabled. With
     truncation=(top_k, top_p), a third (B, T): the log-probs under that cut of the same logits
-    (ppo_core.truncated_log_probs)."""
+    (ppo_core.truncated_log_probs); with calc_sum_pi_squared, last, sum_v pi(v)^2 per position (B, T)."""
     sharded = shard_batch(model.config, batch, sp_group)
     logits = _sliced_forward(model, sharded, sp_group).div_(temperature)  # (B, T_pad/sp, V)
     log_probs = gather_sequence(core.logprobs_from_logits(logits, sharded.labels), sp_group, sharded.length)
     entropy = None
     if calc_entropy:
         entropy = gather_sequence(core.entropy_from_logits(logits), sp_group, sharded.length)  # (B, T)
-    if truncation is None:
-        return log_probs, entropy
-    cut = core.truncated_log_probs(logits, sharded.labels, *truncation)  # (B, T_pad/sp)
-    return log_probs, entropy, gather_sequence(cut, sp_group, sharded.length)  # (B, T) each
+    out = [log_probs, entropy]
+    if truncation is not None:
+        cut = core.truncated_log_probs(logits, sharded.labels, *truncation)  # (B, T_pad/sp)
+        out.append(gather_sequence(cut, sp_group, sharded.length))  # (B, T)
+    if calc_sum_pi_squared:
+        out.append(gather_sequence(core.sum_pi_squared_from_logits(logits), sp_group, sharded.length))  # (B, T)
+    return tuple(out)
 
 
 def sequence_parallel_values(critic: nn.Module, batch: dict[str, torch.Tensor], sp_group: ProcessGroup) -> torch.Tensor:

@@ -119,6 +119,18 @@ MUTATIONS = (
          "cov = torch.where(mask, _centred_product(advantages, log_prob, mask), -torch.inf).flatten().cpu()"),
         ("penalised[valid_idx[top.to(valid_idx.device)]] = True", "penalised[top.to(mask.device)] = True")),
         "tests/test_ppo_core.py -k kl_cov_ranks_only_the_valid_tokens"),
+    Mutation("verl: the optimal token baseline's zero tail starts one position early", "ppo_core.py", ((
+        "baselines[longest[0], int(top[1]):] = 0.0", "baselines[longest[0], int(top[1]) - 1:] = 0.0"),),
+        "tests/test_ppo_core.py -k optimal_token_baseline_matches_verls_formula"),
+    Mutation("verl: best@k draws without the seed verl uses", "eval_metrics.py", ((
+        "np.random.RandomState(seed).choice", "np.random.RandomState(seed + 1).choice"),),
+        "tests/test_eval_metrics.py -k bootstrap_equals_verls_loop"),
+    Mutation("pass@k is \"any of the n samples correct\", not the unbiased estimate", "eval_metrics.py", ((
+        "return 1.0 - math.comb(n - c, k) / math.comb(n, k)", "return float(c > 0)"),),
+        "tests/test_eval_metrics.py -k pass_at_k_by_hand"),
+    Mutation("trainer.critic_warmup=N holds the actor back N steps, not verl's N - 1", "train_ppo.py", ((
+        "update_actor_now = step >= cfg.trainer.critic_warmup", "update_actor_now = step > cfg.trainer.critic_warmup"),),
+        "tests/test_train_ppo.py -k critic_warmup_then_validation"),
     Mutation("verl: filter_groups.metric=score filters on the score after the overlong penalty", "rewards.py", ((
         '    if metric == "score":\n        return score', '    if metric == "score":\n        return reward'),),
         "tests/test_rewards.py -k filter_metric_score_is_the_functions_score"),

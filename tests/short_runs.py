@@ -77,6 +77,18 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "reinforce_plus_plus": ("configs/tiny_cpu.yaml", [
         "algorithm.adv_estimator=reinforce_plus_plus", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
         *TWO_STEPS]),
+    # trainer.critic_warmup=2: step 1 trains the critic alone, step 2 both (verl: the actor from step
+    # critic_warmup on); KL in reward shows whether the actor moved before a step, two mini batches within
+    # it. Validation at step 2 samples val_kwargs.n=4 answers per prompt, scored with a `pred` (maj@k).
+    "critic_warmup": ("configs/tiny_cpu.yaml", [
+        *TWO_STEPS, "algorithm.adv_estimator=gae", "trainer.critic_warmup=2", "algorithm.use_kl_in_reward=true",
+        "actor_rollout_ref.actor.use_kl_loss=true", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8", "trainer.test_freq=2",
+        "data.max_val_samples=6", "actor_rollout_ref.rollout.val_kwargs.n=4",
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+        f"custom_reward_function.path={Path(__file__).with_name('pred_reward.py')}",
+        "custom_reward_function.name=score_with_pred"]),
     # the demo's task, shortened: after 40 GRPO steps the greedy validation score is clearly higher
     "learn": ("configs/tiny_cpu.yaml", ["trainer.total_training_steps=40", "trainer.test_freq=40"]),
     # --- tests/test_train_ppo_rollout_correction.py
@@ -153,6 +165,8 @@ CASES: dict[str, tuple[str, list[str]]] = {
                                    "algorithm.adv_estimator=grpo_passk", "actor_rollout_ref.actor.kl_loss_type=abs+"],
            "dppo_tv": ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_tv", "actor_rollout_ref.actor.clip_ratio=0.15",
                        "actor_rollout_ref.actor.kl_loss_type=k2+"],
+           "optimal_token_baseline": ["algorithm.adv_estimator=optimal_token_baseline",
+                                      "actor_rollout_ref.actor.calculate_sum_pi_squared=true"],
            "dppo_kl_token_sum": ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_kl",
                                  "actor_rollout_ref.actor.clip_ratio=0.05", "actor_rollout_ref.actor.kl_loss_type=mse+",
                                  "actor_rollout_ref.actor.loss_agg_mode=token-sum"],

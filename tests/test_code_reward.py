@@ -175,7 +175,7 @@ def test_score_batch_runs_a_batchs_programs_at_once():
     truths = [json.dumps({"inputs": [""], "outputs": [str(k % 2)]}) for k in range(6)]  # 0 and 1 pass
     reward_fn = load_reward_fn(None, "compute_score", load_config().reward_model.sandbox_fusion)
     start = time.monotonic()
-    _, scores, _ = score_batch(reward_fn, tokenizer, tokens, mask, [_prompt(t) for t in truths], timeout_s=30)
+    _, scores, _, _ = score_batch(reward_fn, tokenizer, tokens, mask, [_prompt(t) for t in truths], timeout_s=30)
     assert scores == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     assert time.monotonic() - start < 8  # a loaded machine adds start-up time
     with pytest.raises(RewardError, match="the ground truth is not test cases(.|\n)*data_source='taco'"):

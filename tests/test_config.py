@@ -282,6 +282,26 @@ def test_values_that_cannot_work_are_refused(override, message):
     assert message in str(err.value)
 
 
+OTB = ["algorithm.adv_estimator=optimal_token_baseline", "actor_rollout_ref.actor.calculate_sum_pi_squared=true"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.critic_warmup=2", "algorithm.adv_estimator=grpo"], "trainer.critic_warmup=2 with algorithm.adv_estimator=grpo, which has no critic "
+     "to warm up; set trainer.critic_warmup=0, or adv_estimator=gae."),
+    (["trainer.critic_warmup=-1", "algorithm.adv_estimator=gae"], "trainer.critic_warmup=-1 must be >= 0"),
+    (OTB[:1], "set actor_rollout_ref.actor.calculate_sum_pi_squared=true (as verl)"),
+    ([*OTB, "algorithm.rollout_correction.bypass_mode=true"], "there is no sum_v pi(v)^2; set "
+     "algorithm.rollout_correction.bypass_mode=false"),
+    ([*OTB, "algorithm.rollout_correction.rollout_is=token"], "set algorithm.rollout_correction.rollout_is=null"),
+])
+def test_estimator_inputs_that_are_missing_are_refused(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        check_supported(load_config(None, [DATA, *overrides]))
+    assert message in str(err.value)
+    check_supported(load_config(None, [DATA, "trainer.critic_warmup=2", "algorithm.adv_estimator=gae"]))
+    check_supported(load_config(None, [DATA, *OTB]))
+
+
 @pytest.mark.parametrize("override", [
     "trainer.total_training_steps=0",  # verl: 0 steps (set-up, then exit); null: total_epochs x batches per epoch
     "trainer.total_epochs=0", "trainer.save_freq=0", "trainer.test_freq=-1", "actor_rollout_ref.actor.optim.lr=0",

@@ -1,7 +1,7 @@
 """Packed forwards (use_remove_padding) and token-budget micro batches (use_dynamic_bsz) of
 models.compute_log_probs / compute_values on 2 real gloo ranks with FSDP2, against the padded
 forward in fixed micro batches of the same sharded model: log-probs, entropies and values on every
-real response token within 1e-5 in float32, for an untied Qwen2 and a tied Llama. The two ranks hold
+real response token within 1e-5 in float32 (and sum_v pi(v)^2, also against one plain forward), for an untied Qwen2 and a tied Llama. The two ranks hold
 different lengths, so one of them needs more token-budget micro batches on its own than the other,
 and the count they agree on is checked."""
 
@@ -55,9 +55,15 @@ def _worker(rank: int, paths: dict[str, str], init_file: str, out: str) -> None:
             result[name] = {}
             with torch.no_grad():
                 for run, options in runs.items():
-                    log_probs, entropy = models.compute_log_probs(actor, batch, 0.7, calc_entropy=True, **options)
+                    log_probs, entropy, sum_sq = models.compute_log_probs(actor, batch, 0.7, calc_entropy=True,
+                                                                          calc_sum_pi_squared=True, **options)
                     values = models.compute_values(critic, batch, **options)
-                    result[name][run] = {"log_probs": log_probs, "entropy": entropy, "values": values}
+                    result[name][run] = {"log_probs": log_probs, "entropy": entropy, "values": values,
+                                         "sum_pi_squared": sum_sq}
+                # sum_v pi(v)^2 straight from one whole forward: softmax, square, sum
+                logits = actor(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                               position_ids=batch["position_ids"]).logits[:, PROMPT - 1:-1] / 0.7  # (6, R, V)
+                result[name]["direct_sum_pi_squared"] = torch.softmax(logits.double(), -1).pow(2).sum(-1)
         result["mask"] = _batch(rank, 100)["attention_mask"][:, PROMPT:].bool()
         torch.save(result, f"{out}.{rank}")
     finally:
@@ -78,12 +84,21 @@ def test_packed_and_dynamic_equal_padded(ranks, name, run):
     for rank, result in enumerate(ranks):
         mask = result["mask"]  # (6, R) real response tokens
         want, got = result[name]["padded"], result[name][run]
-        for key in ("log_probs", "entropy", "values"):
+        for key in ("log_probs", "entropy", "values", "sum_pi_squared"):
             assert want[key][mask].abs().max() > 1e-3, f"{key} is ~0: the comparison would be vacuous"
             torch.testing.assert_close(got[key][mask], want[key][mask], rtol=0, atol=1e-5,
                                        msg=lambda m, k=key, r=rank: f"{name} {run} rank {r} {k}: {m}")
             if run.startswith("packed"):  # nothing is computed past a response's end
                 assert not got[key][~mask].any(), key
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_sum_pi_squared_is_that_of_the_softmax(ranks, name):
+    for result in ranks:
+        mask = result["mask"]  # (6, R)
+        got, want = result[name]["padded"]["sum_pi_squared"][mask], result[name]["direct_sum_pi_squared"][mask]
+        assert (want > 0).all() and (want < 1).all()
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
 
 
 def test_ranks_agree_on_the_number_of_micro_batches(ranks):

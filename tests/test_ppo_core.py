@@ -930,3 +930,63 @@ def test_token_sum_gradient_is_the_sum_however_the_batch_is_cut():
     total = sum(pc.agg_loss(loss[rows], mask[rows], "token-sum", dp_size=2) for rows in ([0, 1], [2], [3, 4, 5])) / 2
     assert total.item() == pytest.approx(math.fsum(loss[i, t].item() for i in range(6) for t in range(5)
                                                    if mask[i, t]))
+
+
+def otb_reference(rewards, mask, index, old_lp, sum_sq, is_weights=None, zero_tail=True, eps=1e-8):
+    """verl 0.9.1's optimal token baseline written out with Python loops over samples and positions."""
+    B, T = len(mask), len(mask[0])
+    G = [[sum(rewards[i][s] * mask[i][s] for s in range(t, T)) for t in range(T)] for i in range(B)]
+    W = []
+    for i in range(B):
+        acc, row = 0.0, []
+        for t in range(T):
+            w = 1 - 2 * math.exp(old_lp[i][t]) + sum_sq[i][t]
+            if is_weights is not None:
+                w *= is_weights[i][t] ** 2
+            acc += w * mask[i][t]
+            row.append(acc)
+        W.append(row)
+    baseline = [[0.0] * T for _ in range(B)]
+    for key in dict.fromkeys(index):
+        members = [i for i in range(B) if index[i] == key]
+        if len(members) == 1:
+            continue
+        for t in range(T):
+            num = sum(G[i][t] * W[i][t] * mask[i][t] for i in members)
+            den = sum(W[i][t] * mask[i][t] for i in members) + eps
+            for i in members:
+                baseline[i][t] = num / den
+        lengths = sorted(sum(mask[i]) for i in members)
+        longest = [i for i in members if sum(mask[i]) == lengths[-1]]
+        if zero_tail and len(longest) == 1 and lengths[-1] > lengths[-2]:
+            for t in range(int(lengths[-2]), T):
+                baseline[longest[0]][t] = 0.0
+    adv = [[(G[i][t] - baseline[i][t]) * mask[i][t] for t in range(T)] for i in range(B)]
+    return adv, G
+
+
+def test_optimal_token_baseline_matches_verls_formula_by_loops():
+    index = ["a", "b", "a", "b", "a", "c", "b"]  # c: a group of one keeps its return
+    lengths = [3, 2, 5, 2, 1, 4, 2]  # a: one sample strictly longest (zero tail); b: a tie at the top
+    mask = lengths_to_mask(lengths, 5)
+    rewards = rand(7, 5, seed=300) * mask  # token-level rewards anywhere in the response
+    old_lp = -rand(7, 5, seed=301).abs()  # log-probs <= 0
+    logits = rand(7, 5, 11, seed=302)
+    sum_sq = torch.softmax(logits, -1).pow(2).sum(-1)  # (7, 5) sum_v pi_v^2
+    torch.testing.assert_close(pc.sum_pi_squared_from_logits(logits, chunk_size=4), sum_sq)
+    is_w = rand(7, 5, seed=303).abs() + 0.5
+    for weights in (None, is_w):
+        for zero_tail in (True, False):
+            adv, ret = pc.compute_optimal_token_baseline_advantage(
+                rewards, mask, index, old_log_probs=old_lp, sum_pi_squared=sum_sq, rollout_is_weights=weights,
+                handle_zero_tail=zero_tail)
+            want_adv, want_ret = otb_reference(rewards.tolist(), mask.tolist(), index, old_lp.tolist(),
+                                               sum_sq.tolist(), None if weights is None else weights.tolist(),
+                                               zero_tail)
+            torch.testing.assert_close(adv, torch.tensor(want_adv, dtype=torch.float64) * mask)
+            torch.testing.assert_close(ret * mask, torch.tensor(want_ret, dtype=torch.float64) * mask)
+    # the group of one: advantage = return; the zero tail: sample 2's last two positions keep their return
+    assert adv[5].tolist() == pytest.approx(ret[5].tolist())
+    full, _ = pc.compute_optimal_token_baseline_advantage(rewards, mask, index, old_log_probs=old_lp,
+                                                          sum_pi_squared=sum_sq)
+    assert full[2, 3:].tolist() == pytest.approx(ret[2, 3:].tolist())

@@ -172,9 +172,9 @@ def make_prompt(source="arithmetic", truth="4", extra_info=None, text="1+3=\n"):
 
 def test_score_batch_decodes_with_the_mask_and_uses_the_rule(tokenizer):
     responses, mask = make_batch(tokenizer, ["#### 4", "#### 5", "####4"])
-    texts, scores, extras = score_batch(default_compute_score, tokenizer, responses, mask, [make_prompt()] * 3)
+    texts, scores, extras, preds = score_batch(default_compute_score, tokenizer, responses, mask, [make_prompt()] * 3)
     assert texts == ["#### 4", "#### 5", "####4"]
-    assert scores == [1.0, 0.0, 0.0] and extras == [{}, {}, {}]
+    assert scores == [1.0, 0.0, 0.0] and extras == [{}, {}, {}] and preds == [None] * 3
 
 
 def test_score_batch_passes_verls_arguments(tokenizer):
@@ -201,22 +201,24 @@ def test_score_batch_returns_dict_extras(tokenizer):
                 "np_flag": np.bool_(True), "missing": None}
 
     responses, mask = make_batch(tokenizer, ["abc", "de", "plain"])
-    _, scores, extras = score_batch(graded, tokenizer, responses, mask, [make_prompt()] * 3)
+    _, scores, extras, preds = score_batch(graded, tokenizer, responses, mask, [make_prompt()] * 3)
     assert scores == [3.0, 2.0, 0.25]
     # numbers and flags are kept, per sample; text and None are not; "score" is the scores
     assert extras == [{"acc": 1.0, "np_flag": 1.0}, {"acc": 0.0, "np_flag": 1.0}, {}]
+    assert preds == ["abc", "de", None]  # the answer read, for validation's maj@k
 
 
 def test_score_batch_math_dapo_extras(tokenizer):
     responses, mask = make_batch(tokenizer, ["Answer: 4", "Answer: 5"])
-    _, scores, extras = score_batch(default_compute_score, tokenizer, responses, mask, [make_prompt("math")] * 2)
-    assert scores == [1.0, -1.0] and extras == [{"acc": 1.0}, {"acc": 0.0}]
+    _, scores, extras, preds = score_batch(default_compute_score, tokenizer, responses, mask,
+                                           [make_prompt("math")] * 2)
+    assert scores == [1.0, -1.0] and extras == [{"acc": 1.0}, {"acc": 0.0}] and preds == ["4", "5"]
 
 
 def test_score_batch_accepts_number_types(tokenizer):
     responses, mask = make_batch(tokenizer, ["a", "b", "c"])
     values = iter([np.float32(0.5), 2, {"score": np.float64(-1.5)}])
-    _, scores, _ = score_batch(lambda **kw: next(values), tokenizer, responses, mask, [make_prompt()] * 3)
+    _, scores, _, _ = score_batch(lambda **kw: next(values), tokenizer, responses, mask, [make_prompt()] * 3)
     assert scores == [0.5, 2.0, -1.5] and all(type(s) is float for s in scores)
 
 
@@ -257,7 +259,7 @@ def test_custom_reward_function_by_path(tmp_path, tokenizer):
     fn = load_reward_fn(str(f), "length_reward")
     responses, mask = make_batch(tokenizer, ["abc"])
     assert score_batch(fn, tokenizer, responses, mask, [make_prompt(truth=None, extra_info={"index": 5})])[1:] == (
-        [3.0], [{"index": 5.0}])
+        [3.0], [{"index": 5.0}], [None])
     assert load_reward_fn(None, "compute_score") is default_compute_score
     with pytest.raises(ConfigError, match="custom_reward_function.path='.*missing.py' is not an existing .py"):
         load_reward_fn(str(tmp_path / "missing.py"), "f")

@@ -12,7 +12,10 @@ step 1, so advantages, losses and gradients are not zero and the weights really 
                         and weight decay 0: every gradient is exactly 0, and that is not a sync failure
   a learning check      (the demo's task, short: the validation score must rise)
   verl's other losses   (one rank, one engine start: gpg, sapo, geo_mean, dppo_tv / dppo_kl, grpo_passk,
-                         token-sum and abs+ / k2+ / mse+, 2 steps each through train_step in-process)
+                         optimal_token_baseline, token-sum and abs+ / k2+ / mse+, 2 steps each through
+                         train_step in-process)
+  the critic's warm-up  (step 1 the critic alone, step 2 both; validation over 4 samples per prompt:
+                         verl's best@k / worst@k / maj@k and pass@k recomputed from the samples file)
 Config errors are checked with plain `python` runs: they must fail before any model loads.
 """
 
@@ -480,3 +483,54 @@ def test_trace_page_of_the_multi_turn_run(multi_turn_run, chromium):
     val = DomNodes(chromium(out / "traces.html", fragment="step=validation:2"))
     assert len(val.with_class("sample")) == 8
     assert {t.split(" · ")[0] for _, _, t in val.with_class("role")} == {"assistant", "user (not trained)"}
+
+
+# trainer.critic_warmup, and validation's k-sample metrics (tests/short_runs.py's critic_warmup run)
+@pytest.mark.slow
+@pytest.mark.short_run("critic_warmup")
+def test_critic_warmup_then_validation_with_k_samples(short_runs):
+    from test_eval_metrics import verl_bootstrap_loop, verl_majority
+
+    from rewards import gsm8k_answer
+
+    out = short_run(short_runs, "critic_warmup")
+    step1, step2 = step_rows(out)
+    # step 1 (< critic_warmup=2): the critic trains, the actor does not; step 2: both
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/lr", "timing_s/update_actor"):
+        assert key not in step1 and math.isfinite(step2[key]), key
+    for step in (step1, step2):
+        assert math.isfinite(step["critic/vf_loss"]) and step["critic/grad_norm"] > 0
+    # the actor had not moved before step 2 (its old log-probs still the reference model's: no KL in the
+    # reward) and moved within it (the second mini batch's KL loss to the reference)
+    assert step1["actor/reward_kl_penalty"] < 1e-7 and step2["actor/reward_kl_penalty"] < 1e-7
+    assert step2["actor/kl_loss"] > 1e-6
+    # validation at step 2: 6 prompts x val_kwargs.n=4 samples, prompt-major in the samples file
+    records = [json.loads(line) for line in (out / "val_generations" / "2.jsonl").open()]
+    assert len(records) == 24 and step2["val/num_samples"] == 24
+    prompts = [records[i:i + 4] for i in range(0, 24, 4)]
+    assert all(len({r["input"] for r in p}) == 1 for p in prompts)
+    scores = [[r["score"] for r in p] for p in prompts]
+    preds = [[gsm8k_answer(r["output"]) or "" for r in p] for p in prompts]  # what the reward function read
+    assert 0 < sum(map(sum, scores)) < 24, scores  # some right, some wrong: the metrics are not trivial
+
+    def over_prompts(fn):
+        return sum(fn(s, p) for s, p in zip(scores, preds, strict=True)) / len(prompts)
+
+    def pass_at(k):  # 1 - C(n - c, k) / C(n, k), per prompt
+        return lambda s, p: 1 - math.comb(4 - sum(v >= 1 for v in s), k) / math.comb(4, k)
+
+    m = "val-core/arithmetic/reward/"
+    want = {f"{m}mean@4": over_prompts(lambda s, p: sum(s) / 4),
+            "val-aux/arithmetic/reward/std@4": over_prompts(lambda s, p: math.sqrt(sum((v - sum(s) / 4) ** 2
+                                                                                      for v in s) / 4)),
+            "val-unbiased/arithmetic/reward/pass@2": over_prompts(pass_at(2)),
+            "val-unbiased/arithmetic/reward/pass@4": over_prompts(pass_at(4))}
+    for section, k in (("val-aux", 2), ("val-core", 4)):
+        want[f"{section}/arithmetic/reward/best@{k}/mean"] = over_prompts(
+            lambda s, p, k=k: verl_bootstrap_loop(s, k, max)[0])
+        want[f"{section}/arithmetic/reward/maj@{k}/mean"] = over_prompts(
+            lambda s, p, k=k: verl_bootstrap_loop(list(zip(p, s, strict=True)), k, verl_majority)[0])
+    want["val-aux/arithmetic/reward/worst@4/mean"] = over_prompts(lambda s, p: verl_bootstrap_loop(s, 4, min)[0])
+    for key, value in want.items():
+        assert step2[key] == pytest.approx(value, abs=1e-9), key
+    assert step2[f"{m}mean@4"] == pytest.approx(step2["val/score"])

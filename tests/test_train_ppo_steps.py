@@ -41,7 +41,9 @@ def _group_batch(seed: int) -> dict[str, torch.Tensor]:
     token_scores = torch.zeros(6, 5)
     token_scores[torch.arange(6), mask.sum(-1) - 1] = scores
     return {"response_mask": mask, "token_level_scores": token_scores, "prompt_index": torch.tensor([7, 7, 3, 3, 9, 9]),
-            "values": torch.randn(6, 5, generator=g), "reward_baselines": torch.rand(6, generator=g)}
+            "values": torch.randn(6, 5, generator=g), "reward_baselines": torch.rand(6, generator=g),
+            # the old policy's per-token statistics (optimal_token_baseline reads them)
+            "old_log_probs": -torch.rand(6, 5, generator=g), "sum_pi_squared": torch.rand(6, 5, generator=g) * 0.5}
 
 
 ESTIMATORS = tuple(ppo_core.ADV_ESTIMATORS)  # a new estimator is checked here with no edit
@@ -71,7 +73,8 @@ def test_advantages_use_the_whole_rollout_group(tmp_path):
     mask = group["response_mask"].float()
     reference = {name: ppo_core.compute_advantage(
         name, token_level_rewards=group["token_level_scores"], response_mask=mask, index=group["prompt_index"],
-        values=group["values"], gamma=1.0, lam=0.95, reward_baselines=group["reward_baselines"])[0]
+        values=group["values"], gamma=1.0, lam=0.95, reward_baselines=group["reward_baselines"],
+        old_log_probs=group["old_log_probs"], sum_pi_squared=group["sum_pi_squared"])[0]
         for name in ESTIMATORS}
     for estimator, want in reference.items():
         got = torch.cat([ranks[r][estimator] for r in range(WORLD)])
