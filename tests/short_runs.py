@@ -24,6 +24,7 @@ TINY = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_par
         "trainer.save_freq=-1"]
 TWO_STEPS = ["trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1"]
 RC = "algorithm.rollout_correction"
+LORA_STEPS = 30
 RESUME = ["trainer.total_training_steps=6", "trainer.save_freq=3", "trainer.val_before_train=false",
           "trainer.test_freq=6", "data.max_val_samples=32"]
 PACKING = ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
@@ -111,6 +112,12 @@ CASES: dict[str, tuple[str, list[str]]] = {
     # --- tests/test_checkpoint.py: the uninterrupted reference of the killed-rank resume, 6 steps, checkpoints
     # at 3 and 6 (the killed run is RESUME's, too)
     "resume_reference": ("configs/tiny_cpu.yaml", [*RESUME, "trainer.max_actor_ckpt_to_keep=2"]),
+    # --- tests/test_lora.py: the demo task with a rank-8 adapter on every linear layer and the KL loss to the
+    # reference (the adapter disabled), 30 steps; the engine samples from the merged weights, so it is shared
+    "lora": ("configs/tiny_cpu.yaml", [
+        "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+        "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.actor.use_kl_loss=true",
+        f"trainer.total_training_steps={LORA_STEPS}", f"trainer.test_freq={LORA_STEPS}", f"trainer.save_freq={LORA_STEPS}"]),
     # --- tests/test_train_ppo.py: runs that must stop with an error (EXPECTED_ERRORS)
     # a reward function that raises on rank 1 only (tests/bad_reward.py)
     "reward_raises": ("configs/tiny_cpu.yaml", [*TWO_STEPS, "custom_reward_function.path={tests}/bad_reward.py"]),

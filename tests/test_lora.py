@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import clean_env, forward_batch, run, run_gloo, torchrun
+from conftest import clean_env, forward_batch, run, run_gloo, short_run
+from short_runs import LORA_STEPS
 
 WORLD = 2
 CASES = {"tiny-qwen2": ["q_proj", "v_proj", "down_proj"], "tiny-llama-tied": "all-linear"}
@@ -241,21 +242,14 @@ print("RESULT" + json.dumps({"merged": hf_merged, "peft": hf_peft, "vllm": vllm_
 
 
 @pytest.mark.slow
-def test_lora_grpo_learns_and_exports(tiny_assets, sft_model, tmp_path):
+@pytest.mark.short_run("lora")
+def test_lora_grpo_learns_and_exports(sft_model, short_runs, tmp_path):
     """The demo task with a rank-8 adapter on every linear layer and the KL loss to the reference (the
-    adapter disabled): the greedy validation score rises; every step's sync check holds (the first
-    sync sends every weight, later ones the merged target modules only); the final checkpoint exports
-    as a merged model and as a peft adapter that transformers, peft and vLLM all read back to the
-    run's own validation answers."""
-    out = tmp_path / "lora"
-    steps = 30
-    torchrun(2, "train_ppo.py", "--config", "configs/tiny_cpu.yaml",
-             f"actor_rollout_ref.model.path={sft_model}", f"data.train_files={tiny_assets['train']}",
-             f"data.val_files={tiny_assets['val']}", f"trainer.default_local_dir={out}",
-             "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
-             "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.actor.use_kl_loss=true",
-             f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", f"trainer.save_freq={steps}",
-             timeout=1200)
+    adapter disabled; tests/short_runs.py's lora case): the greedy validation score rises; every step's
+    sync check holds (the first sync sends every weight, later ones the merged target modules only); the
+    final checkpoint exports as a merged model and as a peft adapter that transformers, peft and vLLM all
+    read back to the run's own validation answers."""
+    out, steps = short_run(short_runs, "lora"), LORA_STEPS
     from tracking import read_metrics
 
     rows = read_metrics(out / "metrics.jsonl")
