@@ -296,6 +296,18 @@ def mini_batches(batch: Batch, spec: UpdateSpec, generator: torch.Generator) -> 
             yield [{k: v[part] for k, v in batch.items()} for part in micro_rows]
 
 
+def set_gradient_reduction(model: torch.nn.Module, last_micro_batch: bool, accumulate_unsharded: bool) -> None:
+    """When this micro batch's backward reduces its gradients. By default (verl's way) every micro batch
+    reduce-scatters, so a rank only ever holds its gradient shard; under HSDP the all-reduce across
+    replicas still waits for the last one (FSDP2 sums the reduce-scattered shards meanwhile; a no-op
+    without HSDP). accumulate_unsharded (fsdp_config.accumulate_unsharded_grads): no reduction before
+    the last micro batch, the full unsharded fp32 gradient held on every rank until then."""
+    if accumulate_unsharded:
+        model.set_requires_gradient_sync(last_micro_batch)
+    else:
+        model.set_requires_all_reduce(last_micro_batch)
+
+
 LossFn = Callable[[Batch, dict[str, Any]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -318,7 +330,8 @@ def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
                                                                  group=dp_group)
         scale = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, dp_size=dp_size)
         for i, mb in enumerate(micro_batches):
-            model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce-scatter once per mini batch
+            set_gradient_reduction(model, last_micro_batch=i == len(micro_batches) - 1,
+                                   accumulate_unsharded=spec.accumulate_unsharded_grads)
             loss, terms = loss_fn(mb, scale)
             # A non-finite loss still goes through backward: its NaN reaches every rank's gradient
             # through the reduce-scatter, so all ranks skip the step together (optimizer_step).
