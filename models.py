@@ -483,8 +483,9 @@ def compute_log_probs(
     past a response's end come back as 0; padded, each micro batch runs over its longest sample (_trim),
     and they hold the model's output there up to its longest response, 0 after. Either way only
     the positions that predict response tokens go through the LM head (`logits_to_keep`), and
-    ppo_core's logprobs_from_logits / entropy_from_logits upcast one chunk of rows at a time, so no
-    forward holds the (tokens, vocab) logits in float32 at once.
+    ppo_core.logprobs_and_entropy upcasts one chunk of rows at a time, so no forward holds the (tokens,
+    vocab) logits in float32 at once, and under grad the backward keeps only the logits in their own
+    dtype (the entropy costs nothing there unless a loss uses it). The cut log-probs carry no gradient.
 
     With sp_group (Ulysses; packed only, and every rank of the group must hold the same batch), each rank
     runs 1/sp of every packed row (ulysses.py) and gets every sample's result back: then all positions
@@ -508,9 +509,10 @@ def compute_log_probs(
             out = model(**model_inputs, use_cache=False, logits_to_keep=predictors)
             logits = out.logits[0].div_(temperature)  # (K, V), in place as below
             labels = inputs["input_ids"][:, -response_len:][response_valid]  # (K,)
-            log_probs.append(_unpack(core.logprobs_from_logits(logits, labels), response_valid))  # (b, R)
+            token_log_probs, token_entropy = core.logprobs_and_entropy(logits, labels, calc_entropy)  # (K,) each
+            log_probs.append(_unpack(token_log_probs, response_valid))  # (b, R)
             if calc_entropy:
-                entropies.append(_unpack(core.entropy_from_logits(logits), response_valid))  # (b, R)
+                entropies.append(_unpack(token_entropy, response_valid))  # (b, R)
             if truncation is not None:
                 truncated.append(_unpack(core.truncated_log_probs(logits, labels, *truncation), response_valid))  # (b, R)
         else:
@@ -524,9 +526,10 @@ def compute_log_probs(
             # and is dropped after: slicing it off first would copy the logits to make them contiguous.
             labels = F.pad(inputs["input_ids"][:, -kept:], (0, 1))  # (b, r+1)
             to_full = (0, response_len - kept)  # after dropping that position: 0 in the trimmed columns, (b, R)
-            log_probs.append(F.pad(core.logprobs_from_logits(logits, labels)[:, :-1], to_full))  # (b, R)
+            token_log_probs, token_entropy = core.logprobs_and_entropy(logits, labels, calc_entropy)  # (b, r+1) each
+            log_probs.append(F.pad(token_log_probs[:, :-1], to_full))  # (b, R)
             if calc_entropy:
-                entropies.append(F.pad(core.entropy_from_logits(logits)[:, :-1], to_full))  # (b, R)
+                entropies.append(F.pad(token_entropy[:, :-1], to_full))  # (b, R)
             if truncation is not None:
                 truncated.append(F.pad(core.truncated_log_probs(logits, labels, *truncation)[:, :-1], to_full))  # (b, R)
         row_groups.append(rows)
