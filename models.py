@@ -79,6 +79,20 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return max(candidates, key=len)
 
 
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules apply_fsdp shards as units of their own, in order: each decoder block, then the input
+    embedding and the LM head when they are two parameters (an untied one, or a model without a head,
+    as the critic's scalar head is too small to matter). The root unit keeps the rest (the final norm),
+    gathered from its first forward to the end of its backward: a tied embedding stays there, since
+    one parameter cannot sit in two units, and it is needed at both ends of the model anyway (the
+    embedding's lookup first and the head's matmul last, in forward and again in backward)."""
+    units = list(decoder_layers(model))
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is not None and embed is not None and head.weight is embed.weight:
+        return units
+    return units + [m for m in (embed, head) if m is not None]
+
+
 def apply_fsdp(
     model: nn.Module,
     fsdp_mesh: DeviceMesh,
@@ -87,7 +101,8 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
 ) -> nn.Module:
-    """fully_shard each decoder block, then the root. A 2D ('ddp','fsdp') mesh gives HSDP.
+    """fully_shard each unit (fsdp_units: decoder blocks, an untied embedding and LM head), then the
+    root. A 2D ('ddp','fsdp') mesh gives HSDP.
 
     cpu_offload (FSDP2's CPUOffloadPolicy: shards, gradients and the optimizer step on the host for
     the whole run) is for a model that is never moved by hand: the reference model. The actor and
@@ -102,8 +117,8 @@ def apply_fsdp(
         offload = CPUOffloadPolicy()
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kwargs = dict(mesh=fsdp_mesh, mp_policy=mp_policy, offload_policy=offload)
-    for layer in decoder_layers(model):
-        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    for unit in fsdp_units(model):
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     return model
 
