@@ -628,9 +628,11 @@ def move_to(run: Run, phase: str) -> None:
     """Place models, optimizer states and engine for `phase` (memory_plan.placement, from the offload flags)."""
     import rollout
 
+    # LoRA's syncs after the first send only the modules it changes: the engine keeps its other weights
+    level = rollout.sleep_level(partial_sync=bool(run.lora_spec))
     apply_moves(plan_moves(run.offload, run.placement, phase), {"actor": run.actor, "critic": run.critic},
                 {"actor": run.actor_optim, "critic": run.critic_optim}, run.env.device,
-                sleep_engine=functools.partial(rollout.sleep, run.llm))
+                sleep_engine=functools.partial(rollout.sleep, run.llm, level))
     run.placement = phase
 
 
@@ -975,6 +977,9 @@ def build_run(cfg: Config, env: DistEnv, engine_of: Run | None = None) -> Run:
               validation_data_dir=Path(tc.validation_data_dir or out_dir / "val_generations"),
               multi_turn=multi_turn, **models)
     resume(run)
+    # placed as for the first weight sync before the engine starts: vLLM sizes its KV cache from the
+    # memory free then, so an offloaded critic must already be on the host
+    move_to(run, "sync")
     build_engine(run, engine_of)
     run.tracker = Tracker(out_dir, cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
                           dict(cfg), total_steps, enabled=env.rank == 0)
@@ -1169,8 +1174,7 @@ def finish(run: Run) -> None:
 def train(run: Run) -> None:
     """Validation before training, then every step from the checkpoint on, each followed by validation
     and a checkpoint when they are due (8)."""
-    tc = run.cfg.trainer
-    move_to(run, "sync")
+    tc = run.cfg.trainer  # build_run placed the models for the first sync
     if tc.val_before_train and run.val_prompts and run.start_step < run.total_steps:  # on resume, too
         run.progress.enter(run.start_step, "validate")
         sync_weights(run)
