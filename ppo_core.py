@@ -937,20 +937,21 @@ class _LogProbEntropy(torch.autograd.Function):
         logits, labels, lse, entropy = ctx.saved_tensors
         if grad_log_prob is None and grad_entropy is None:
             return None, None, None, None
-        dtype = lse.dtype
         grad = torch.empty_like(logits)  # (N, V) in the logits' dtype, as autograd's would be
         for start in range(0, logits.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
-            x = logits[rows].to(dtype)  # (n, V)
-            shifted = x - lse[rows, None]  # (n, V) log p
-            p = shifted.exp()  # (n, V)
-            chunk_grad = torch.zeros_like(x)
-            if grad_log_prob is not None:  # d log p(label) / dx = onehot(label) - p
-                g = grad_log_prob[rows].to(dtype)  # (n,)
-                chunk_grad = -g[:, None] * p
-                chunk_grad.scatter_add_(-1, labels[rows, None], g[:, None])
+            # two float32 chunks at a time, worked in place (memory_plan.logprob_chunk_bytes counts them)
+            log_p = logits[rows] - lse[rows, None]  # (n, V) float32
+            chunk_grad = log_p.exp()  # (n, V) p
             if grad_entropy is not None:  # dH / dx = -p (log p + H)
-                chunk_grad -= p * (shifted + entropy[rows, None]) * grad_entropy[rows, None].to(dtype)
+                log_p.add_(entropy[rows, None]).mul_(chunk_grad).mul_(grad_entropy[rows, None])
+            if grad_log_prob is not None:  # d log p(label) / dx = onehot(label) - p
+                g = grad_log_prob[rows]  # (n,)
+                chunk_grad.mul_(-g[:, None]).scatter_add_(-1, labels[rows, None], g[:, None])
+            else:
+                chunk_grad.zero_()
+            if grad_entropy is not None:
+                chunk_grad.sub_(log_p)
             grad[rows] = chunk_grad
         return grad, None, None, None
 
