@@ -45,6 +45,7 @@ from mesh_utils import BatchPlan, ParallelDims, describe, plan_arguments, plan_d
 
 if TYPE_CHECKING:
     from lora import LoraSpec
+    from mesh_utils import UpdateSpec
 
 PHASES = ("sync", "generate", "log_prob", "update")
 DEVICE, HOST, FREED, NONE = "device", "host", "freed", "-"
@@ -166,7 +167,11 @@ class ModelShape:
     head_dim: int
     intermediate: int
     vocab: int
-    largest_block_numel: int  # parameters of the largest fully_shard unit (one decoder block)
+    largest_block_numel: int  # parameters of the largest decoder block
+    # parameters of the largest unit gathered only while it runs (models.fsdp_units: a decoder block, an
+    # untied embedding or LM head); 0: largest_block_numel
+    largest_unit_numel: int = 0
+    root_numel: int = 0  # parameters the root unit keeps gathered through forward and backward (a tied embedding)
 
 
 def model_shape(path: str, value_head: bool = False, trust_remote_code: bool = False) -> ModelShape:
@@ -182,17 +187,22 @@ def model_shape(path: str, value_head: bool = False, trust_remote_code: bool = F
     auto_cls = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto_cls.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    from models import decoder_layers  # imported here, as torch is: a plan without a model stays instant
+    # imported here, as torch is: a plan without a model stays instant
+    from models import decoder_layers, fsdp_units
 
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     blocks = decoder_layers(model)
+    units = fsdp_units(model)
+    in_units = {id(p) for unit in units for p in unit.parameters()}
     return ModelShape(
         param_shapes=[tuple(p.shape) for p in model.parameters()],  # tied ones once, as FSDP2 holds them
         hidden=config.hidden_size, layers=config.num_hidden_layers, heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
         intermediate=config.intermediate_size, vocab=config.vocab_size,
-        largest_block_numel=max(sum(p.numel() for p in b.parameters()) for b in blocks))
+        largest_block_numel=max(sum(p.numel() for p in b.parameters()) for b in blocks),
+        largest_unit_numel=max(sum(p.numel() for p in unit.parameters()) for unit in units),
+        root_numel=sum(p.numel() for p in model.parameters() if id(p) not in in_units))
 
 
 # -----------------------------------------------------------------------------
@@ -285,10 +295,33 @@ def head_positions(rows: int, row_len: int, packed: bool, micro: int, response_l
     return rows * (response_len + 1)
 
 
-def logprob_chunk_bytes(shape: ModelShape, positions: int, dtype_bytes: int, chunk_rows: int = 1024) -> int:
-    """The LM head's logits for `positions` (head_positions) in the compute dtype, plus one float32
-    chunk of rows that logprobs_from_logits upcasts at a time."""
-    return positions * shape.vocab * dtype_bytes + min(chunk_rows, positions) * shape.vocab * 4
+def logprob_chunk_bytes(shape: ModelShape, positions: int, dtype_bytes: int, chunk_rows: int = 1024,
+                        backward: bool = False) -> int:
+    """The LM head's logits for `positions` (head_positions) in the compute dtype, and the float32
+    chunks of rows ppo_core.logprobs_and_entropy works on at a time: in its forward three (the upcast
+    chunk, its softmax and their product, for the entropy); in its backward (`backward`, the update)
+    the saved logits, their gradient, of the same size and dtype, and two chunks. Nothing else is
+    kept for the backward (the logsumexp and the entropy are one number per row)."""
+    logits, chunk = positions * shape.vocab * dtype_bytes, min(chunk_rows, positions) * shape.vocab * 4
+    forward = logits + 3 * chunk
+    return max(forward, 2 * logits + 2 * chunk) if backward else forward
+
+
+def gathered_bytes(shape: ModelShape, dtype_bytes: int, backward: bool) -> int:
+    """The parameters FSDP2 holds gathered at once in a forward of the model (models.fsdp_units): the
+    root's (a tied embedding: from the first forward to the end of the backward) and two units (the
+    running one and the prefetched next); in a backward (`backward`) also one unit's unsharded
+    gradient in the compute dtype and its float32 copy for the reduce-scatter, the root's last."""
+    unit = shape.largest_unit_numel or shape.largest_block_numel
+    held = (shape.root_numel + 2 * unit) * dtype_bytes
+    return held + max(unit, shape.root_numel) * (dtype_bytes + 4) if backward else held
+
+
+def grad_bytes(trained_shard: int, trained_full: int, accumulate_unsharded: bool) -> int:
+    """A trained model's gradients in the update: its fp32 shard, reduce-scattered after every micro
+    batch; with fsdp_config.accumulate_unsharded_grads (and more than one micro batch per optimizer
+    step) also the full unsharded fp32 gradient that every rank holds between micro batches."""
+    return trained_shard + (trained_full if accumulate_unsharded else 0)
 
 
 GIB = 2**30
@@ -325,6 +358,10 @@ class MemoryInputs:
     log_prob_max_tokens: int | None = None
     critic_max_tokens: int | None = None
     samples_per_rank: int | None = None  # what bounds a padded token-budget micro batch
+    # fsdp_config.accumulate_unsharded_grads with more than one micro batch per optimizer step: the full
+    # unsharded gradient is held between micro batches (actor's, critic's)
+    accumulate_unsharded_grads: bool = False
+    critic_accumulate_unsharded_grads: bool = False
     reward_model: ModelShape | None = None  # reward_model.enable: the model that scores in the generate phase
     reward_micro: int = 1  # reward_model.micro_batch_size_per_gpu (resolved)
     reward_packed: bool = True  # reward_model.model.use_remove_padding
@@ -334,24 +371,27 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
     """Estimated device bytes per phase and item on one rank (rank `fsdp_rank` of its FSDP group)."""
     actor_shard = param_shard_bytes(m.actor, m.fsdp, fsdp_rank)
     trained_shard, actor_adam = actor_shard, adam_state_bytes(m.actor, m.fsdp, fsdp_rank)
+    trained_full = param_shard_bytes(m.actor, 1, 0)
     if m.adapter is not None:  # LoRA: the frozen base plus the adapter, which alone has gradients and Adam state
         trained_shard = sum(shard_numel(s, m.fsdp, fsdp_rank) for s in m.adapter) * 4
+        trained_full = sum(math.prod(s) for s in m.adapter) * 4
         actor_shard, actor_adam = actor_shard + trained_shard, 2 * trained_shard + 4 * len(m.adapter)
     critic_shard = param_shard_bytes(m.critic, m.fsdp, fsdp_rank) if m.critic else 0
+    critic_full = param_shard_bytes(m.critic, 1, 0) if m.critic else 0
     engine_weights = sum(math.prod(s) for s in m.actor.param_shapes) * m.engine_bytes // m.infer_tp
     engine_total = int(m.gpu_memory_utilization * m.gpu_memory_bytes)
-    # two blocks gathered at once in a forward or backward: the current one and the prefetched next
-    gathered = 2 * m.actor.largest_block_numel * m.compute_bytes
     out: dict[str, dict[str, int]] = {}
     for phase in PHASES:
         where = placement(m.flags, phase)
         on = {item: where[item] == DEVICE for item in ITEMS}
         b = {
             "actor.params": actor_shard if on["actor.params"] else 0,
-            "actor.grads": trained_shard if on["actor.grads"] else 0,
+            "actor.grads": grad_bytes(trained_shard, trained_full, m.accumulate_unsharded_grads)
+            if on["actor.grads"] else 0,
             "actor.optimizer": actor_adam if on["actor.optimizer"] else 0,
             "critic.params": critic_shard if m.critic and on["critic.params"] else 0,
-            "critic.grads": critic_shard if m.critic and on["critic.grads"] else 0,
+            "critic.grads": grad_bytes(critic_shard, critic_full, m.critic_accumulate_unsharded_grads)
+            if m.critic and on["critic.grads"] else 0,
             "critic.optimizer": adam_state_bytes(m.critic, m.fsdp, fsdp_rank) if m.critic and on["critic.optimizer"]
             else 0,
             "ref.params": actor_shard if m.use_ref and on["ref.params"] else 0,
@@ -359,7 +399,8 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
                                     if m.reward_model and on["reward_model.params"] else 0),
             "engine.weights": engine_weights if on["engine.weights"] else 0,
             "engine.kv_cache": max(0, engine_total - engine_weights) if on["engine.kv_cache"] else 0,
-            "gathered_blocks": gathered if phase in ("log_prob", "update") else 0,
+            "gathered_blocks": (gathered_bytes(m.actor, m.compute_bytes, backward=phase == "update")
+                                if phase in ("log_prob", "update") else 0),
             "activations": 0,
             "log_prob_chunk": 0,
             "reward_model.forward": 0,
@@ -372,7 +413,7 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
             b["log_prob_chunk"] = _head_bytes(m, m.log_prob_micro, m.log_prob_max_tokens)
         if phase == "update":
             b["activations"] = max(_update_activations(m, critic=False), _update_activations(m, critic=True))
-            b["log_prob_chunk"] = _head_bytes(m, m.ppo_micro, m.ppo_max_tokens)
+            b["log_prob_chunk"] = _head_bytes(m, m.ppo_micro, m.ppo_max_tokens, backward=True)
         out[phase] = b
     return out
 
@@ -404,12 +445,13 @@ def _reward_forward_bytes(m: MemoryInputs) -> int:
             + peak_recompute_bytes(shape, rows, row_len, m.compute_bytes, True) + mask)
 
 
-def _head_bytes(m: MemoryInputs, micro: int, max_tokens: int | None) -> int:
-    """The actor's LM-head logits (and one float32 chunk) of one micro batch on one rank."""
+def _head_bytes(m: MemoryInputs, micro: int, max_tokens: int | None, backward: bool = False) -> int:
+    """The actor's LM-head logits and float32 chunks (logprob_chunk_bytes) of one micro batch on one
+    rank, in a no-grad forward or (backward) in the update."""
     rows, row_len = forward_layout(micro, m.prompt_len + m.response_len, m.actor_packed, max_tokens,
                                    m.samples_per_rank)
     positions = head_positions(rows, row_len, m.actor_packed, micro, m.response_len, m.sp, max_tokens is not None)
-    return logprob_chunk_bytes(m.actor, positions, m.compute_bytes)
+    return logprob_chunk_bytes(m.actor, positions, m.compute_bytes, backward=backward)
 
 
 def _remedies(m: MemoryInputs, phase: str, items: dict[str, int], over: int,
@@ -443,7 +485,7 @@ def _remedies(m: MemoryInputs, phase: str, items: dict[str, int], over: int,
             elif not m.actor_packed:  # padded, a budget admits many short samples, each P+R positions long
                 packed = replace(m, actor_packed=True)
                 freed = used - max(_update_activations(packed, critic=False), _update_activations(m, critic=True)) \
-                    - _head_bytes(packed, m.ppo_micro, m.ppo_max_tokens)
+                    - _head_bytes(packed, m.ppo_micro, m.ppo_max_tokens, backward=True)
                 out.append(("actor_rollout_ref.model.use_remove_padding=true", int(freed)))
         if smaller:
             d = fitting[0] if fitting else smaller[-1]
@@ -525,11 +567,20 @@ def memory_inputs(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_g
         ppo_max_tokens=plan.actor_update.max_token_len, log_prob_max_tokens=plan.old_log_prob.max_token_len,
         critic_max_tokens=critic_update.max_token_len if critic_update else None,
         samples_per_rank=plan.samples_per_rank,
+        accumulate_unsharded_grads=_holds_unsharded_grads(plan.actor_update),
+        critic_accumulate_unsharded_grads=critic_update is not None and _holds_unsharded_grads(critic_update),
         reward_model=(model_shape(cfg.reward_model.model.path, value_head=True,
                                   trust_remote_code=cfg.reward_model.model.trust_remote_code)
                       if cfg.reward_model.enable else None),
         reward_micro=cfg.reward_model.micro_batch_size_per_gpu or roles.rollout.log_prob_micro_batch_size_per_gpu,
         reward_packed=cfg.reward_model.model.use_remove_padding)
+
+
+def _holds_unsharded_grads(update: UpdateSpec) -> bool:
+    """fsdp_config.accumulate_unsharded_grads matters only when an optimizer step has several micro
+    batches (a token budget may always cut several)."""
+    return update.accumulate_unsharded_grads and (update.max_token_len is not None
+                                                  or update.micro_batch_size < update.mini_batch_size)
 
 
 def adapter_shapes(path: str, spec: LoraSpec, trust_remote_code: bool = False) -> list[tuple[int, ...]]:

@@ -186,6 +186,9 @@ class UpdateSpec:  # one model's update, verl's fallbacks to the actor's setting
     loss_agg_mode: str
     use_remove_padding: bool
     grad_clip: float
+    # fsdp_config.accumulate_unsharded_grads: reduce-scatter once per mini batch, holding the full
+    # unsharded gradient between micro batches (False: after every micro batch)
+    accumulate_unsharded_grads: bool = False
 
 
 @dataclass(frozen=True)
@@ -318,7 +321,8 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
         epochs=actor.ppo_epochs, mini_batch_size=mini, micro_batch_size=micro,
         max_token_len=budget("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu,
                              actor.use_dynamic_bsz, micro),
-        shuffle=actor.shuffle, loss_agg_mode=actor.loss_agg_mode, use_remove_padding=packed, grad_clip=actor.grad_clip)
+        shuffle=actor.shuffle, loss_agg_mode=actor.loss_agg_mode, use_remove_padding=packed, grad_clip=actor.grad_clip,
+        accumulate_unsharded_grads=actor.fsdp_config.accumulate_unsharded_grads)
 
     lp_micro = rollout.log_prob_micro_batch_size_per_gpu
     if lp_micro < 1 or lp_micro > per_rank:
@@ -360,7 +364,8 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
                                  c_micro),
             shuffle=resolve(critic.shuffle, actor.shuffle),
             loss_agg_mode=resolve(critic.loss_agg_mode, actor.loss_agg_mode),
-            use_remove_padding=critic_packed, grad_clip=critic.grad_clip)
+            use_remove_padding=critic_packed, grad_clip=critic.grad_clip,
+            accumulate_unsharded_grads=critic.fsdp_config.accumulate_unsharded_grads)
         # the values' forward: null micro batch means the rollout's log-prob one, null budget the critic update's
         v_micro = resolve(critic.forward_micro_batch_size_per_gpu, lp_micro)
         v_tokens = resolve(critic.forward_max_token_len_per_gpu, critic.ppo_max_token_len_per_gpu)

@@ -79,6 +79,20 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return max(candidates, key=len)
 
 
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules apply_fsdp shards as units of their own, in order: each decoder block, then the input
+    embedding and the LM head when they are two parameters (an untied one, or a model without a head,
+    as the critic's scalar head is too small to matter). The root unit keeps the rest (the final norm),
+    gathered from its first forward to the end of its backward: a tied embedding stays there, since
+    one parameter cannot sit in two units, and it is needed at both ends of the model anyway (the
+    embedding's lookup first and the head's matmul last, in forward and again in backward)."""
+    units = list(decoder_layers(model))
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is not None and embed is not None and head.weight is embed.weight:
+        return units
+    return units + [m for m in (embed, head) if m is not None]
+
+
 def apply_fsdp(
     model: nn.Module,
     fsdp_mesh: DeviceMesh,
@@ -87,7 +101,8 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
 ) -> nn.Module:
-    """fully_shard each decoder block, then the root. A 2D ('ddp','fsdp') mesh gives HSDP.
+    """fully_shard each unit (fsdp_units: decoder blocks, an untied embedding and LM head), then the
+    root. A 2D ('ddp','fsdp') mesh gives HSDP.
 
     cpu_offload (FSDP2's CPUOffloadPolicy: shards, gradients and the optimizer step on the host for
     the whole run) is for a model that is never moved by hand: the reference model. The actor and
@@ -102,8 +117,8 @@ def apply_fsdp(
         offload = CPUOffloadPolicy()
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kwargs = dict(mesh=fsdp_mesh, mp_policy=mp_policy, offload_policy=offload)
-    for layer in decoder_layers(model):
-        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    for unit in fsdp_units(model):
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     return model
 
@@ -485,8 +500,9 @@ def compute_log_probs(
     past a response's end come back as 0; padded, each micro batch runs over its longest sample (_trim),
     and they hold the model's output there up to its longest response, 0 after. Either way only
     the positions that predict response tokens go through the LM head (`logits_to_keep`), and
-    ppo_core's logprobs_from_logits / entropy_from_logits upcast one chunk of rows at a time, so no
-    forward holds the (tokens, vocab) logits in float32 at once.
+    ppo_core.logprobs_and_entropy upcasts one chunk of rows at a time, so no forward holds the (tokens,
+    vocab) logits in float32 at once, and under grad the backward keeps only the logits in their own
+    dtype (the entropy costs nothing there unless a loss uses it). The cut log-probs carry no gradient.
 
     With sp_group (Ulysses; packed only, and every rank of the group must hold the same batch), each rank
     runs 1/sp of every packed row (ulysses.py) and gets every sample's result back: then all positions
@@ -513,9 +529,10 @@ def compute_log_probs(
             out = model(**model_inputs, use_cache=False, logits_to_keep=predictors)
             logits = out.logits[0].div_(temperature)  # (K, V), in place as below
             labels = inputs["input_ids"][:, -response_len:][response_valid]  # (K,)
-            log_probs.append(_unpack(core.logprobs_from_logits(logits, labels), response_valid))  # (b, R)
+            token_log_probs, token_entropy = core.logprobs_and_entropy(logits, labels, calc_entropy)  # (K,) each
+            log_probs.append(_unpack(token_log_probs, response_valid))  # (b, R)
             if calc_entropy:
-                entropies.append(_unpack(core.entropy_from_logits(logits), response_valid))  # (b, R)
+                entropies.append(_unpack(token_entropy, response_valid))  # (b, R)
             if truncation is not None:
                 truncated.append(_unpack(core.truncated_log_probs(logits, labels, *truncation), response_valid))  # (b, R)
             if calc_sum_pi_squared:
@@ -531,9 +548,10 @@ def compute_log_probs(
             # and is dropped after: slicing it off first would copy the logits to make them contiguous.
             labels = F.pad(inputs["input_ids"][:, -kept:], (0, 1))  # (b, r+1)
             to_full = (0, response_len - kept)  # after dropping that position: 0 in the trimmed columns, (b, R)
-            log_probs.append(F.pad(core.logprobs_from_logits(logits, labels)[:, :-1], to_full))  # (b, R)
+            token_log_probs, token_entropy = core.logprobs_and_entropy(logits, labels, calc_entropy)  # (b, r+1) each
+            log_probs.append(F.pad(token_log_probs[:, :-1], to_full))  # (b, R)
             if calc_entropy:
-                entropies.append(F.pad(core.entropy_from_logits(logits)[:, :-1], to_full))  # (b, R)
+                entropies.append(F.pad(token_entropy[:, :-1], to_full))  # (b, R)
             if truncation is not None:
                 truncated.append(F.pad(core.truncated_log_probs(logits, labels, *truncation)[:, :-1], to_full))  # (b, R)
             if calc_sum_pi_squared:

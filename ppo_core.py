@@ -956,23 +956,76 @@ def sum_pi_squared_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor
     return _rowwise(logits, sum_sq, chunk_size)
 
 
+class _LogProbEntropy(torch.autograd.Function):
+    """log softmax(logits)[label] and, if asked, the entropy, per row of (N, V) logits, chunk by chunk.
+    Backward keeps only the logits (in their own dtype: bf16 on GPU) and three numbers per row (label,
+    logsumexp, entropy), and recomputes each chunk's softmax: autograd through the same maths would
+    save an fp32 copy of every chunk (x3 with the entropy) for the whole backward."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, labels: Tensor, calc_entropy: bool,
+                chunk_size: int) -> tuple[Tensor, Tensor]:
+        dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 logsumexp is too coarse
+        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).to(dtype)  # (N,)
+        lse, entropy = [], []
+        for chunk in logits.split(chunk_size):
+            x = chunk.to(dtype)  # (n, V): the only fp32 copy, one chunk at a time
+            lse.append(torch.logsumexp(x, dim=-1))  # (n,)
+            if calc_entropy:  # logsumexp - E_p[logit]
+                entropy.append(lse[-1] - (torch.softmax(x, dim=-1) * x).sum(-1))  # (n,)
+        lse_rows = torch.cat(lse)  # (N,)
+        entropy_rows = torch.cat(entropy) if calc_entropy else lse_rows.new_empty(0)  # (N,) or (0,)
+        ctx.save_for_backward(logits, labels, lse_rows, entropy_rows)
+        ctx.chunk_size = chunk_size
+        ctx.set_materialize_grads(False)  # an unused output (the entropy when entropy_coeff=0) gets None
+        if not calc_entropy:
+            ctx.mark_non_differentiable(entropy_rows)
+        return picked - lse_rows, entropy_rows
+
+    @staticmethod
+    def backward(ctx: Any, grad_log_prob: Tensor | None, grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:
+        logits, labels, lse, entropy = ctx.saved_tensors
+        if grad_log_prob is None and grad_entropy is None:
+            return None, None, None, None
+        grad = torch.empty_like(logits)  # (N, V) in the logits' dtype, as autograd's would be
+        for start in range(0, logits.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            # two float32 chunks at a time, worked in place (memory_plan.logprob_chunk_bytes counts them)
+            log_p = logits[rows] - lse[rows, None]  # (n, V) float32
+            chunk_grad = log_p.exp()  # (n, V) p
+            if grad_entropy is not None:  # dH / dx = -p (log p + H)
+                log_p.add_(entropy[rows, None]).mul_(chunk_grad).mul_(grad_entropy[rows, None])
+            if grad_log_prob is not None:  # d log p(label) / dx = onehot(label) - p
+                g = grad_log_prob[rows]  # (n,)
+                chunk_grad.mul_(-g[:, None]).scatter_add_(-1, labels[rows, None], g[:, None])
+            else:
+                chunk_grad.zero_()
+            if grad_entropy is not None:
+                chunk_grad.sub_(log_p)
+            grad[rows] = chunk_grad
+        return grad, None, None, None
+
+
+def logprobs_and_entropy(logits: Tensor, labels: Tensor, calc_entropy: bool = False,
+                         chunk_size: int = 1024) -> tuple[Tensor, Tensor | None]:
+    """(log softmax(logits)[label], entropy of softmax(logits) or None), (..., V), (...) -> (...) each, in
+    >= fp32. No full log_softmax copy is made: one chunk of rows is upcast at a time, forward and
+    backward (_LogProbEntropy). The entropy's backward runs only if a loss uses it (entropy_coeff != 0);
+    otherwise it is a by-product of the forward and no graph holds anything for it."""
+    flat = logits.reshape(-1, logits.shape[-1])  # (N, V), a view when contiguous
+    log_prob, entropy = _LogProbEntropy.apply(flat, labels.reshape(-1), calc_entropy, chunk_size)  # (N,) each
+    return log_prob.view(logits.shape[:-1]), entropy.view(logits.shape[:-1]) if calc_entropy else None
+
+
 def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
     """Entropy of softmax(logits) per position, (..., V) -> (...), as logsumexp - E_p[logit]."""
-
-    def entropy(x: Tensor) -> Tensor:
-        return torch.logsumexp(x, dim=-1) - (torch.softmax(x, dim=-1) * x).sum(-1)  # (rows,)
-
-    return _rowwise(logits, entropy, chunk_size)
+    labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)  # unused
+    return logprobs_and_entropy(logits, labels, calc_entropy=True, chunk_size=chunk_size)[1]
 
 
 def logprobs_from_logits(logits: Tensor, labels: Tensor, chunk_size: int = 1024) -> Tensor:
-    """log softmax(logits)[label], (..., V), (...) -> (...): gather the label's logit, subtract logsumexp.
-
-    No full log_softmax copy is made; only one chunk of rows is upcast at a time.
-    """
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).to(dtype)  # (...)
-    return picked - _rowwise(logits, lambda x: torch.logsumexp(x, dim=-1), chunk_size)  # (...)
+    """log softmax(logits)[label], (..., V), (...) -> (...): gather the label's logit, subtract logsumexp."""
+    return logprobs_and_entropy(logits, labels, chunk_size=chunk_size)[0]
 
 
 def truncation_mask(logits: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -996,11 +1049,13 @@ def truncation_mask(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return torch.empty_like(keep).scatter_(-1, order, keep)  # back to vocabulary order
 
 
+@torch.no_grad()
 def truncated_log_probs(logits: Tensor, labels: Tensor, top_k: int, top_p: float, chunk_size: int = 128) -> Tensor:
     """log p(label) under the engine's sampling distribution (vLLM's top-k / top-p cut, see
     rollout_correction.py): softmax over the top-k / top-p set of `logits` (already / temperature),
     (..., V), (...) -> (...). -inf where the label is outside the set. Rows go through in chunks
-    upcast to >= fp32, so the sort's temporaries are chunk_size x V."""
+    upcast to >= fp32, so the sort's temporaries are chunk_size x V. Without gradient: these are data
+    (correction weights, the sync check), never a loss, so no graph keeps a chunk for a backward."""
 
     def kept_log_prob(chunk: Tensor, chunk_labels: Tensor) -> Tensor:
         kept = chunk.masked_fill(~truncation_mask(chunk, top_k, top_p), float("-inf"))  # (n, V)

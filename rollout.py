@@ -498,10 +498,19 @@ def split_for_training(batch: RolloutBatch, infer_tp_rank: int, infer_tp_size: i
 # Memory phases and shutdown
 
 
+def sleep_level(partial_sync: bool) -> int:
+    """vLLM's sleep level for an engine whose next sync_weights sends every weight (2: the weights are
+    discarded, not copied to host memory and back only to be overwritten; vLLM 0.32 keeps the model's
+    buffers, its runtime and CUDA-graph pools at either level) or only some layers (1: a LoRA sync
+    leaves the other layers as they were, so they must survive the sleep)."""
+    return 1 if partial_sync else 2
+
+
 def sleep(llm: LLM, level: int = 1) -> bool:
     """Free the accelerator memory the engine holds before training. Level 1 keeps the weights in
-    host memory; level 2 discards them (fine when every wake-up is followed by sync_weights).
-    Returns False, doing nothing, where the platform has no sleep mode (CPU)."""
+    host memory; level 2 discards them, right only when the next wake-up is followed by a
+    sync_weights of every weight (sleep_level). Returns False, doing nothing, where the platform has
+    no sleep mode (CPU)."""
     if not current_platform.is_sleep_mode_available():
         _log_once(f"vLLM sleep mode is not available on {current_platform.device_name}; the rollout "
                   "engine keeps its memory during training.")

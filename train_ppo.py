@@ -300,6 +300,18 @@ def mini_batches(batch: Batch, spec: UpdateSpec, generator: torch.Generator) -> 
             yield [{k: v[part] for k, v in batch.items()} for part in micro_rows]
 
 
+def set_gradient_reduction(model: torch.nn.Module, last_micro_batch: bool, accumulate_unsharded: bool) -> None:
+    """When this micro batch's backward reduces its gradients. By default (verl's way) every micro batch
+    reduce-scatters, so a rank only ever holds its gradient shard; under HSDP the all-reduce across
+    replicas still waits for the last one (FSDP2 sums the reduce-scattered shards meanwhile; a no-op
+    without HSDP). accumulate_unsharded (fsdp_config.accumulate_unsharded_grads): no reduction before
+    the last micro batch, the full unsharded fp32 gradient held on every rank until then."""
+    if accumulate_unsharded:
+        model.set_requires_gradient_sync(last_micro_batch)
+    else:
+        model.set_requires_all_reduce(last_micro_batch)
+
+
 LossFn = Callable[[Batch, dict[str, Any]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -322,7 +334,8 @@ def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
                                                                  group=dp_group)
         scale = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, dp_size=dp_size)
         for i, mb in enumerate(micro_batches):
-            model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce-scatter once per mini batch
+            set_gradient_reduction(model, last_micro_batch=i == len(micro_batches) - 1,
+                                   accumulate_unsharded=spec.accumulate_unsharded_grads)
             loss, terms = loss_fn(mb, scale)
             # A non-finite loss still goes through backward: its NaN reaches every rank's gradient
             # through the reduce-scatter, so all ranks skip the step together (optimizer_step).
@@ -622,9 +635,11 @@ def move_to(run: Run, phase: str) -> None:
     """Place models, optimizer states and engine for `phase` (memory_plan.placement, from the offload flags)."""
     import rollout
 
+    # LoRA's syncs after the first send only the modules it changes: the engine keeps its other weights
+    level = rollout.sleep_level(partial_sync=bool(run.lora_spec))
     apply_moves(plan_moves(run.offload, run.placement, phase), {"actor": run.actor, "critic": run.critic},
                 {"actor": run.actor_optim, "critic": run.critic_optim}, run.env.device,
-                sleep_engine=functools.partial(rollout.sleep, run.llm))
+                sleep_engine=functools.partial(rollout.sleep, run.llm, level))
     run.placement = phase
 
 
@@ -981,6 +996,9 @@ def build_run(cfg: Config, env: DistEnv, engine_of: Run | None = None) -> Run:
               validation_data_dir=Path(tc.validation_data_dir or out_dir / "val_generations"),
               multi_turn=multi_turn, **models)
     resume(run)
+    # placed as for the first weight sync before the engine starts: vLLM sizes its KV cache from the
+    # memory free then, so an offloaded critic must already be on the host
+    move_to(run, "sync")
     build_engine(run, engine_of)
     run.tracker = Tracker(out_dir, cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
                           dict(cfg), total_steps, enabled=env.rank == 0)
@@ -1178,8 +1196,7 @@ def finish(run: Run) -> None:
 def train(run: Run) -> None:
     """Validation before training, then every step from the checkpoint on, each followed by validation
     and a checkpoint when they are due (8)."""
-    tc = run.cfg.trainer
-    move_to(run, "sync")
+    tc = run.cfg.trainer  # build_run placed the models for the first sync
     if tc.val_before_train and run.val_prompts and run.start_step < run.total_steps:  # on resume, too
         run.progress.enter(run.start_step, "validate")
         sync_weights(run)

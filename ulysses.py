@@ -281,10 +281,11 @@ def sequence_parallel_log_probs(
     (ppo_core.truncated_log_probs); with calc_sum_pi_squared, last, sum_v pi(v)^2 per position (B, T)."""
     sharded = shard_batch(model.config, batch, sp_group)
     logits = _sliced_forward(model, sharded, sp_group).div_(temperature)  # (B, T_pad/sp, V)
-    log_probs = gather_sequence(core.logprobs_from_logits(logits, sharded.labels), sp_group, sharded.length)
+    token_log_probs, token_entropy = core.logprobs_and_entropy(logits, sharded.labels, calc_entropy)  # (B, T_pad/sp)
+    log_probs = gather_sequence(token_log_probs, sp_group, sharded.length)
     entropy = None
     if calc_entropy:
-        entropy = gather_sequence(core.entropy_from_logits(logits), sp_group, sharded.length)  # (B, T)
+        entropy = gather_sequence(token_entropy, sp_group, sharded.length)  # (B, T)
     out = [log_probs, entropy]
     if truncation is not None:
         cut = core.truncated_log_probs(logits, sharded.labels, *truncation)  # (B, T_pad/sp)

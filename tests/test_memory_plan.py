@@ -308,6 +308,56 @@ def test_update_activations_follow_the_token_budget_and_sp():
     assert -(-seq // 2) <= smaller < budget // 2  # still holds one sample's half, below the per-gpu 3000
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_shape_knows_the_fsdp_units(tied, tmp_path):
+    """model_shape's root and largest unit, against the parameter names: untied, the embedding and the
+    LM head are units of their own (the root keeps the final norm); tied, the root keeps the embedding."""
+    import make_assets
+
+    make_assets.build_model(tmp_path, make_assets.model_config("qwen2", hidden=32, layers=2, heads=4, kv_heads=2,
+                                                               intermediate=4, tied=tied), seed=0)
+    shape = mp.model_shape(str(tmp_path))
+    vocab, hidden = shape.vocab, shape.hidden
+    assert vocab * hidden > shape.largest_block_numel  # the embedding is the largest unit when it is one
+    if tied:
+        assert shape.root_numel == vocab * hidden + hidden
+        assert shape.largest_unit_numel == shape.largest_block_numel
+    else:
+        assert shape.root_numel == hidden
+        assert shape.largest_unit_numel == vocab * hidden
+    e = 2
+    unit, root = shape.largest_unit_numel, shape.root_numel
+    assert mp.gathered_bytes(shape, e, backward=False) == (root + 2 * unit) * e
+    assert mp.gathered_bytes(shape, e, backward=True) == (root + 2 * unit) * e + max(root, unit) * (e + 4)
+
+
+def test_update_counts_the_logits_gradient_and_the_accumulated_gradient():
+    """The update's head: the saved logits and their gradient (compute dtype) and two float32 chunks; a
+    no-grad forward: the logits and three chunks. Gradients: the fp32 shard, plus under
+    accumulate_unsharded_grads the whole model's fp32 gradient, held between micro batches."""
+    from mesh_utils import UpdateSpec
+
+    shape = mp.ModelShape(param_shapes=[(128, 256), (256,)], hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32,
+                          intermediate=704, vocab=128, largest_block_numel=1000)
+    positions = 4 * 3584  # packed: micro x R response positions
+    chunk = 1024 * 128 * 4
+    phases = mp.phase_bytes(_inputs(shape), 0)
+    assert phases["update"]["log_prob_chunk"] == 2 * positions * 128 * 2 + 2 * chunk
+    assert phases["log_prob"]["log_prob_chunk"] == 8 * 3584 * 128 * 2 + 3 * chunk
+    assert mp.logprob_chunk_bytes(shape, 10, 2, backward=True) == 10 * 128 * 2 + 3 * 10 * 128 * 4  # forward's peak
+    full = (128 * 256 + 256) * 4
+    for fsdp in (1, 8):
+        shard = mp.param_shard_bytes(shape, fsdp, 0)
+        assert mp.phase_bytes(_inputs(shape, fsdp=fsdp), 0)["update"]["actor.grads"] == shard
+        held = mp.phase_bytes(_inputs(shape, fsdp=fsdp, accumulate_unsharded_grads=True), 0)["update"]["actor.grads"]
+        assert held == shard + full
+    spec = dict(epochs=1, mini_batch_size=8, max_token_len=None, shuffle=False, loss_agg_mode="token-mean",
+                use_remove_padding=True, grad_clip=1.0)
+    assert mp._holds_unsharded_grads(UpdateSpec(micro_batch_size=4, accumulate_unsharded_grads=True, **spec))
+    assert not mp._holds_unsharded_grads(UpdateSpec(micro_batch_size=8, accumulate_unsharded_grads=True, **spec))
+    assert not mp._holds_unsharded_grads(UpdateSpec(micro_batch_size=4, **spec))
+
+
 # --- the planner ------------------------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import forward_batch, run_gloo
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 WORLD = 2
@@ -27,6 +28,12 @@ def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[s
     return bad
 
 
+def _gathered_units(model: torch.nn.Module) -> list[str]:
+    """The FSDP units whose parameters are gathered (unsharded) now, by module name ('' for the root)."""
+    return sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule)
+                  and any(g.is_unsharded for g in m._get_fsdp_state()._fsdp_param_groups))
+
+
 def _worker(rank: int, paths: dict[str, str], init_file: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -42,6 +49,7 @@ def _worker(rank: int, paths: dict[str, str], init_file: str, out: str) -> None:
             critic = models.load_value_model(path, mesh, **kwargs)
             reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             result[name] = {
+                "units": sorted(n for n, m in actor.named_modules() if isinstance(m, FSDPModule)),
                 "sharded": all(hasattr(p, "full_tensor") for p in actor.parameters()),
                 "tied": actor.get_output_embeddings().weight is actor.get_input_embeddings().weight,
                 "params": _same({n: _full(p) for n, p in actor.named_parameters(remove_duplicate=False)},
@@ -70,7 +78,12 @@ def _worker(rank: int, paths: dict[str, str], init_file: str, out: str) -> None:
             # holds the same rows, so FSDP's averaged gradient is the plain model's.
             batch = forward_batch(reference.config.vocab_size)
             weights = torch.linspace(-1.0, 1.0, 5)  # (R,) a loss that is not symmetric in the positions
+            seen: list[list[str]] = []  # the units gathered as the last block starts its forward
+            hook = models.decoder_layers(actor)[-1].register_forward_pre_hook(
+                lambda *_, seen=seen, actor=actor: seen.append(_gathered_units(actor)))
             log_probs, entropy = models.compute_log_probs(actor, batch, 0.7, micro_batch_size=2, calc_entropy=True)
+            hook.remove()
+            result[name]["gathered_in_forward"] = seen[0]
             (log_probs * weights).sum().backward()
             ref_lp, ref_entropy = models.compute_log_probs(reference, batch, 0.7, micro_batch_size=3,
                                                            calc_entropy=True)
@@ -100,6 +113,21 @@ def test_load_equals_from_pretrained(ranks, name):
         assert r["tied"] == (name == "tiny-llama-tied"), (rank, r["tied"])
         assert r["params"] == [], (rank, "parameters differ from from_pretrained", r["params"])
         assert r["buffers"] == [], (rank, "buffers differ from from_pretrained", r["buffers"])
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_untied_embedding_and_head_are_units_of_their_own(ranks, name):
+    """Untied, the embedding and the LM head are FSDP units of their own, so neither is gathered while
+    the decoder blocks run (the root keeps only the final norm); tied, the one embedding parameter
+    stays in the root, gathered from the root's first forward to the end of its backward."""
+    layers = [f"model.layers.{i}" for i in range(2)]
+    for rank, result in enumerate(ranks):
+        r = result[name]
+        if name == "tiny-llama-tied":
+            assert r["units"] == sorted(["", *layers]), (rank, r["units"])
+        else:
+            assert r["units"] == sorted(["", "lm_head", "model.embed_tokens", *layers]), (rank, r["units"])
+        assert r["gathered_in_forward"] == ["", layers[-1]], (rank, r["gathered_in_forward"])
 
 
 @pytest.mark.parametrize("name", MODELS)

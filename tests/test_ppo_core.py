@@ -334,6 +334,79 @@ def test_entropy_and_logprobs_match_log_softmax():
     torch.testing.assert_close(bf_picked.double(), ref_bf, rtol=1e-5, atol=1e-5)
 
 
+def test_logprobs_and_entropy_gradcheck_float64():
+    """The hand-written backward (softmax recomputed from the saved logsumexp) against finite differences,
+    for each output alone and both, over chunks that cut the rows unevenly; bf16/fp32 logits get a
+    gradient of their own dtype."""
+    logits = (rand(7, 6, seed=21) * 3).requires_grad_()
+    labels = torch.randint(0, 6, (7,), generator=torch.Generator().manual_seed(1))
+    for calc_entropy, use in ((False, (1,)), (True, (1, 0)), (True, (0, 1)), (True, (1, 1))):
+        w = rand(2, 7, seed=22)
+
+        def f(x, calc_entropy=calc_entropy, use=use, w=w):
+            logp, entropy = pc.logprobs_and_entropy(x, labels, calc_entropy, chunk_size=3)
+            out = use[0] * (logp * w[0]).sum()
+            return out + use[1] * (entropy * w[1]).sum() if calc_entropy else out
+
+        assert torch.autograd.gradcheck(f, (logits,), eps=1e-6, atol=1e-8)
+    for dtype in (torch.float32, torch.bfloat16):
+        low = logits.detach().to(dtype).requires_grad_()
+        logp, entropy = pc.logprobs_and_entropy(low, labels, True)
+        assert logp.dtype == entropy.dtype == torch.float32
+        (logp.sum() + entropy.sum()).backward()
+        assert low.grad.dtype == dtype
+
+
+def test_logprobs_and_entropy_match_log_softmax_in_fp32():
+    """fp32 values and gradients equal the plain log_softmax reference, and with the log-probs alone they
+    are bit for bit those of autograd through the same chunked formula (what the code did before)."""
+    logits = (torch.randn(3, 9, 50, generator=torch.Generator().manual_seed(2)) * 4).requires_grad_()
+    labels = torch.randint(0, 50, (3, 9), generator=torch.Generator().manual_seed(3))
+    w = torch.rand(2, 3, 9, generator=torch.Generator().manual_seed(4))
+    logp, entropy = pc.logprobs_and_entropy(logits, labels, True, chunk_size=4)
+    got = torch.autograd.grad((logp * w[0]).sum() + (entropy * w[1]).sum(), logits)[0]
+    ref = torch.log_softmax(logits, -1)  # (3, 9, 50)
+    ref_logp = ref.gather(-1, labels[..., None])[..., 0]
+    ref_entropy = -(ref.exp() * ref).sum(-1)
+    want = torch.autograd.grad((ref_logp * w[0]).sum() + (ref_entropy * w[1]).sum(), logits)[0]
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(entropy, ref_entropy, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # the log-probs alone: autograd through gather - chunked logsumexp, bit for bit
+    flat, flat_labels = logits.reshape(-1, 50), labels.reshape(-1)
+    old = flat.gather(-1, flat_labels[:, None])[:, 0] - torch.cat([torch.logsumexp(c, -1) for c in flat.split(4)])
+    old_grad = torch.autograd.grad((old * w[0].reshape(-1)).sum(), logits)[0]
+    new = pc.logprobs_and_entropy(logits, labels, chunk_size=4)[0]
+    new_grad = torch.autograd.grad((new * w[0]).sum(), logits)[0]
+    assert torch.equal(new.reshape(-1), old) and torch.equal(new_grad, old_grad)
+
+
+def test_logprob_backward_keeps_only_the_logits_and_row_statistics():
+    """Under grad, the head's log-probs and entropy save the logits themselves (no copy, no fp32 chunk) and
+    three numbers per row, whatever the chunk size; the cut log-probs save nothing."""
+    rows, vocab = 64, 1000
+    logits = torch.randn(rows, vocab, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (rows,))
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        scaled = logits * 1.0  # the LM head's output (the product saves nothing of it)
+        saved.clear()
+        logp, entropy = pc.logprobs_and_entropy(scaled, labels, True, chunk_size=16)
+        cut = pc.truncated_log_probs(scaled, labels, 20, 0.9, chunk_size=16)
+    assert logp.requires_grad and entropy.requires_grad and not cut.requires_grad
+    assert sum(saved.values()) == rows * vocab * 2 + rows * (8 + 4 + 4), saved
+    # the reference way, autograd through log_softmax, saves an fp32 copy at least
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        torch.log_softmax(scaled.float(), -1).gather(-1, labels[:, None])
+    assert sum(saved.values()) >= rows * vocab * 4
+
+
 # --- loss aggregation ----------------------------------------------------------------------------
 
 

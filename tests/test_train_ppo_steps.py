@@ -14,6 +14,7 @@
 """
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -191,6 +192,116 @@ def test_micro_batch_cut_does_not_change_the_update(mode, tiny_assets, tmp_path)
             torch.testing.assert_close(params[micro][name], whole, rtol=1e-5, atol=1e-6,
                                        msg=lambda m, n=name, k=micro: f"{mode}, micro {k}, {n}: {m}")
 
+
+
+def _held_grad_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of unsharded gradients FSDP2 holds for the next reduction, bytes of sharded gradients,
+    HSDP's reduce-scattered shards awaiting the replicas' all-reduce included)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    unsharded = sharded = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            if group._partial_reduce_output is not None:
+                sharded += group._partial_reduce_output.numel() * group._partial_reduce_output.element_size()
+            for fsdp_param in group.fsdp_params:
+                for grad in (getattr(fsdp_param, "unsharded_accumulated_grad", None),
+                             getattr(fsdp_param, "_unsharded_param", None) is not None
+                             and fsdp_param._unsharded_param.grad):
+                    if isinstance(grad, torch.Tensor):
+                        unsharded += grad.numel() * grad.element_size()
+                grad = fsdp_param.sharded_param.grad
+                if grad is not None:
+                    sharded += grad.to_local().numel() * grad.to_local().element_size()
+    return unsharded, sharded
+
+
+def _accumulation_worker(rank: int, init_file: str, model_path: str, out: str) -> None:
+    """The same actor update with gradients reduce-scattered after every micro batch and accumulated
+    unsharded (fsdp_config.accumulate_unsharded_grads), on an FSDP mesh of 2 and an HSDP mesh of 2 x 1;
+    the gradient is read at the optimizer step, and the bytes held after the first micro batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import models
+    import train_ppo
+
+    class RecordingSGD(torch.optim.SGD):
+        def step(self, closure=None):  # noqa: ANN001, ANN202 (torch's signature)
+            self.grads = [p.grad.full_tensor().clone() for group in self.param_groups for p in group["params"]]
+            return super().step(closure)
+
+    _init(rank, init_file)
+    try:
+        g = torch.Generator().manual_seed(30 + rank)
+        prompt_len, response_len, samples = 6, 7, 9
+        ids = torch.randint(4, 100, (samples, prompt_len + response_len), generator=g)
+        lengths = torch.randint(1, response_len + 1, (samples,), generator=g)
+        response_mask = (torch.arange(response_len)[None, :] < lengths[:, None]).long()
+        attention = torch.ones_like(ids)
+        attention[:, prompt_len:] = response_mask
+        batch = {"input_ids": ids, "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+                 "responses": ids[:, prompt_len:], "response_mask": response_mask,
+                 "advantages": torch.randn(samples, response_len, generator=g) * response_mask}
+        cfg = config.load_config(None, ["actor_rollout_ref.actor.grad_clip=1e9",
+                                        "actor_rollout_ref.actor.entropy_coeff=0.01"])
+        loss = dataclasses.replace(train_ppo.ActorLoss.from_config(cfg), temperature=1.0, loss_scale_factor=response_len)
+        meshes = {"fsdp": init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",)),
+                  "hsdp": init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("ddp", "fsdp"))}
+        result = {}
+        for mesh_name, mesh in meshes.items():
+            for accumulate in (False, True):
+                actor = models.load_causal_lm(model_path, mesh, device=torch.device("cpu"), param_dtype=torch.float32,
+                                              reduce_dtype=torch.float32)
+                with torch.no_grad():
+                    batch["old_log_probs"] = models.compute_log_probs(actor, batch, 1.0, samples)[0] - 0.01
+                spec = UpdateSpec(epochs=1, mini_batch_size=samples, micro_batch_size=3, max_token_len=None,
+                                  shuffle=False, loss_agg_mode="token-mean", use_remove_padding=False, grad_clip=1e9,
+                                  accumulate_unsharded_grads=accumulate)
+                held = []
+                loss_fn = functools.partial(train_ppo._actor_micro_batch, actor, loss, spec.loss_agg_mode, False,
+                                            (None, None), torch.Generator().manual_seed(0), None)
+
+                def measuring_loss_fn(mb, scale, loss_fn=loss_fn, actor=actor, held=held):  # noqa: ANN001, ANN202
+                    held.append(_held_grad_bytes(actor))  # after the previous micro batch's backward
+                    return loss_fn(mb, scale)
+
+                optimizer = RecordingSGD(actor.parameters(), lr=1.0)
+                train_ppo.run_updates(actor, optimizer, dict(batch), measuring_loss_fn, spec,
+                                      torch.Generator().manual_seed(0), None, "actor")
+                full = sum(p.numel() * 4 for p in actor.parameters())
+                result[mesh_name, accumulate] = {"grads": optimizer.grads, "held": held, "full_bytes": full}
+        torch.save(result, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gradients_reduced_per_micro_batch_equal_the_accumulated_ones(tiny_assets, tmp_path):
+    """verl's way (reduce-scatter after every micro batch, the HSDP all-reduce once at the last) gives the
+    gradient of accumulating the unsharded one and reducing once, up to fp32 reassociation; between
+    micro batches it holds only gradient shards, where accumulation holds the whole model's in fp32."""
+    run_gloo(_accumulation_worker, WORLD, str(tmp_path / "pg"), str(tiny_assets["tiny-qwen2"]), str(tmp_path / "acc"),
+             timeout_s=180)
+    results = [torch.load(tmp_path / f"acc.{rank}") for rank in range(WORLD)]
+    for result in results:
+        reference = result["fsdp", True]["grads"]
+        assert max(g.abs().max().item() for g in reference) > 1e-4, "no gradient: the test would pass vacuously"
+        for case in (("fsdp", False), ("hsdp", False), ("hsdp", True)):
+            for got, want in zip(result[case]["grads"], reference, strict=True):
+                error = (got - want).norm().item() / max(want.norm().item(), 1e-30)
+                assert error < 1e-6, (case, error)
+        full = result["fsdp", True]["full_bytes"]
+        for (mesh_name, accumulate), case in result.items():
+            unsharded, sharded = case["held"][1]  # after the first micro batch's backward
+            if accumulate:
+                assert unsharded == full, (mesh_name, unsharded, full)
+            else:
+                assert unsharded == 0, (mesh_name, unsharded)
+                assert 0 < sharded <= full // (WORLD if mesh_name == "fsdp" else 1) + 4096, (mesh_name, sharded)
+    for case in results[0]:  # every rank steps with the same gradient
+        for got, want in zip(results[1][case]["grads"], results[0][case]["grads"], strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def _on_policy_worker(rank: int, init_file: str, model_path: str, out: str) -> None:
