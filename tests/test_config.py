@@ -96,6 +96,7 @@ def test_the_source_reading_equals_ppo_core_registries():
     assert list(traits.policy_losses) == list(ppo_core.POLICY_LOSSES)
     assert traits.kl_estimators == tuple(ppo_core.KL_ESTIMATORS)
     assert traits.loss_agg_modes == ppo_core.LOSS_AGG_MODES
+    assert traits.distillation_losses == ppo_core.DISTILLATION_LOSS_MODES
 
 
 def test_the_planner_checks_without_torch():
@@ -126,12 +127,14 @@ def critic_one(): ...
 def loss(): ...
 KL_ESTIMATORS: dict = {"k1": f, "k3": g}
 LOSS_AGG_MODES = ("token-mean",)
+DISTILLATION_LOSS_MODES = ("k3",)
 ''')
     traits = config.algorithm_traits(source)
     assert traits.adv_estimators == {"mine": config.EstimatorTraits("mine", False, True, None),
                                      "critic_one": config.EstimatorTraits("critic_one", True, False, "greedy")}
     assert traits.policy_losses == {"loss": config.PolicyLossTraits("loss", ("a", "b"))}
-    assert (traits.kl_estimators, traits.loss_agg_modes) == (("k1", "k3"), ("token-mean",))
+    assert (traits.kl_estimators, traits.loss_agg_modes, traits.distillation_losses) == (
+        ("k1", "k3"), ("token-mean",), ("k3",))
     not_literal = tmp_path / "not_literal.py"  # (algorithm_traits caches by path)
     not_literal.write_text(source.read_text().replace("compares_group=True", "compares_group=FLAG"))
     with pytest.raises(RuntimeError, match=r"not_literal.py:4: .* literal arguments here, got 'FLAG'"):
