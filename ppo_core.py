@@ -935,7 +935,9 @@ def distillation_loss(token_losses: Tensor, old_log_prob: Tensor, log_prob: Tens
     vanilla loss, the ratio against old_log_prob; the teacher's signal as a per-token reward); or they
     are the loss itself, aggregated by loss_agg_mode, and back-propagated through the student's
     log-probs. `agg` holds agg_loss' counts (the module docstring's scaling)."""
-    metrics = {"distillation/abs_loss": masked_mean(token_losses.detach().abs(), response_mask)}
+    # a share of the mini batch's mean, as the losses are (the module docstring): summed over micro batches
+    counts = {k: agg[k] for k in ("global_num_tokens", "dp_size") if k in agg}
+    metrics = {"distillation/abs_loss": agg_loss(token_losses.detach().abs(), response_mask, "token-mean", **counts)}
     if loss_max_clamp is not None:
         token_losses = token_losses.clamp(-loss_max_clamp, loss_max_clamp)  # (B, T); k1 can be negative
     if not use_policy_gradient:

@@ -181,6 +181,9 @@ def test_config_records_the_keys_a_program_reads():
     assert set(flat_keys()) - set(unread_keys(cfg)) == {"data.seed", "actor_rollout_ref.actor.optim.lr"}
 
 
+TEACHER = ["distillation.enabled=true", "distillation.teacher_models.teacher_model.model_path=teacher"]
+
+
 @pytest.mark.parametrize("overrides,fragment", [
     (["reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true"], "overlong_buffer.len=0"),
     (["reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true", "data.max_response_length=8",
@@ -212,6 +215,18 @@ def test_config_records_the_keys_a_program_reads():
     (["actor_rollout_ref.actor.tau_neg=2"], "actor_rollout_ref.actor.tau_neg=2.0 is read by loss_mode=sapo only"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.tau_pos=0"], "tau_pos=0.0"),
     (["actor_rollout_ref.actor.loss_agg_mode=token-max"], "token-mean, token-sum, seq-mean-token-sum"),
+    # on-policy distillation: a teacher, on the actor's mesh, and a loss whose gradient sees the teacher
+    (["distillation.enabled=true"], "needs distillation.teacher_models.teacher_model.model_path"),
+    ([*TEACHER, "distillation.nnodes=1", "distillation.n_gpus_per_node=4"],
+     "distillation.nnodes=1 (x n_gpus_per_node=4) asks for verl's separate teacher pool"),
+    ([*TEACHER, "distillation.distillation_loss.loss_mode=k1"], "use_policy_gradient=true (k1 as a per-token reward)"),
+    ([*TEACHER, "distillation.distillation_loss.loss_mode=forward_kl_topk", "distillation.distillation_loss.topk=null"],
+     "forward_kl_topk needs distillation.distillation_loss.topk"),
+    ([*TEACHER, "distillation.distillation_loss.loss_mode=forward_kl_topk",
+      "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "ulysses_sequence_parallel_size=2 is not implemented"),
+    ([*TEACHER, "distillation.distillation_loss.loss_mode=k4"], "forward_kl_topk, kl, k1, abs, mse, k2, low_var_kl, k3"),
+    ([*TEACHER, "distillation.distillation_loss.policy_loss_mode=gspo"], "valid values: vanilla"),
+    ([*TEACHER, "distillation.distillation_loss.topk=0"], "distillation.distillation_loss.topk=0 must be >= 1"),
 ])
 def test_algorithm_keys_that_only_work_together(overrides, fragment):
     from config import check_supported
@@ -303,7 +318,8 @@ def test_every_short_run_config_is_valid():
 
     for name, (path, overrides) in CASES.items():
         cfg = load_config(path, ["data.train_files=assets/data/train.parquet",
-                                 *(o.replace("{reward_server}", "http://127.0.0.1:1") for o in overrides)])
+                                 *(o.replace("{reward_server}", "http://127.0.0.1:1").replace("{untrained}", "m")
+                                   .replace("{teacher}", "t") for o in overrides)])
         try:
             check_supported(cfg)
             validate(cfg, 2)
