@@ -21,6 +21,7 @@ rank, P = max_prompt_length, R = max_response_length):
     input_ids, attention_mask, position_ids (B, P+R); prompt_index (B,)      <- step 2, generate
     token_level_scores (B, R); reward_baselines (B,) for ReMax               <- step 3, reward
     old_log_probs, ref_log_probs, values (B, R)                              <- step 4
+    teacher_log_probs (B, R), or teacher_topk_log_probs / _ids (B, R, k)     <- step 4, distillation
     token_level_rewards, advantages, returns (B, R)                          <- step 5
     rollout_is_weights (B, R); response_mask less rejected tokens            <- step 5b (rollout correction)
 attention_mask marks every real token; response_mask (the loss mask) the tokens the policy sampled.
