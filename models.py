@@ -165,7 +165,7 @@ def load_reward_model(name_or_path: str, fsdp_mesh: DeviceMesh, **options: Unpac
 
 def load_frozen_model(load: Callable[..., nn.Module], name_or_path: str, fsdp_mesh: DeviceMesh, *,
                       param_offload: bool, **options: Unpack[ShardingOptions]) -> nn.Module:
-    """A model that is only ever run forward (the reference model, the reward model): `load`
+    """A model that is only ever run forward (the reference model, the reward model, a teacher): `load`
     (load_causal_lm, load_reward_model, ...) with FSDP2's CPUOffloadPolicy when param_offload, so its
     shards live on the host and stream to the device one block at a time inside its own forward; no
     gradients, eval mode. apply_moves never touches it (memory_plan counts it as `<name>.params`)."""
