@@ -323,6 +323,39 @@ SCHEMA: dict[str, Any] = {
         # project key: a rank in one phase this long ends the job with a report (watchdog.py); 0: off
         "hang_timeout_s": (float, 600.0),
     },
+    # on-policy distillation (verl 0.9's keys and defaults): a frozen teacher's log-probs of the student's own
+    # samples give a per-token divergence that the actor's loss adds (ppo_core.distillation_loss)
+    "distillation": {
+        "enabled": (bool, False),
+        # verl's separate teacher pool (its GPUs); here the teacher is sharded on the actor's FSDP mesh, as the
+        # reference model is, so the pool must stay empty: nnodes=0
+        "n_gpus_per_node": (int, 8),
+        "nnodes": (int, 0),
+        "distillation_loss": {
+            "loss_mode": (str, "k3"),  # ppo_core.DISTILLATION_LOSS_MODES: a KL estimator, or forward_kl_topk
+            "topk": (_INT_OR_NONE, 32),  # forward_kl_topk: the teacher's k most likely tokens per position
+            # true: the task's policy loss plus distillation_loss_coef x the distillation term; false: that term alone
+            "use_task_rewards": (bool, True),
+            "distillation_loss_coef": (float, 1.0),
+            "loss_max_clamp": (_FLOAT_OR_NONE, None),  # token losses clamped to [-c, c]
+            "log_prob_min_clamp": (_FLOAT_OR_NONE, None),  # forward_kl_topk: log-probs clamped below
+            # true: minus the token losses are advantages of a clipped surrogate (a per-token reward);
+            # false: the token losses are back-propagated as they are
+            "use_policy_gradient": (bool, False),
+            "policy_loss_mode": (str, "vanilla"),
+            "clip_ratio": (float, 0.2),
+            "clip_ratio_low": (_FLOAT_OR_NONE, 0.2),  # null: clip_ratio
+            "clip_ratio_high": (_FLOAT_OR_NONE, 0.2),  # null: clip_ratio
+        },
+        "teacher_models": {  # one teacher (verl's single-teacher entry); it must share the actor's tokenizer
+            "teacher_model": {
+                "model_path": (_STR_OR_NONE, None),
+                # project key: the teacher streams its shards from the host in its forward (CPUOffloadPolicy),
+                # as actor_rollout_ref.ref.fsdp_config.param_offload does for the reference model
+                "fsdp_config": {"param_offload": (bool, False)},
+            },
+        },
+    },
 }
 
 
@@ -354,16 +387,19 @@ class AlgorithmTraits:
     policy_losses: Mapping[str, PolicyLossTraits]  # actor.policy_loss.loss_mode
     kl_estimators: tuple[str, ...]  # algorithm.kl_penalty, actor.kl_loss_type
     loss_agg_modes: tuple[str, ...]  # actor.loss_agg_mode, critic.loss_agg_mode
+    distillation_losses: tuple[str, ...]  # distillation.distillation_loss.loss_mode
 
 
 _PPO_CORE = Path(__file__).with_name("ppo_core.py")
 _REGISTERS = {"register_adv_estimator": EstimatorTraits, "register_policy_loss": PolicyLossTraits}
+_CONSTANTS = ("KL_ESTIMATORS", "LOSS_AGG_MODES", "DISTILLATION_LOSS_MODES")
 
 
 @functools.cache
 def algorithm_traits(source: Path = _PPO_CORE) -> AlgorithmTraits:
     """The registrations in ppo_core.py's source: each decorator's literal arguments over the
-    register function's keyword defaults, and the keys of the KL_ESTIMATORS and LOSS_AGG_MODES literals."""
+    register function's keyword defaults, and the keys of the KL_ESTIMATORS, LOSS_AGG_MODES and
+    DISTILLATION_LOSS_MODES literals."""
     tree = ast.parse(source.read_text(), filename=str(source))
 
     def literal(node: ast.expr) -> Any:
@@ -393,11 +429,11 @@ def algorithm_traits(source: Path = _PPO_CORE) -> AlgorithmTraits:
                 table[name] = {k.arg: literal(k.value) for k in decorator.keywords}
         elif isinstance(node, ast.Assign | ast.AnnAssign):
             target = node.target if isinstance(node, ast.AnnAssign) else node.targets[0]
-            if isinstance(target, ast.Name) and target.id in ("KL_ESTIMATORS", "LOSS_AGG_MODES"):
+            if isinstance(target, ast.Name) and target.id in _CONSTANTS:
                 value = node.value  # a dict: its keys (the values are functions); a tuple: itself
                 constants[target.id] = (tuple(literal(k) for k in value.keys) if isinstance(value, ast.Dict)
                                         else tuple(literal(value)))
-    missing = [n for n in (*_REGISTERS, "KL_ESTIMATORS", "LOSS_AGG_MODES") if n not in {**defaults, **constants}]
+    missing = [n for n in (*_REGISTERS, *_CONSTANTS) if n not in {**defaults, **constants}]
     if missing:
         raise RuntimeError(f"{source.name} no longer defines {missing} at module level, as config.algorithm_traits "
                            f"reads them")
@@ -408,7 +444,7 @@ def algorithm_traits(source: Path = _PPO_CORE) -> AlgorithmTraits:
                                  for name, kwargs in registered[register].items()})
 
     return AlgorithmTraits(traits("register_adv_estimator"), traits("register_policy_loss"),
-                           constants["KL_ESTIMATORS"], constants["LOSS_AGG_MODES"])
+                           constants["KL_ESTIMATORS"], constants["LOSS_AGG_MODES"], constants["DISTILLATION_LOSS_MODES"])
 
 
 def policy_loss_key(name: str) -> str:
@@ -456,6 +492,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # one score per sample from a rule or custom function; dapo adds `acc` and the overlong buffer
     "reward_model.reward_manager": ("naive", "dapo"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
+    "distillation.distillation_loss.loss_mode": _ALGORITHMS.distillation_losses,
+    "distillation.distillation_loss.policy_loss_mode": ("vanilla",),  # verl's only one
 }
 
 
@@ -702,6 +740,12 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "trainer.max_actor_ckpt_to_keep": (_ONE_OR_MORE[0], ">= 1 (null keeps every checkpoint)"),
     "trainer.max_critic_ckpt_to_keep": (_ONE_OR_MORE[0], ">= 1 (null keeps every checkpoint)"),
     "trainer.max_consecutive_skipped_steps": _ONE_OR_MORE,
+    "distillation.distillation_loss.topk": _ONE_OR_MORE,
+    "distillation.distillation_loss.distillation_loss_coef": _NON_NEGATIVE,
+    "distillation.distillation_loss.loss_max_clamp": _POSITIVE,
+    "distillation.distillation_loss.clip_ratio": _between(0, 1, high_open=True),
+    "distillation.distillation_loss.clip_ratio_low": _between(0, 1, high_open=True),
+    "distillation.distillation_loss.clip_ratio_high": _NON_NEGATIVE,
 }
 for _optim_section in (f"{_ARR}.actor.optim", "critic.optim"):
     _RANGES.update({
@@ -804,6 +848,7 @@ def check_supported(cfg: Config) -> None:
     check_multi_turn(cfg)
     check_timeouts(cfg)
     check_reward_source(cfg)
+    check_distillation(cfg)
     unknown = [name for name in cfg.trainer.logger if name not in LOGGERS]
     if unknown:
         raise ConfigError(f"trainer.logger has unknown entries {unknown}; valid: {', '.join(LOGGERS)}.")
@@ -1010,6 +1055,41 @@ def check_timeouts(cfg: Config) -> None:
     if cfg.reward_model.timeout_s < 0:
         raise ConfigError(f"reward_model.timeout_s={cfg.reward_model.timeout_s:g} must be >= 0 seconds per sample "
                           f"(0: no limit).")
+
+
+_DISTILL = "distillation.distillation_loss"
+
+
+def check_distillation(cfg: Config) -> None:
+    """distillation.enabled: a teacher to load, on the actor's mesh, and a loss that can train (verl's checks)."""
+    distill = cfg.distillation
+    if not distill.enabled:
+        return
+    teacher, loss = distill.teacher_models.teacher_model, distill.distillation_loss
+    if teacher.model_path is None:
+        raise ConfigError("distillation.enabled=true needs distillation.teacher_models.teacher_model.model_path: the "
+                          "teacher, a causal LM with the actor's tokenizer (e.g. a larger model of the same family).")
+    if distill.nnodes != 0:
+        raise ConfigError(
+            f"distillation.nnodes={distill.nnodes} (x n_gpus_per_node={distill.n_gpus_per_node}) asks for verl's "
+            f"separate teacher pool; here the teacher is sharded on the actor's FSDP mesh and runs between the "
+            f"rollout and the update, as the reference model does. Set distillation.nnodes=0 (the default); "
+            f"distillation.teacher_models.teacher_model.fsdp_config.param_offload=true keeps its shards on the host.")
+    if loss.loss_mode in ("k1", "kl") and not loss.use_policy_gradient:
+        raise ConfigError(
+            f"{_DISTILL}.loss_mode={loss.loss_mode} with use_policy_gradient=false: the gradient of k1 (log q - log p) "
+            f"with respect to the student's weights does not depend on the teacher's log-probs, so it would not "
+            f"distil. Set {_DISTILL}.use_policy_gradient=true (k1 as a per-token reward), or loss_mode=k3 (verl's "
+            f"default) or forward_kl_topk.")
+    if loss.loss_mode == "forward_kl_topk":
+        if loss.topk is None:
+            raise ConfigError(f"{_DISTILL}.loss_mode=forward_kl_topk needs {_DISTILL}.topk (verl's default: 32).")
+        sp = cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size
+        if sp > 1:
+            raise ConfigError(
+                f"{_DISTILL}.loss_mode=forward_kl_topk with actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}"
+                f" is not implemented (the top-k log-probs are gathered from whole rows); use a KL estimator "
+                f"(loss_mode=k3) with Ulysses, or ulysses_sequence_parallel_size=1.")
 
 
 def check_reward_source(cfg: Config) -> None:

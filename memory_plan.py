@@ -24,6 +24,8 @@ One offload mechanism per model, as verl does it:
                  Gradients exist only inside the update (zero_grad(set_to_none=True) frees them).
   reference      never stepped: ref.fsdp_config.param_offload builds it with FSDP2's
                  CPUOffloadPolicy, which streams one block at a time to the device in its forward.
+                 The reward model and distillation's teacher are frozen models too, with their own
+                 param_offload keys.
   LoRA           (actor_rollout_ref.model.lora_rank > 0) the actor's base weights are frozen: gradients
                  and AdamW state exist for the adapter only, and the reference model is the actor
                  with its adapter disabled, so it holds no memory of its own.
@@ -51,7 +53,7 @@ PHASES = ("sync", "generate", "log_prob", "update")
 DEVICE, HOST, FREED, NONE = "device", "host", "freed", "-"
 # What the placement plan covers, in table order.
 ITEMS = ("actor.params", "actor.grads", "actor.optimizer", "critic.params", "critic.grads", "critic.optimizer",
-         "ref.params", "reward_model.params", "engine.weights", "engine.kv_cache")
+         "ref.params", "reward_model.params", "teacher.params", "engine.weights", "engine.kv_cache")
 
 
 # -----------------------------------------------------------------------------
@@ -68,6 +70,7 @@ class OffloadFlags:
     critic_optimizer: bool = False  # critic.fsdp_config.optimizer_offload
     ref_param: bool = False  # actor_rollout_ref.ref.fsdp_config.param_offload
     reward_model_param: bool = False  # reward_model.model.fsdp_config.param_offload (true in the config)
+    teacher_param: bool = False  # distillation.teacher_models.teacher_model.fsdp_config.param_offload
     free_cache_engine: bool = True  # actor_rollout_ref.rollout.free_cache_engine
 
     @classmethod
@@ -79,6 +82,7 @@ class OffloadFlags:
                    critic_optimizer=cfg.critic.fsdp_config.optimizer_offload,
                    ref_param=roles.ref.fsdp_config.param_offload,
                    reward_model_param=cfg.reward_model.model.fsdp_config.param_offload,
+                   teacher_param=cfg.distillation.teacher_models.teacher_model.fsdp_config.param_offload,
                    free_cache_engine=roles.rollout.free_cache_engine)
 
 
@@ -104,6 +108,7 @@ def placement(flags: OffloadFlags, phase: str) -> dict[str, str]:
         "critic.optimizer": HOST if phase != "update" and flags.critic_optimizer else DEVICE,
         "ref.params": HOST if flags.ref_param else DEVICE,  # CPUOffloadPolicy: streamed per block
         "reward_model.params": HOST if flags.reward_model_param else DEVICE,  # the same
+        "teacher.params": HOST if flags.teacher_param else DEVICE,  # the same
         "engine.weights": HOST if engine_asleep else DEVICE,
         "engine.kv_cache": FREED if engine_asleep else DEVICE,
     }
@@ -116,9 +121,9 @@ LOADED = "loaded"
 def plan_moves(flags: OffloadFlags, src: str, dst: str) -> list[tuple[str, str]]:
     """The moves (item, destination) that take `src`'s placement to `dst`'s, in ITEMS order.
     `src` may be LOADED (right after the models and the engine are built). Gradients never move:
-    they are created in the update and freed at its end. The frozen models (reference, reward model)
-    never move: they live where they were built (models.load_frozen_model)."""
-    frozen = ("ref.params", "reward_model.params")
+    they are created in the update and freed at its end. The frozen models (reference, reward model,
+    teacher) never move: they live where they were built (models.load_frozen_model)."""
+    frozen = ("ref.params", "reward_model.params", "teacher.params")
     before = ({item: DEVICE for item in ITEMS} | {item: placement(flags, dst)[item] for item in frozen}
               if src == LOADED else placement(flags, src))
     after = placement(flags, dst)
@@ -365,6 +370,8 @@ class MemoryInputs:
     reward_model: ModelShape | None = None  # reward_model.enable: the model that scores in the generate phase
     reward_micro: int = 1  # reward_model.micro_batch_size_per_gpu (resolved)
     reward_packed: bool = True  # reward_model.model.use_remove_padding
+    teacher: ModelShape | None = None  # distillation.enabled: the teacher, run forward in the log_prob phase
+    teacher_topk: int | None = None  # forward_kl_topk's k: the teacher's top-k log-probs and ids stay in the batch
 
 
 def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
@@ -397,6 +404,7 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
             "ref.params": actor_shard if m.use_ref and on["ref.params"] else 0,
             "reward_model.params": (param_shard_bytes(m.reward_model, m.fsdp, fsdp_rank)
                                     if m.reward_model and on["reward_model.params"] else 0),
+            "teacher.params": param_shard_bytes(m.teacher, m.fsdp, fsdp_rank) if m.teacher and on["teacher.params"] else 0,
             "engine.weights": engine_weights if on["engine.weights"] else 0,
             "engine.kv_cache": max(0, engine_total - engine_weights) if on["engine.kv_cache"] else 0,
             "gathered_blocks": (gathered_bytes(m.actor, m.compute_bytes, backward=phase == "update")
@@ -404,6 +412,7 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
             "activations": 0,
             "log_prob_chunk": 0,
             "reward_model.forward": 0,
+            "teacher.topk": 0,
         }
         if phase == "sync":  # iter_full_params: one bucket (<= 16 MiB) of full tensors in the engine's dtype
             b["gathered_blocks"] = min(16 * 2**20, engine_weights * m.infer_tp)
@@ -411,6 +420,12 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
             b["reward_model.forward"] = _reward_forward_bytes(m)
         if phase == "log_prob":
             b["log_prob_chunk"] = _head_bytes(m, m.log_prob_micro, m.log_prob_max_tokens)
+            if m.teacher is not None:  # its forward runs after the actor's: the larger of the two
+                b["log_prob_chunk"] = max(b["log_prob_chunk"],
+                                          _head_bytes(m, m.log_prob_micro, m.log_prob_max_tokens, model=m.teacher))
+                b["gathered_blocks"] = max(b["gathered_blocks"], gathered_bytes(m.teacher, m.compute_bytes, backward=False))
+        if m.teacher_topk and phase in ("log_prob", "update"):  # float32 log-probs and int64 ids per response token
+            b["teacher.topk"] = (m.samples_per_rank or 0) * m.response_len * m.teacher_topk * (4 + 8)
         if phase == "update":
             b["activations"] = max(_update_activations(m, critic=False), _update_activations(m, critic=True))
             b["log_prob_chunk"] = _head_bytes(m, m.ppo_micro, m.ppo_max_tokens, backward=True)
@@ -445,13 +460,14 @@ def _reward_forward_bytes(m: MemoryInputs) -> int:
             + peak_recompute_bytes(shape, rows, row_len, m.compute_bytes, True) + mask)
 
 
-def _head_bytes(m: MemoryInputs, micro: int, max_tokens: int | None, backward: bool = False) -> int:
-    """The actor's LM-head logits and float32 chunks (logprob_chunk_bytes) of one micro batch on one
-    rank, in a no-grad forward or (backward) in the update."""
+def _head_bytes(m: MemoryInputs, micro: int, max_tokens: int | None, backward: bool = False,
+                model: ModelShape | None = None) -> int:
+    """The actor's (or `model`'s) LM-head logits and float32 chunks (logprob_chunk_bytes) of one micro
+    batch on one rank, in a no-grad forward or (backward) in the update."""
     rows, row_len = forward_layout(micro, m.prompt_len + m.response_len, m.actor_packed, max_tokens,
                                    m.samples_per_rank)
     positions = head_positions(rows, row_len, m.actor_packed, micro, m.response_len, m.sp, max_tokens is not None)
-    return logprob_chunk_bytes(m.actor, positions, m.compute_bytes, backward=backward)
+    return logprob_chunk_bytes(model or m.actor, positions, m.compute_bytes, backward=backward)
 
 
 def _remedies(m: MemoryInputs, phase: str, items: dict[str, int], over: int,
@@ -499,8 +515,10 @@ def _remedies(m: MemoryInputs, phase: str, items: dict[str, int], over: int,
     for item, key, flag in (("actor.optimizer", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
                              m.flags.actor_optimizer),
                             ("critic.optimizer", "critic.fsdp_config.optimizer_offload", m.flags.critic_optimizer),
-                            ("ref.params", "actor_rollout_ref.ref.fsdp_config.param_offload", m.flags.ref_param)):
-        if items[item] and not flag and (item == "ref.params" or phase != "update"):
+                            ("ref.params", "actor_rollout_ref.ref.fsdp_config.param_offload", m.flags.ref_param),
+                            ("teacher.params", "distillation.teacher_models.teacher_model.fsdp_config.param_offload",
+                             m.flags.teacher_param)):
+        if items[item] and not flag and (item in ("ref.params", "teacher.params") or phase != "update"):
             out.append((f"{key}=true", items[item]))
     if phase == "generate":
         for item, key, flag in (("actor.params", "actor_rollout_ref.actor.fsdp_config.param_offload",
@@ -551,6 +569,11 @@ def memory_inputs(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_g
     from lora import LoraSpec  # imported here (torch, peft): a plan without a model stays instant
 
     spec = LoraSpec.from_config(roles.model)
+    teacher = teacher_topk = None
+    if cfg.distillation.enabled:  # the teacher's shapes; its top-k stays in the batch (forward_kl_topk)
+        teacher = model_shape(cfg.distillation.teacher_models.teacher_model.model_path, trust_remote_code=trust)
+        loss = cfg.distillation.distillation_loss
+        teacher_topk = loss.topk if loss.loss_mode == "forward_kl_topk" else None
     return MemoryInputs(
         # with LoRA the reference is the actor with its adapter disabled: no copy of its own
         actor=actor, critic=critic, use_ref=plan.ref_log_prob is not None and spec is None,
@@ -573,7 +596,8 @@ def memory_inputs(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_g
                                   trust_remote_code=cfg.reward_model.model.trust_remote_code)
                       if cfg.reward_model.enable else None),
         reward_micro=cfg.reward_model.micro_batch_size_per_gpu or roles.rollout.log_prob_micro_batch_size_per_gpu,
-        reward_packed=cfg.reward_model.model.use_remove_padding)
+        reward_packed=cfg.reward_model.model.use_remove_padding,
+        teacher=teacher, teacher_topk=teacher_topk)
 
 
 def _holds_unsharded_grads(update: UpdateSpec) -> bool:

@@ -207,6 +207,8 @@ class BatchPlan:
     values: ForwardSpec | None  # the critic's (critic.forward_*); None: no critic
     actor_update: UpdateSpec
     critic_update: UpdateSpec | None  # None: no critic
+    # distillation.enabled: the teacher's forward, cut as the reference model's (ref.log_prob_*); None: no teacher
+    teacher_log_prob: ForwardSpec | None = None
 
 
 def _token_budget(key: str, budget: int, sequence_len: int, micro: int, sp: int) -> int:
@@ -347,10 +349,13 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
         return ForwardSpec(micro, budget(f"{prefix}.log_prob_max_token_len_per_gpu", max_tokens, dynamic, micro), packed)
 
     old_log_prob = log_prob_forward(rollout, "actor_rollout_ref.rollout", lp_micro)
-    ref_log_prob = None
+    ref_log_prob = teacher_log_prob = None
     if _uses_reference(cfg):  # the ref's micro batch: null means the rollout's log-prob one
         ref_log_prob = log_prob_forward(ref, "actor_rollout_ref.ref",
                                         resolve(ref.log_prob_micro_batch_size_per_gpu, lp_micro))
+    if cfg.distillation.enabled:  # the teacher is a frozen model beside the reference: its forward is cut alike
+        teacher_log_prob = log_prob_forward(ref, "actor_rollout_ref.ref",
+                                            resolve(ref.log_prob_micro_batch_size_per_gpu, lp_micro))
 
     values = critic_update = None
     if _uses_critic(cfg):
@@ -383,6 +388,7 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
         values=values,
         actor_update=actor_update,
         critic_update=critic_update,
+        teacher_log_prob=teacher_log_prob,
     )
 
 
@@ -702,7 +708,8 @@ def _role_lines(plan: BatchPlan, sp: int) -> list[str]:
 
     lines = ["Per role (sizes in samples per rank; null keys resolved to the actor's values, as verl does):",
              f"  {'forward':<14} {'micro':>5} {'micro steps':>11}  {'token budget':<18} packed"]
-    forwards = {"old log-probs": plan.old_log_prob, "ref log-probs": plan.ref_log_prob, "values": plan.values}
+    forwards = {"old log-probs": plan.old_log_prob, "ref log-probs": plan.ref_log_prob,
+                "teacher": plan.teacher_log_prob, "values": plan.values}
     for name, f in forwards.items():
         if f is not None:
             steps = "-" if f.max_token_len is not None else str(-(-plan.samples_per_rank // f.micro_batch_size))

@@ -180,7 +180,7 @@ def load_reward_model(name_or_path: str, fsdp_mesh: DeviceMesh, **options: Unpac
 
 def load_frozen_model(load: Callable[..., nn.Module], name_or_path: str, fsdp_mesh: DeviceMesh, *,
                       param_offload: bool, **options: Unpack[ShardingOptions]) -> nn.Module:
-    """A model that is only ever run forward (the reference model, the reward model): `load`
+    """A model that is only ever run forward (the reference model, the reward model, a teacher): `load`
     (load_causal_lm, load_reward_model, ...) with FSDP2's CPUOffloadPolicy when param_offload, so its
     shards live on the host and stream to the device one block at a time inside its own forward; no
     gradients, eval mode. apply_moves never touches it (memory_plan counts it as `<name>.params`)."""
@@ -470,8 +470,10 @@ def _trim(inputs: Mapping[str, torch.Tensor], response_len: int) -> tuple[dict[s
 
 
 def _unpack(values: torch.Tensor, response_valid: torch.Tensor) -> torch.Tensor:
-    """(K,) per real response token -> (b, R), zero on the padding."""
-    return values.new_zeros(response_valid.shape).masked_scatter(response_valid, values)
+    """(K, ...) per real response token -> (b, R, ...), zero on the padding."""
+    out = values.new_zeros((*response_valid.shape, *values.shape[1:]))
+    mask = response_valid.view(*response_valid.shape, *(1,) * (values.dim() - 1)).expand_as(out)
+    return out.masked_scatter(mask, values)
 
 
 def compute_log_probs(
@@ -486,12 +488,18 @@ def compute_log_probs(
     sp_group: dist.ProcessGroup | None = None,
     truncation: tuple[int, float] | None = None,
     calc_sum_pi_squared: bool = False,
+    topk: tuple[int, int | None] | None = None,
+    topk_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Log-probs (B, R) of the response tokens under logits / temperature, and their entropies if
     asked. Grad flows if the caller has it enabled. With truncation=(top_k, top_p), a third (B, R)
     tensor: the log-probs under the engine's sampling distribution, the top-k / top-p cut of the same
-    logits (ppo_core.truncated_log_probs), from the same forward. With calc_sum_pi_squared, last,
-    sum_v pi(v)^2 (B, R) of the same logits (ppo_core.sum_pi_squared_from_logits), laid out as the log-probs.
+    logits (ppo_core.truncated_log_probs), from the same forward. With topk=(k, vocab_limit), two more
+    (B, R, k) tensors after it: the k largest log-probs of each position and their ids
+    (ppo_core.topk_log_probs; a teacher's, for on-policy distillation); with topk_ids (B, R, k), one
+    more: the log-probs at those ids (the student's side of that loss, with grad). Neither with sp_group.
+    With calc_sum_pi_squared, last, sum_v pi(v)^2 (B, R) of the same logits
+    (ppo_core.sum_pi_squared_from_logits), laid out as the log-probs.
 
     batch holds "input_ids", "attention_mask", "position_ids" (each (B, P+R): prompts, then responses)
     and "responses" (B, R), which gives R. Micro batches are runs of micro_batch_size rows, or cut by
@@ -510,7 +518,11 @@ def compute_log_probs(
     """
     response_len = _response_len(batch)
     _check_sp_packed(sp_group, use_remove_padding)
+    if sp_group is not None and (topk is not None or topk_ids is not None):
+        raise NotImplementedError("compute_log_probs: top-k log-probs under Ulysses (config refuses forward_kl_topk "
+                                  "with ulysses_sequence_parallel_size > 1)")
     log_probs, entropies, truncated, sum_sq, row_groups = [], [], [], [], []
+    top_values, top_ids, gathered = [], [], []
     for rows, inputs in _micro_batches(batch, micro_batch_size, max_token_len):
         if sp_group is not None:
             model_inputs, predictors, response_valid = _pack(inputs, response_len)
@@ -535,6 +547,13 @@ def compute_log_probs(
                 entropies.append(_unpack(token_entropy, response_valid))  # (b, R)
             if truncation is not None:
                 truncated.append(_unpack(core.truncated_log_probs(logits, labels, *truncation), response_valid))  # (b, R)
+            if topk is not None:
+                values, ids = core.topk_log_probs(logits, *topk)  # (K, k) each
+                top_values.append(_unpack(values, response_valid))  # (b, R, k)
+                top_ids.append(_unpack(ids, response_valid))  # (b, R, k)
+            if topk_ids is not None:
+                picked = core.gather_log_probs(logits, topk_ids[rows][response_valid])  # (K, k)
+                gathered.append(_unpack(picked, response_valid))  # (b, R, k)
             if calc_sum_pi_squared:
                 sum_sq.append(_unpack(core.sum_pi_squared_from_logits(logits), response_valid))  # (b, R)
         else:
@@ -554,12 +573,24 @@ def compute_log_probs(
                 entropies.append(F.pad(token_entropy[:, :-1], to_full))  # (b, R)
             if truncation is not None:
                 truncated.append(F.pad(core.truncated_log_probs(logits, labels, *truncation)[:, :-1], to_full))  # (b, R)
+            to_full_k = (0, 0, *to_full)  # (b, r, k) -> (b, R, k)
+            if topk is not None:
+                values, ids = core.topk_log_probs(logits[:, :-1], *topk)  # (b, r, k) each
+                top_values.append(F.pad(values, to_full_k))
+                top_ids.append(F.pad(ids, to_full_k))
+            if topk_ids is not None:
+                picked = core.gather_log_probs(logits[:, :-1], topk_ids[rows][:, :kept])  # (b, r, k)
+                gathered.append(F.pad(picked, to_full_k))  # (b, R, k)
             if calc_sum_pi_squared:
                 sum_sq.append(F.pad(core.sum_pi_squared_from_logits(logits)[:, :-1], to_full))  # (b, R)
         row_groups.append(rows)
     out = [_in_batch_order(log_probs, row_groups), _in_batch_order(entropies, row_groups) if calc_entropy else None]
     if truncation is not None:
         out.append(_in_batch_order(truncated, row_groups))
+    if topk is not None:
+        out += [_in_batch_order(top_values, row_groups), _in_batch_order(top_ids, row_groups)]
+    if topk_ids is not None:
+        out.append(_in_batch_order(gathered, row_groups))
     if calc_sum_pi_squared:
         out.append(_in_batch_order(sum_sq, row_groups))
     return tuple(out)
@@ -830,6 +861,37 @@ def check_model(path: str, needed_length: int, trust_remote_code: bool, device_t
             f"runs head sizes {', '.join(map(str, CPU_ENGINE_HEAD_SIZES))} only. Use such a model on the CPU "
             f"(e.g. hidden_size / num_attention_heads = 32), or a GPU."
         )
+
+
+def check_teacher(path: str, tokenizer: Any, student_vocab_rows: int, trust_remote_code: bool) -> int:
+    """Before anything loads: distillation's teacher at `path` reads the student's token ids as the student
+    does. Its tokenizer must map every token to the same id as `tokenizer` (the actor's); its embedding may
+    have more rows (padding past the tokenizer), never fewer than the student's `student_vocab_rows`, or a
+    sampled id would have no teacher log-prob. Returns len(tokenizer): the ids a teacher's top-k may name
+    (its padding rows are never a target). Each failure is one ConfigError naming both sizes."""
+    from transformers import AutoTokenizer
+
+    key = "distillation.teacher_models.teacher_model.model_path"
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        teacher_tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # a missing path, no config.json or tokenizer, an unknown architecture
+        raise ConfigError(f"{key}={path!r}: cannot read the teacher's config and tokenizer ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}). Give a local model directory with both.") from None
+    mine, theirs = tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if mine != theirs:
+        differ = sorted(t for t in mine.keys() | theirs.keys() if mine.get(t) != theirs.get(t))
+        raise ConfigError(
+            f"{key}={path!r} has a different tokenizer: {len(teacher_tokenizer)} tokens against the actor's "
+            f"{len(tokenizer)}, and {len(differ)} tokens differ in id (e.g. {differ[0]!r}: teacher "
+            f"{theirs.get(differ[0])}, actor {mine.get(differ[0])}). Distillation compares the two models' "
+            f"log-probs of the same token ids: use a teacher of the actor's family (the same tokenizer).")
+    if config.vocab_size < student_vocab_rows:
+        raise ConfigError(
+            f"{key}={path!r} has vocab_size={config.vocab_size} embedding rows, fewer than the actor's "
+            f"{student_vocab_rows}: the student could sample an id the teacher cannot score. Use a teacher whose "
+            f"embedding holds at least the actor's rows (padding past the {len(tokenizer)} tokens is fine).")
+    return len(tokenizer)
 
 
 def check_tensor_parallel(config: Any, tp: int, path: str) -> None:

@@ -932,6 +932,64 @@ class AdaptiveKLController(FixedKLController):
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
+# --- on-policy distillation (verl's distillation.distillation_loss) ------------------------------
+# A frozen teacher scores the student's own samples; its log-probs give a per-token divergence that
+# the actor's loss adds (verl 0.9's trainer/distillation/losses.py). Two kinds of loss_mode:
+#   a KL estimator of the sampled token (verl's names, KL_ESTIMATORS' forms of log pi_s - log pi_t):
+#     the reverse KL(student || teacher) estimated from the token the student sampled;
+#   forward_kl_topk: sum over the teacher's top-k tokens of p_t (log p_t - log p_s), the forward KL
+#     restricted to the teacher's k most likely tokens (its gradient reaches the student's whole head).
+# A plain literal tuple: config.py reads it from this file's text.
+DISTILLATION_LOSS_MODES = ("forward_kl_topk", "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+def distillation_token_losses(loss_mode: str, student_log_probs: Tensor, teacher_log_probs: Tensor | None = None, *,
+                              student_topk_log_probs: Tensor | None = None,
+                              teacher_topk_log_probs: Tensor | None = None,
+                              log_prob_min_clamp: float | None = None) -> Tensor:
+    """Per-token divergence of the student from the teacher, (B, T).
+
+    KL estimators: kl_penalty(student_log_probs, teacher_log_probs, loss_mode), both (B, T) log-probs of
+    the sampled tokens. forward_kl_topk: student_topk_log_probs and teacher_topk_log_probs (B, T, k) are
+    both models' log-probs of the teacher's top-k tokens; each is first clamped below at
+    log_prob_min_clamp (when set), and the sum, which can dip below 0 because k tokens do not hold the
+    whole mass, is clamped at 0 (verl's rule)."""
+    if loss_mode not in DISTILLATION_LOSS_MODES:
+        raise ValueError(f"unknown distillation loss_mode={loss_mode!r}; valid: {', '.join(DISTILLATION_LOSS_MODES)}")
+    if loss_mode != "forward_kl_topk":
+        return kl_penalty(student_log_probs, teacher_log_probs, loss_mode)  # (B, T)
+    student, teacher = student_topk_log_probs.float(), teacher_topk_log_probs.float()  # (B, T, k)
+    if log_prob_min_clamp is not None:
+        student, teacher = student.clamp_min(log_prob_min_clamp), teacher.clamp_min(log_prob_min_clamp)
+    return (teacher.exp() * (teacher - student)).sum(-1).clamp_min(0.0)  # (B, T)
+
+
+def distillation_loss(token_losses: Tensor, old_log_prob: Tensor, log_prob: Tensor, response_mask: Tensor,
+                      loss_agg_mode: str = "token-mean", *, use_policy_gradient: bool,
+                      loss_max_clamp: float | None = None, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                      rollout_is_weights: Tensor | None = None, **agg: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    """The distillation term of the actor's loss from distillation_token_losses' (B, T), with its metrics.
+
+    The token losses are first clamped to [-loss_max_clamp, loss_max_clamp] (when set). Then either
+    use_policy_gradient: minus them, detached, are the advantages of PPO's clipped surrogate (the
+    vanilla loss, the ratio against old_log_prob; the teacher's signal as a per-token reward); or they
+    are the loss itself, aggregated by loss_agg_mode, and back-propagated through the student's
+    log-probs. `agg` holds agg_loss' counts (the module docstring's scaling)."""
+    # a share of the mini batch's mean, as the losses are (the module docstring): summed over micro batches
+    counts = {k: agg[k] for k in ("global_num_tokens", "dp_size") if k in agg}
+    metrics = {"distillation/abs_loss": agg_loss(token_losses.detach().abs(), response_mask, "token-mean", **counts)}
+    if loss_max_clamp is not None:
+        token_losses = token_losses.clamp(-loss_max_clamp, loss_max_clamp)  # (B, T); k1 can be negative
+    if not use_policy_gradient:
+        return agg_loss(token_losses, response_mask, loss_agg_mode, **agg), metrics
+    loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+        old_log_prob, log_prob, -token_losses.detach(), response_mask, clip_ratio_low, clip_ratio_high, 3.0,
+        loss_agg_mode, **agg, rollout_is_weights=rollout_is_weights)
+    metrics.update({"distillation/pg_clipfrac": clipfrac, "distillation/ppo_kl": ppo_kl,
+                    "distillation/pg_clipfrac_lower": clipfrac_lower})
+    return loss, metrics
+
+
 # --- entropy and log-probs from logits (full, or under the engine's top-k / top-p) -----------------
 
 
@@ -1062,6 +1120,31 @@ def truncated_log_probs(logits: Tensor, labels: Tensor, top_k: int, top_p: float
         return kept.gather(-1, chunk_labels[:, None])[:, 0] - kept.logsumexp(dim=-1)  # (n,)
 
     return _rowwise(logits, kept_log_prob, chunk_size, labels)
+
+
+def topk_log_probs(logits: Tensor, k: int, vocab_limit: int | None = None,
+                   chunk_size: int = 1024) -> tuple[Tensor, Tensor]:
+    """The k largest log softmax(logits) and their token ids, (..., V) -> (..., k) each. The softmax is
+    over all V, the top-k over the first vocab_limit ids only (None: all): a model whose embedding is
+    padded past its tokenizer never names a padding row. Rows are upcast one chunk at a time."""
+    flat = logits.reshape(-1, logits.shape[-1])  # (N, V)
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    values, ids = [], []
+    for chunk in flat.split(chunk_size):
+        log_p = torch.log_softmax(chunk.to(dtype), dim=-1)[:, :vocab_limit]  # (n, V')
+        top = log_p.topk(k, dim=-1)  # (n, k) each
+        values.append(top.values)
+        ids.append(top.indices)
+    shape = (*logits.shape[:-1], k)
+    return torch.cat(values).view(shape), torch.cat(ids).view(shape)
+
+
+def gather_log_probs(logits: Tensor, ids: Tensor, chunk_size: int = 1024) -> Tensor:
+    """log softmax(logits) at the given token ids, (..., V), (..., k) -> (..., k), as logprobs_from_logits
+    does for one label: the ids' logits less each row's logsumexp, one chunk of rows upcast at a time."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    picked = logits.gather(-1, ids).to(dtype)  # (..., k)
+    return picked - _rowwise(logits, lambda x: torch.logsumexp(x, dim=-1), chunk_size)[..., None]  # (..., k)
 
 
 # --- token-budget micro batches ------------------------------------------------------------------

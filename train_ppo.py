@@ -21,6 +21,7 @@ rank, P = max_prompt_length, R = max_response_length):
     input_ids, attention_mask, position_ids (B, P+R); prompt_index (B,)      <- step 2, generate
     token_level_scores (B, R); reward_baselines (B,) for ReMax               <- step 3, reward
     old_log_probs, ref_log_probs, values (B, R)                              <- step 4
+    teacher_log_probs (B, R), or teacher_topk_log_probs / _ids (B, R, k)     <- step 4, distillation
     token_level_rewards, advantages, returns (B, R)                          <- step 5
     rollout_is_weights (B, R); response_mask less rejected tokens            <- step 5b (rollout correction)
 attention_mask marks every real token; response_mask (the loss mask) the tokens the policy sampled.
@@ -92,6 +93,7 @@ from models import (
     apply_moves,
     check_model,
     check_sequence_parallel_heads,
+    check_teacher,
     compute_log_probs,
     compute_values,
     default_dtypes,
@@ -217,6 +219,36 @@ def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLCont
 
 
 @dataclass(frozen=True)
+class DistillationLoss:
+    """What on-policy distillation's term reads (distillation.distillation_loss), resolved once."""
+
+    loss_mode: str  # ppo_core.DISTILLATION_LOSS_MODES
+    topk: int | None  # forward_kl_topk: the teacher's k most likely tokens; None for the KL estimators
+    use_task_rewards: bool  # true: the task's loss + coef x this term; false: this term alone
+    coef: float  # distillation_loss_coef (with use_task_rewards)
+    loss_max_clamp: float | None
+    log_prob_min_clamp: float | None  # forward_kl_topk only
+    use_policy_gradient: bool
+    clip_ratio_low: float | None  # with use_policy_gradient
+    clip_ratio_high: float | None
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> DistillationLoss | None:
+        """None without distillation.enabled. Reads only the keys its mode uses (finish() names any other set)."""
+        if not cfg.distillation.enabled:
+            return None
+        d = cfg.distillation.distillation_loss
+        topk = d.loss_mode == "forward_kl_topk"
+        low = high = None
+        if d.use_policy_gradient:
+            _ = d.policy_loss_mode  # vanilla, the only one (config.CHOICES)
+            low, high = (d.clip_ratio if c is None else c for c in (d.clip_ratio_low, d.clip_ratio_high))
+        return cls(d.loss_mode, d.topk if topk else None, d.use_task_rewards,
+                   d.distillation_loss_coef if d.use_task_rewards else 1.0, d.loss_max_clamp,
+                   d.log_prob_min_clamp if topk else None, d.use_policy_gradient, low, high)
+
+
+@dataclass(frozen=True)
 class ActorLoss:
     """What the actor's loss reads, resolved from the config once (ActorLoss.from_config)."""
 
@@ -229,6 +261,7 @@ class ActorLoss:
     loss_scale_factor: int  # data.max_response_length, for seq-mean-token-sum-norm
     bypass: Config | None = None  # algorithm.rollout_correction in bypass mode: pi_theta against the engine
     truncation: tuple[int, float] | None = None  # the engine's (top_k, top_p) cut, when it samples from one
+    distillation: DistillationLoss | None = None  # distillation.enabled: the teacher's term
 
     @classmethod
     def from_config(cls, cfg: Config) -> ActorLoss:
@@ -242,15 +275,19 @@ class ActorLoss:
         return cls(mode, params, actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None,
                    actor.kl_loss_type, rollout.temperature, cfg.data.max_response_length,
                    rc_cfg if rc_cfg.bypass_mode else None,
-                   (rollout.top_k, rollout.top_p) if sampling_truncates(rollout) else None)
+                   (rollout.top_k, rollout.top_p) if sampling_truncates(rollout) else None,
+                   DistillationLoss.from_config(cfg))
 
 
 def actor_loss(mb: Batch, log_prob: torch.Tensor, entropy: torch.Tensor | None, loss: ActorLoss, loss_agg_mode: str,
                scale: dict[str, Any], generator: torch.Generator,
-               dp_group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               dp_group: dist.ProcessGroup | None = None, *,
+               student_topk: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro batch's policy loss (actor.policy_loss.loss_mode), minus the entropy bonus, plus the KL
     loss to the reference model; `scale` goes to ppo_core's losses (its docstring). log_prob,
-    entropy: (b, R) of this forward. In bypass mode the correction runs here, pi_theta against the engine."""
+    entropy: (b, R) of this forward. In bypass mode the correction runs here, pi_theta against the engine.
+    With distillation, its term (distillation_term) is added, or with use_task_rewards=false replaces the rest;
+    student_topk (b, R, k): this forward's log-probs of the teacher's top-k tokens (forward_kl_topk)."""
     mask = mb["response_mask"]  # (b, R)
     pg_mask, is_weights, terms = mask, mb.get("rollout_is_weights"), {}  # (b, R) each
     bypass = loss.bypass
@@ -275,7 +312,30 @@ def actor_loss(mb: Batch, log_prob: torch.Tensor, entropy: torch.Tensor | None, 
         kl = core.kl_penalty(log_prob, mb["ref_log_probs"], loss.kl_loss_type)  # (b, R)
         terms["actor/kl_loss"] = core.agg_loss(kl, mask, loss_agg_mode, **scale)
         total = total + loss.kl_loss_coef * terms["actor/kl_loss"]
+    distill = loss.distillation
+    if distill is not None:
+        term = distillation_term(mb, log_prob, student_topk, distill, loss_agg_mode, scale, is_weights, terms)
+        # verl: use_task_rewards=false drops the task's loss (entropy and KL terms with it)
+        total = total + distill.coef * term if distill.use_task_rewards else term
     return total, terms
+
+
+def distillation_term(mb: Batch, log_prob: torch.Tensor, student_topk: torch.Tensor | None, distill: DistillationLoss,
+                      loss_agg_mode: str, scale: dict[str, Any], is_weights: torch.Tensor | None,
+                      terms: dict[str, torch.Tensor]) -> torch.Tensor:
+    """On-policy distillation's share of the micro batch's loss (ppo_core.distillation_loss), its metrics
+    into `terms` (verl's distillation/* names): the student's log-probs (b, R), or of the teacher's top-k
+    (b, R, k), against the teacher's from step 4."""
+    tokens = core.distillation_token_losses(
+        distill.loss_mode, log_prob, mb.get("teacher_log_probs"), student_topk_log_probs=student_topk,
+        teacher_topk_log_probs=mb.get("teacher_topk_log_probs"), log_prob_min_clamp=distill.log_prob_min_clamp)  # (b, R)
+    term, metrics = core.distillation_loss(
+        tokens, mb["old_log_probs"], log_prob, mb["response_mask"], loss_agg_mode,
+        use_policy_gradient=distill.use_policy_gradient, loss_max_clamp=distill.loss_max_clamp,
+        clip_ratio_low=distill.clip_ratio_low, clip_ratio_high=distill.clip_ratio_high,
+        rollout_is_weights=is_weights, **scale)
+    terms.update(metrics, **{"distillation/loss": term})
+    return term
 
 
 # -----------------------------------------------------------------------------
@@ -323,7 +383,8 @@ def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
     loss_fn(micro_batch, scale) -> (loss, terms), where scale holds the mini batch's token and sequence
     counts over dp_group (the ranks holding distinct samples; all ranks when None) and its size, so the
     gradient does not depend on the cut (ppo_core's docstring). Terms named `*_loss` are shares of the
-    mini batch's loss, summed over micro batches; others are averaged; then all over optimizer steps."""
+    mini batch's loss, summed over micro batches; others are averaged; then all over optimizer steps
+    (`*/loss` too: distillation/loss)."""
     model.train()
     dp_size = dist.get_world_size(dp_group)
     metrics: dict[str, float] = {}
@@ -341,7 +402,7 @@ def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
             # through the reduce-scatter, so all ranks skip the step together (optimizer_step).
             loss.backward()
             for name, value in terms.items():
-                share = value.item() if name.endswith("_loss") else value.item() / len(micro_batches)
+                share = value.item() if name.endswith(("_loss", "/loss")) else value.item() / len(micro_batches)
                 sums[name] = sums.get(name, 0.0) + share
         optimizer_step(model, optimizer, spec.grad_clip, prefix, metrics)
         num_steps += 1
@@ -368,16 +429,18 @@ def _actor_micro_batch(actor: torch.nn.Module, loss: ActorLoss, loss_agg_mode: s
     and (rows, log-probs, entropy, cut log-probs) are appended for the caller."""
     dp_group, sp_group = groups
     own_old = forwards is not None
+    topk_ids = mb.get("teacher_topk_ids")  # (b, R, k): forward_kl_topk reads the student's log-probs there
     log_prob, entropy, *truncated = compute_log_probs(
         actor, mb, loss.temperature, len(mb["responses"]), loss.entropy_coeff != 0 or own_old,
         use_remove_padding=use_remove_padding, sp_group=sp_group,
-        truncation=loss.truncation if own_old else None)  # (b, R) each, one forward
+        truncation=loss.truncation if own_old else None, topk_ids=topk_ids)  # (b, R) each, one forward
+    student_topk = truncated.pop() if topk_ids is not None else None  # (b, R, k)
     if own_old:
         mb = dict(mb, old_log_probs=log_prob.detach())
         sampling_log_prob = truncated[0] if truncated else log_prob  # (b, R) under the engine's cut, if any
         forwards.append((mb["row_index"], log_prob.detach(), entropy.detach(), sampling_log_prob.detach()))
     return actor_loss(mb, log_prob, entropy, loss, loss_agg_mode, dict(scale, loss_scale_factor=loss.loss_scale_factor),
-                      generator, dp_group)
+                      generator, dp_group, student_topk=student_topk)
 
 
 def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss: ActorLoss,
@@ -618,6 +681,8 @@ class Run:
     lora_modules: set[str] | None = None  # with LoRA: what syncs after the first (full) sync
     multi_turn: MultiTurn | None = None  # actor_rollout_ref.rollout.multi_turn.enable: tools and their replies
     reward_model: RewardModel | None = None  # reward_model.enable: it scores the training samples
+    teacher: torch.nn.Module | None = None  # distillation.enabled: the frozen teacher, beside the reference
+    teacher_vocab_limit: int | None = None  # the ids its top-k may name: the tokenizer's (models.check_teacher)
     tracker: Tracker | None = None
     progress: watchdog.Progress = field(default_factory=lambda: watchdog.Progress(None))  # off until started
     placement: str = LOADED  # the memory phase the models and engine are placed for (memory_plan.placement)
@@ -830,6 +895,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             batch["ref_log_probs"], _ = compute_log_probs(
                 run.ref, batch, run.actor_loss.temperature, spec.micro_batch_size, max_token_len=spec.max_token_len,
                 use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group)
+    if run.teacher is not None:
+        with timed(metrics, "teacher"):
+            batch.update(teacher_log_probs(run, batch))
     if run.critic is not None:
         spec = plan.values
         run.critic.eval()
@@ -918,6 +986,22 @@ def dump_rollouts(run: Run, step: int, batch: Batch, reward_extras: list[dict[st
     write_samples(records, run.rollout_data_dir, step, run.dp_group)
 
 
+def teacher_log_probs(run: Run, batch: Batch) -> Batch:
+    """The teacher's no-grad forward on the student's samples (distillation.enabled), cut as the reference
+    model's: its log-probs of the sampled tokens, teacher_log_probs (B, R), or with forward_kl_topk its top-k
+    over the tokenizer's ids, teacher_topk_log_probs and teacher_topk_ids (B, R, k). At temperature 1, as
+    verl's teacher (an engine's prompt log-probs) gives them, whatever the rollout's temperature."""
+    spec, topk = run.plan.teacher_log_prob, run.actor_loss.distillation.topk
+    with torch.no_grad():
+        log_probs, _, *top = compute_log_probs(
+            run.teacher, batch, 1.0, spec.micro_batch_size, max_token_len=spec.max_token_len,
+            use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group,
+            topk=(topk, run.teacher_vocab_limit) if topk is not None else None)
+    if topk is None:
+        return {"teacher_log_probs": log_probs}
+    return {"teacher_topk_log_probs": top[0], "teacher_topk_ids": top[1]}
+
+
 def old_policy_forward(run: Run, batch: Batch) -> PolicyForward:
     """The separate no-grad forward of the actor that sampled the batch: old log-probs, entropy, and the
     log-probs under the engine's top-k / top-p cut (for the comparisons with the engine's)."""
@@ -982,6 +1066,7 @@ def build_run(cfg: Config, env: DistEnv, engine_of: Run | None = None) -> Run:
     epochs_in_steps = sampler.batches_per_epoch * cfg.trainer.total_epochs
     total_steps = epochs_in_steps if steps is None else steps  # null: every epoch; 0: no step (verl)
     param_dtype, _ = default_dtypes(env.device_type)
+    teacher_vocab_limit = check_distillation_teacher(cfg, tokenizer)
     models = load_models(cfg, meshes, env, total_steps)
     models["reward_model"] = load_learned_reward_model(cfg, meshes, env, tokenizer)
     source, why = old_log_prob_source(models["actor"], cfg.algorithm, plan.actor_update, plan.samples_per_rank,
@@ -994,7 +1079,7 @@ def build_run(cfg: Config, env: DistEnv, engine_of: Run | None = None) -> Run:
               param_dtype=param_dtype, offload=OffloadFlags.from_config(cfg), old_log_probs_from=source,
               rollout_data_dir=Path(tc.rollout_data_dir) if tc.rollout_data_dir is not None else None,
               validation_data_dir=Path(tc.validation_data_dir or out_dir / "val_generations"),
-              multi_turn=multi_turn, **models)
+              multi_turn=multi_turn, teacher_vocab_limit=teacher_vocab_limit, **models)
     resume(run)
     # placed as for the first weight sync before the engine starts: vLLM sizes its KV cache from the
     # memory free then, so an offloaded critic must already be on the host
@@ -1045,7 +1130,8 @@ def load_data(cfg: Config, dims: ParallelDims,
 
 
 def load_models(cfg: Config, meshes: Meshes, env: DistEnv, total_steps: int) -> dict[str, Any]:
-    """Actor (+ reference model for a KL term, + critic for GAE), FSDP2 on the FSDP mesh, with optimizers.
+    """Actor (+ reference model for a KL term, + teacher for distillation, + critic for GAE), FSDP2 on the FSDP
+    mesh, with optimizers.
 
     The actor and critic are plain FSDP2 modules that move_to offloads between phases; only the
     reference model, never stepped, streams its shards from the host (CPUOffloadPolicy). With LoRA the
@@ -1068,6 +1154,11 @@ def load_models(cfg: Config, meshes: Meshes, env: DistEnv, total_steps: int) -> 
     elif actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         ref = load_frozen_model(load_causal_lm, model_cfg.path, meshes.fsdp,
                                 param_offload=cfg.actor_rollout_ref.ref.fsdp_config.param_offload, **fsdp_kwargs)
+    teacher = None
+    if cfg.distillation.enabled:  # frozen, as the reference model: its shards on the host with param_offload
+        teacher_cfg = cfg.distillation.teacher_models.teacher_model
+        teacher = load_frozen_model(load_causal_lm, teacher_cfg.model_path, meshes.fsdp,
+                                    param_offload=teacher_cfg.fsdp_config.param_offload, **fsdp_kwargs)
     critic = critic_optim = critic_sched = None
     if core.ADV_ESTIMATORS[cfg.algorithm.adv_estimator].needs_critic:
         critic = load_value_model(critic_cfg.model.path or model_cfg.path, meshes.fsdp,
@@ -1079,8 +1170,23 @@ def load_models(cfg: Config, meshes: Meshes, env: DistEnv, total_steps: int) -> 
     kl_ctrl = (core.AdaptiveKLController(kl_cfg.kl_coef, kl_cfg.target_kl, kl_cfg.horizon)
                if kl_cfg.type == "adaptive" else core.FixedKLController(kl_cfg.kl_coef))
     return dict(actor=actor, actor_optim=actor_optim, actor_sched=actor_sched, ref=ref, reference_mode=reference_mode,
-                critic=critic, critic_optim=critic_optim, critic_sched=critic_sched, kl_ctrl=kl_ctrl,
+                teacher=teacher, critic=critic, critic_optim=critic_optim, critic_sched=critic_sched, kl_ctrl=kl_ctrl,
                 lora_spec=lora_spec)
+
+
+def check_distillation_teacher(cfg: Config, tokenizer: Any) -> int | None:
+    """distillation.enabled: the teacher reads the actor's token ids (models.check_teacher), before anything
+    loads; the ids its top-k may name. None without distillation."""
+    if not cfg.distillation.enabled:
+        return None
+    from transformers import AutoConfig
+
+    model_cfg = cfg.actor_rollout_ref.model
+    student_rows = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code).vocab_size
+    limit = check_teacher(cfg.distillation.teacher_models.teacher_model.model_path, tokenizer, student_rows,
+                          model_cfg.trust_remote_code)
+    print0(f"teacher: {cfg.distillation.teacher_models.teacher_model.model_path} (the actor's tokenizer, {limit} ids)")
+    return limit
 
 
 def load_learned_reward_model(cfg: Config, meshes: Meshes, env: DistEnv, tokenizer: Any) -> RewardModel | None:
@@ -1132,10 +1238,17 @@ def build_engine(run: Run, engine_of: Run | None = None) -> None:
         run.llm = rollout.build_rollout_engine(settings.pop("model_path"), run.meshes.rollout,
                                                **{k: v for k, v in settings.items() if k != "tensor_model_parallel_size"})
     else:
-        # an engine built for longer sequences serves shorter ones; every other setting must be equal
+        # an engine built for longer sequences serves shorter ones, and another checkpoint of the same
+        # architecture is fine (the first sync replaces every weight); every other setting must be equal
         at_most = ("max_model_len", "max_num_batched_tokens")
+
+        def serves(key: str, was: Any, now: Any) -> bool:
+            if key in at_most:
+                return now <= was
+            return now == was or (key == "model_path" and same_architecture(now, was, model_cfg.trust_remote_code))
+
         differ = {k: (engine_of.engine_settings[k], v) for k, v in run.engine_settings.items()
-                  if (v > engine_of.engine_settings[k] if k in at_most else v != engine_of.engine_settings[k])}
+                  if not serves(k, engine_of.engine_settings[k], v)}
         if differ:
             raise ConfigError("cannot reuse the earlier run's rollout engine; these settings differ (then, now): "
                               + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in differ.items())
@@ -1159,6 +1272,17 @@ def build_engine(run: Run, engine_of: Run | None = None) -> None:
     run.actor_probe = {k: v.to(run.env.device) for k, v in vars(probe_batch).items()}
     run.stale_check = rollout.StaleWeightsCheck(rollout.STALE_TOLERANCE[str(run.param_dtype).removeprefix("torch.")])
     run.lora_modules = sync_modules(run.actor, rollout.packed_modules(run.llm)) if run.lora_spec else None
+
+
+def same_architecture(path: str, other: str, trust_remote_code: bool) -> bool:
+    """Whether two checkpoints' configs describe the same model (only weights may differ)."""
+    from transformers import AutoConfig
+
+    def shape(p: str) -> dict[str, Any]:
+        config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code).to_dict()
+        return {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version", "dtype")}
+
+    return shape(path) == shape(other)
 
 
 def save(run: Run, step: int) -> None:

@@ -92,6 +92,28 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "custom_reward_function.name=score_with_pred"]),
     # the demo's task, shortened: after 40 GRPO steps the greedy validation score is clearly higher
     "learn": ("configs/tiny_cpu.yaml", ["trainer.total_training_steps=40", "trainer.test_freq=40"]),
+    # --- tests/test_train_ppo_distillation.py: an untrained student, the warmed model as its teacher.
+    # Distillation alone (verl's default k3, back-propagated; the task's reward left out): the KL to the teacher falls
+    "distill": ("configs/tiny_cpu.yaml", [
+        "actor_rollout_ref.model.path={untrained}", "distillation.enabled=true",
+        "distillation.teacher_models.teacher_model.model_path={teacher}", "distillation.distillation_loss.use_task_rewards=false",
+        "distillation.distillation_loss.loss_max_clamp=10.0", "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=32", "trainer.total_training_steps=15", "trainer.test_freq=15"]),
+    # k1 as a per-token reward (verl's recipe) beside the task's GRPO loss, 2 steps
+    "distill_pg": ("configs/tiny_cpu.yaml", [
+        *TWO_STEPS, "actor_rollout_ref.model.path={untrained}", "distillation.enabled=true",
+        "distillation.teacher_models.teacher_model.model_path={teacher}", "distillation.distillation_loss.loss_mode=k1",
+        "distillation.distillation_loss.use_policy_gradient=true", "distillation.distillation_loss.clip_ratio_high=null"]),
+    # the supervised top-k forward KL beside the task's GRPO loss, 2 steps: the teacher's top-k over the tokenizer's
+    # ids (the student's embedding is padded past it), the student's log-probs there, padded forwards (the
+    # packed ones: tests/test_models_distillation.py)
+    "distill_topk": ("configs/tiny_cpu.yaml", [
+        *TWO_STEPS, "actor_rollout_ref.model.path={untrained}", "distillation.enabled=true",
+        "distillation.teacher_models.teacher_model.model_path={teacher}",
+        "distillation.distillation_loss.loss_mode=forward_kl_topk", "distillation.distillation_loss.topk=8",
+        "distillation.distillation_loss.distillation_loss_coef=0.5", "distillation.distillation_loss.log_prob_min_clamp=-10",
+        "distillation.teacher_models.teacher_model.fsdp_config.param_offload=true",
+        "actor_rollout_ref.model.use_remove_padding=false"]),
     # --- tests/test_train_ppo_rollout_correction.py
     "rc_bypass": ("configs/tiny_cpu.yaml", [
         *TWO_STEPS, f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce", f"{RC}.rollout_is=sequence",
@@ -214,7 +236,8 @@ def code_rows(n: int) -> list[dict]:
 def launch(names: list[str], assets: dict, model: Path, root: Path) -> Path:
     """Run the named cases (and those they need) in LAUNCHES' launches; root/<name> is each run's
     directory, root/<launch>.out a launch's output. Placeholders in a case's overrides: `{root}`,
-    `{tests}` (this directory), `{code_val}` (a parquet of code_rows(16)), `{reward_server}`
+    `{tests}` (this directory), `{untrained}` (the untrained tiny model), `{teacher}`
+    (`model`, the warmed one), `{code_val}` (a parquet of code_rows(16)), `{reward_server}`
     (tests/reward_server.py's URL, which logs the items it scores to root/<name>.scored.jsonl). A launch
     that fails is recorded in root/<launch>.failed, and the next launch still runs: only the tests of
     its cases fail (conftest.short_run)."""
@@ -224,7 +247,8 @@ def launch(names: list[str], assets: dict, model: Path, root: Path) -> Path:
     names = set(names) | {need for name in names for need in NEEDS.get(name, ())}
     unknown = names - set(CASES)
     assert not unknown, f"no such short run: {sorted(unknown)}"
-    fixed = {"{root}": str(root), "{tests}": str(Path(__file__).parent)}
+    fixed = {"{root}": str(root), "{tests}": str(Path(__file__).parent), "{untrained}": str(assets["tiny-qwen2"]),
+             "{teacher}": str(model)}
     if any("{code_val}" in o for name in names for o in CASES[name][1]):
         fixed["{code_val}"] = str(root / "code_val.parquet")
         datasets.Dataset.from_list(code_rows(16)).to_parquet(fixed["{code_val}"])

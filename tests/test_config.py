@@ -98,6 +98,7 @@ def test_the_source_reading_equals_ppo_core_registries():
     assert list(traits.policy_losses) == list(ppo_core.POLICY_LOSSES)
     assert traits.kl_estimators == tuple(ppo_core.KL_ESTIMATORS)
     assert traits.loss_agg_modes == ppo_core.LOSS_AGG_MODES
+    assert traits.distillation_losses == ppo_core.DISTILLATION_LOSS_MODES
 
 
 def test_the_planner_checks_without_torch():
@@ -128,12 +129,14 @@ def critic_one(): ...
 def loss(): ...
 KL_ESTIMATORS: dict = {"k1": f, "k3": g}
 LOSS_AGG_MODES = ("token-mean",)
+DISTILLATION_LOSS_MODES = ("k3",)
 ''')
     traits = config.algorithm_traits(source)
     assert traits.adv_estimators == {"mine": config.EstimatorTraits("mine", False, True, None),
                                      "critic_one": config.EstimatorTraits("critic_one", True, False, "greedy")}
     assert traits.policy_losses == {"loss": config.PolicyLossTraits("loss", ("a", "b"))}
-    assert (traits.kl_estimators, traits.loss_agg_modes) == (("k1", "k3"), ("token-mean",))
+    assert (traits.kl_estimators, traits.loss_agg_modes, traits.distillation_losses) == (
+        ("k1", "k3"), ("token-mean",), ("k3",))
     not_literal = tmp_path / "not_literal.py"  # (algorithm_traits caches by path)
     not_literal.write_text(source.read_text().replace("compares_group=True", "compares_group=FLAG"))
     with pytest.raises(RuntimeError, match=r"not_literal.py:4: .* literal arguments here, got 'FLAG'"):
@@ -180,6 +183,9 @@ def test_config_records_the_keys_a_program_reads():
     assert set(flat_keys()) - set(unread_keys(cfg)) == {"data.seed", "actor_rollout_ref.actor.optim.lr"}
 
 
+TEACHER = ["distillation.enabled=true", "distillation.teacher_models.teacher_model.model_path=teacher"]
+
+
 @pytest.mark.parametrize("overrides,fragment", [
     (["reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true"], "overlong_buffer.len=0"),
     (["reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true", "data.max_response_length=8",
@@ -211,6 +217,18 @@ def test_config_records_the_keys_a_program_reads():
     (["actor_rollout_ref.actor.tau_neg=2"], "actor_rollout_ref.actor.tau_neg=2.0 is read by loss_mode=sapo only"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.tau_pos=0"], "tau_pos=0.0"),
     (["actor_rollout_ref.actor.loss_agg_mode=token-max"], "token-mean, token-sum, seq-mean-token-sum"),
+    # on-policy distillation: a teacher, on the actor's mesh, and a loss whose gradient sees the teacher
+    (["distillation.enabled=true"], "needs distillation.teacher_models.teacher_model.model_path"),
+    ([*TEACHER, "distillation.nnodes=1", "distillation.n_gpus_per_node=4"],
+     "distillation.nnodes=1 (x n_gpus_per_node=4) asks for verl's separate teacher pool"),
+    ([*TEACHER, "distillation.distillation_loss.loss_mode=k1"], "use_policy_gradient=true (k1 as a per-token reward)"),
+    ([*TEACHER, "distillation.distillation_loss.loss_mode=forward_kl_topk", "distillation.distillation_loss.topk=null"],
+     "forward_kl_topk needs distillation.distillation_loss.topk"),
+    ([*TEACHER, "distillation.distillation_loss.loss_mode=forward_kl_topk",
+      "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "ulysses_sequence_parallel_size=2 is not implemented"),
+    ([*TEACHER, "distillation.distillation_loss.loss_mode=k4"], "forward_kl_topk, kl, k1, abs, mse, k2, low_var_kl, k3"),
+    ([*TEACHER, "distillation.distillation_loss.policy_loss_mode=gspo"], "valid values: vanilla"),
+    ([*TEACHER, "distillation.distillation_loss.topk=0"], "distillation.distillation_loss.topk=0 must be >= 1"),
 ])
 def test_algorithm_keys_that_only_work_together(overrides, fragment):
     from config import check_supported
@@ -313,7 +331,7 @@ def test_edge_values_that_work_are_accepted(override):
 
 
 PLACEHOLDER_VALUES = {"reward_server": "http://127.0.0.1:1", "tests": "tests", "root": "outputs/short_runs",
-                      "code_val": "assets/data/val.parquet"}
+                      "code_val": "assets/data/val.parquet", "untrained": "m", "teacher": "t"}
 
 
 def test_every_short_run_config_is_valid():

@@ -472,3 +472,48 @@ def test_reward_model_is_counted_like_the_reference(tiny_assets):
         assert 0 < offloaded[rank]["generate"]["reward_model.forward"] < on_device[rank]["generate"]["reward_model.forward"]
     flags = mp.OffloadFlags(reward_model_param=False)
     assert ("reward_model.params", "host") not in mp.plan_moves(flags, mp.LOADED, "generate")
+
+
+def test_teacher_is_counted_like_the_reference(tiny_assets, tmp_path):
+    """distillation.enabled: the teacher's shards on the device in every phase unless offloaded (never moved),
+    its LM head in the log_prob phase when it is the larger one, and forward_kl_topk's k log-probs and ids per
+    response token kept in the batch through the update. A teacher too large to fit is answered with its
+    param_offload key."""
+    import json
+
+    from config import load_config
+    from mesh_utils import validate
+
+    teacher = tmp_path / "teacher"  # config.json is all the planner reads: a wider model, a padded vocabulary
+    teacher.mkdir()
+    config = json.loads((tiny_assets["tiny-qwen2"] / "config.json").read_text())
+    (teacher / "config.json").write_text(json.dumps(dict(config, vocab_size=4096, hidden_size=256,
+                                                         intermediate_size=512)))
+
+    def plan(*overrides: str, gpu_gb: float = 80.0) -> dict:
+        cfg = load_config("configs/tiny_cpu.yaml", [f"actor_rollout_ref.model.path={tiny_assets['tiny-qwen2']}",
+                                                    *overrides])
+        dims, batches = validate(cfg, 2)
+        return mp.memory_report(cfg, dims, batches, gpu_gb)
+
+    distill = ["distillation.enabled=true", f"distillation.teacher_models.teacher_model.model_path={teacher}"]
+    shape = mp.model_shape(str(teacher))
+    none, on_device = plan()["per_fsdp_rank"], plan(*distill)["per_fsdp_rank"]
+    offloaded = plan(*distill, "distillation.teacher_models.teacher_model.fsdp_config.param_offload=true")["per_fsdp_rank"]
+    topk = plan(*distill, "distillation.distillation_loss.loss_mode=forward_kl_topk",
+                "distillation.distillation_loss.topk=5")["per_fsdp_rank"]
+    for rank in range(2):
+        for phase in mp.PHASES:
+            assert none[rank][phase]["teacher.params"] == offloaded[rank][phase]["teacher.params"] == 0
+            assert on_device[rank][phase]["teacher.params"] == mp.param_shard_bytes(shape, 2, rank) > 0
+            # 32 prompts x 8 samples / 2 ranks = 128 per rank, x 12 response tokens x 5 x (float32 + int64)
+            assert topk[rank][phase]["teacher.topk"] == (128 * 12 * 5 * 12 if phase in ("log_prob", "update") else 0)
+            assert on_device[rank][phase]["teacher.topk"] == 0
+        assert on_device[rank]["log_prob"]["log_prob_chunk"] > none[rank]["log_prob"]["log_prob_chunk"]  # 4096 > 128
+        assert on_device[rank]["update"]["log_prob_chunk"] == none[rank]["update"]["log_prob_chunk"]  # the actor's
+    assert ("teacher.params", "host") not in mp.plan_moves(mp.OffloadFlags(), mp.LOADED, "generate")
+    cfg = load_config("configs/tiny_cpu.yaml", [f"actor_rollout_ref.model.path={tiny_assets['tiny-qwen2']}", *distill])
+    m = mp.memory_inputs(cfg, *validate(cfg, 2), 80.0)
+    remedies = dict(mp._remedies(m, "log_prob", on_device[0]["log_prob"], 1000, 64))
+    assert remedies["distillation.teacher_models.teacher_model.fsdp_config.param_offload=true"] == \
+        on_device[0]["log_prob"]["teacher.params"]

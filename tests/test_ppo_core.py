@@ -1063,3 +1063,104 @@ def test_optimal_token_baseline_matches_verls_formula_by_loops():
     full, _ = pc.compute_optimal_token_baseline_advantage(rewards, mask, index, old_log_probs=old_lp,
                                                           sum_pi_squared=sum_sq)
     assert full[2, 3:].tolist() == pytest.approx(ret[2, 3:].tolist())
+# --- on-policy distillation ----------------------------------------------------------------------
+
+
+def _reverse_kl_token(mode, s, t):
+    """verl's estimators of KL(student || teacher) for one sampled token, written out (r = log q_s - log p_t)."""
+    r = s - t
+    if mode in ("kl", "k1"):
+        return r
+    if mode == "abs":
+        return abs(r)
+    if mode in ("mse", "k2"):
+        return 0.5 * r * r
+    log_ratio = min(max(-r, -20.0), 20.0)  # low_var_kl / k3: p/q - log(p/q) - 1, clamped to [-10, 10]
+    return min(max(math.exp(log_ratio) - log_ratio - 1.0, -10.0), 10.0)
+
+
+@pytest.mark.parametrize("mode", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"])
+def test_distillation_estimators_are_the_sampled_tokens_reverse_kl(mode):
+    student, teacher = rand(3, 5, seed=1) - 1.0, rand(3, 5, seed=2) * 3 - 1.0  # (B, T) log-probs
+    got = pc.distillation_token_losses(mode, student, teacher)
+    for b in range(3):
+        for t in range(5):
+            assert got[b, t].item() == pytest.approx(_reverse_kl_token(mode, student[b, t].item(),
+                                                                       teacher[b, t].item()), rel=1e-9, abs=1e-12)
+
+
+def test_forward_kl_topk_by_hand():
+    """Teacher top-2 (0.5, 0.3), student (0.25, 0.25): 0.5 ln 2 + 0.3 ln 1.2. Teacher top-1 0.1 where the
+    student has 0.5: 0.1 ln 0.2 < 0, clamped to 0. With log_prob_min_clamp=-2 a student log-prob of ln 1e-3
+    counts as -2."""
+    log = math.log
+    teacher = torch.tensor([[[log(0.5), log(0.3)], [log(0.1), log(1e-9)], [log(0.6), log(0.2)]]],
+                           dtype=torch.float64)  # (1, 3, 2)
+    student = torch.tensor([[[log(0.25), log(0.25)], [log(0.5), log(1e-9)], [log(1e-3), log(0.2)]]],
+                           dtype=torch.float64)
+    got = pc.distillation_token_losses("forward_kl_topk", student[..., 0], student_topk_log_probs=student,
+                                       teacher_topk_log_probs=teacher)
+    assert got[0, 0].item() == pytest.approx(0.5 * log(2) + 0.3 * log(1.2))
+    assert got[0, 1].item() == 0.0
+    assert got[0, 2].item() == pytest.approx(0.6 * (log(0.6) - log(1e-3)))
+    clamped = pc.distillation_token_losses("forward_kl_topk", student[..., 0], student_topk_log_probs=student,
+                                           teacher_topk_log_probs=teacher, log_prob_min_clamp=-2.0)
+    assert clamped[0, 2].item() == pytest.approx(0.6 * (log(0.6) + 2.0))
+    assert clamped[0, 0].item() == pytest.approx(got[0, 0].item())  # nothing below -2 there
+
+
+def test_topk_log_probs_and_gather_by_hand():
+    """Logits ln(1, 2, 3, 4) + a padded fifth row of ln 10 (probabilities 1/20 .. 4/20, 10/20): the top-2 is
+    (10/20, 4/20) over all rows, (4/20, 3/20) when the top-k may look at the first 4 ids only; the softmax
+    stays over all five. gather_log_probs reads the same numbers at given ids."""
+    logits = torch.tensor([[math.log(1), math.log(2), math.log(3), math.log(4), math.log(10)]] * 2)[None]  # (1, 2, 5)
+    values, ids = pc.topk_log_probs(logits, 2)
+    assert ids[0, 0].tolist() == [4, 3] and values[0, 0].exp().tolist() == pytest.approx([0.5, 0.2])
+    values, ids = pc.topk_log_probs(logits, 2, vocab_limit=4)
+    assert ids[0, 1].tolist() == [3, 2] and values[0, 1].exp().tolist() == pytest.approx([0.2, 0.15])
+    gathered = pc.gather_log_probs(logits, torch.tensor([[[0, 2], [4, 1]]]))
+    assert gathered.exp()[0].tolist() == [pytest.approx([0.05, 0.15]), pytest.approx([0.5, 0.1])]
+
+
+def test_student_topk_gradient_reaches_tokens_it_did_not_sample():
+    """forward_kl_topk back-propagated: the student's logits of the teacher's top-k tokens all get gradient,
+    pulling the student toward the teacher's distribution there; a sampled-token estimator moves one logit's
+    share only through the log-softmax."""
+    logits = torch.zeros(1, 1, 4, dtype=torch.float64, requires_grad=True)  # a uniform student
+    teacher = torch.tensor([[[math.log(0.7), math.log(0.2)]]], dtype=torch.float64)  # ids 1, 3
+    student = pc.gather_log_probs(logits, torch.tensor([[[1, 3]]]))
+    pc.distillation_token_losses("forward_kl_topk", student[..., 0], student_topk_log_probs=student,
+                                 teacher_topk_log_probs=teacher).sum().backward()
+    grad = logits.grad[0, 0]
+    # d/dz_j sum_i p_i (log p_i - log_softmax(z)_i) = q_j sum_i p_i - p_j, with q = 1/4, p = (0, .7, 0, .2)
+    assert grad.tolist() == pytest.approx([0.25 * 0.9, 0.25 * 0.9 - 0.7, 0.25 * 0.9, 0.25 * 0.9 - 0.2])
+
+
+def test_distillation_loss_supervised_and_as_a_policy_gradient():
+    """Supervised: the clamped token losses, token-mean over the mask, with gradient through the student's
+    log-probs. Policy gradient: PPO's clipped surrogate with advantage -loss (detached), the ratio against
+    the old log-probs; written out per token."""
+    mask = lengths_to_mask([3, 1], 3)
+    student = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -1.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    teacher = torch.tensor([[-1.5, -0.2, -0.5], [-20.0, -1.0, -1.0]], dtype=torch.float64)
+    old = torch.tensor([[-1.1, -2.0, -0.2], [-3.1, -1.0, -1.0]], dtype=torch.float64)
+    tokens = pc.distillation_token_losses("k1", student, teacher)  # s - t: 0.5, -1.8, 0; 17
+    loss, metrics = pc.distillation_loss(tokens, old, student, mask, use_policy_gradient=False, loss_max_clamp=10.0)
+    assert loss.item() == pytest.approx((0.5 - 1.8 + 0.0 + 10.0) / 4)  # 17 clamped to 10
+    assert metrics["distillation/abs_loss"].item() == pytest.approx((0.5 + 1.8 + 0 + 17) / 4)
+    loss.backward()
+    assert student.grad[0].tolist() == pytest.approx([0.25, 0.25, 0.25]) and student.grad[1, 0].item() == 0.0
+
+    s, o, t = student.detach(), old, teacher
+    pg, pg_metrics = pc.distillation_loss(pc.distillation_token_losses("k1", s, t), o, s, mask,
+                                          use_policy_gradient=True, loss_max_clamp=10.0, clip_ratio_low=0.2,
+                                          clip_ratio_high=0.2)
+    expected = []
+    for b, n in ((0, 3), (1, 1)):
+        for j in range(n):
+            adv = -min(max(s[b, j].item() - t[b, j].item(), -10.0), 10.0)
+            ratio = math.exp(s[b, j].item() - o[b, j].item())
+            term = max(-adv * ratio, -adv * min(max(ratio, 0.8), 1.2))
+            expected.append(min(term, -adv * 3.0) if adv < 0 else term)
+    assert pg.item() == pytest.approx(sum(expected) / len(expected))
+    assert "distillation/ppo_kl" in pg_metrics
