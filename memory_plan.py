@@ -166,7 +166,11 @@ class ModelShape:
     head_dim: int
     intermediate: int
     vocab: int
-    largest_block_numel: int  # parameters of the largest fully_shard unit (one decoder block)
+    largest_block_numel: int  # parameters of the largest fully_shard unit below the root (a decoder block)
+    # parameters of the root unit (those in no unit of models.fsdp_units: embeddings, final norm, LM head),
+    # and whether it holds an embedding tied to the LM head (one parameter, two gradients)
+    root_numel: int = 0
+    tied_root: bool = False
 
 
 def model_shape(path: str, value_head: bool = False, trust_remote_code: bool = False) -> ModelShape:
@@ -182,17 +186,22 @@ def model_shape(path: str, value_head: bool = False, trust_remote_code: bool = F
     auto_cls = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto_cls.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    from models import decoder_layers  # imported here, as torch is: a plan without a model stays instant
+    from models import fsdp_units  # imported here, as torch is: a plan without a model stays instant
 
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    blocks = decoder_layers(model)
+    units = fsdp_units(model)
+    in_units = {id(p) for u in units for p in u.parameters()}
+    root = [p for p in model.parameters() if id(p) not in in_units]  # a tied embedding once
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding.weight and id(head.weight) not in in_units
     return ModelShape(
         param_shapes=[tuple(p.shape) for p in model.parameters()],  # tied ones once, as FSDP2 holds them
         hidden=config.hidden_size, layers=config.num_hidden_layers, heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
         intermediate=config.intermediate_size, vocab=config.vocab_size,
-        largest_block_numel=max(sum(p.numel() for p in b.parameters()) for b in blocks))
+        largest_block_numel=max(sum(p.numel() for p in u.parameters()) for u in units),
+        root_numel=sum(p.numel() for p in root), tied_root=tied)
 
 
 # -----------------------------------------------------------------------------
@@ -291,6 +300,37 @@ def logprob_chunk_bytes(shape: ModelShape, positions: int, dtype_bytes: int, chu
     return positions * shape.vocab * dtype_bytes + min(chunk_rows, positions) * shape.vocab * 4
 
 
+def gathered_bytes(shape: ModelShape, dtype_bytes: int, update: bool, reduce_bytes: int = 4) -> int:
+    """FSDP2's unsharded parameters (and, in an update, gradients) beside the shards, at their peak.
+    The root unit (shape.root_numel: embeddings, final norm, LM head) is gathered before the first
+    block and stays gathered for the whole forward (and again for the whole backward); its all-gather
+    output exists once more until it is copied out. Besides it, two blocks are gathered at a time
+    (the current one and the prefetched next). In an update the backward ends with the root's
+    gradients in the compute dtype, first beside its parameters (a tied embedding: the LM head's
+    gradient, the embedding's, and their sum), then, resharded, beside their reduce-scatter input in
+    the reduce dtype; before that a block's gradients and reduce-scatter input sit beside the root
+    and two blocks."""
+    e = dtype_bytes
+    root, block = shape.root_numel, shape.largest_block_numel
+    forward = root * e + max(root * e, 2 * block * e)
+    if not update:
+        return forward
+    root_grads = root * max(e * (2 + 2 * shape.tied_root), e + reduce_bytes)
+    block_grads = root * e + 2 * block * e + block * (e + reduce_bytes)
+    return max(forward, root_grads, block_grads)
+
+
+def sync_bucket_bytes(shape: ModelShape, dtype_bytes: int, fsdp: int,
+                      bucket_bytes: int = 16 * 2**20) -> int:
+    """models.iter_full_params' largest bucket in the engine's dtype: up to `bucket_bytes` of parameters,
+    or one larger parameter whole (a Qwen2.5 embedding: hundreds of MiB), plus, on more than one rank,
+    the bucket's shards cast to that dtype and packed for the all-gather (2/fsdp of it)."""
+    total = sum(math.prod(s) for s in shape.param_shapes) * dtype_bytes
+    largest = max(math.prod(s) for s in shape.param_shapes) * dtype_bytes
+    bucket = max(min(bucket_bytes, total), largest)
+    return bucket + (2 * bucket // fsdp if fsdp > 1 else 0)
+
+
 GIB = 2**30
 
 
@@ -340,8 +380,6 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
     critic_shard = param_shard_bytes(m.critic, m.fsdp, fsdp_rank) if m.critic else 0
     engine_weights = sum(math.prod(s) for s in m.actor.param_shapes) * m.engine_bytes // m.infer_tp
     engine_total = int(m.gpu_memory_utilization * m.gpu_memory_bytes)
-    # two blocks gathered at once in a forward or backward: the current one and the prefetched next
-    gathered = 2 * m.actor.largest_block_numel * m.compute_bytes
     out: dict[str, dict[str, int]] = {}
     for phase in PHASES:
         where = placement(m.flags, phase)
@@ -359,13 +397,14 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
                                     if m.reward_model and on["reward_model.params"] else 0),
             "engine.weights": engine_weights if on["engine.weights"] else 0,
             "engine.kv_cache": max(0, engine_total - engine_weights) if on["engine.kv_cache"] else 0,
-            "gathered_blocks": gathered if phase in ("log_prob", "update") else 0,
+            "gathered_blocks": gathered_bytes(m.actor, m.compute_bytes, phase == "update")
+            if phase in ("log_prob", "update") else 0,
             "activations": 0,
             "log_prob_chunk": 0,
             "reward_model.forward": 0,
         }
-        if phase == "sync":  # iter_full_params: one bucket (<= 16 MiB) of full tensors in the engine's dtype
-            b["gathered_blocks"] = min(16 * 2**20, engine_weights * m.infer_tp)
+        if phase == "sync":
+            b["gathered_blocks"] = sync_bucket_bytes(m.actor, m.engine_bytes, m.fsdp)
         if phase == "generate" and m.reward_model is not None:  # it scores beside the awake engine
             b["reward_model.forward"] = _reward_forward_bytes(m)
         if phase == "log_prob":
@@ -400,7 +439,7 @@ def _reward_forward_bytes(m: MemoryInputs) -> int:
     shape = m.reward_model
     rows, row_len = forward_layout(m.reward_micro, m.prompt_len + m.response_len, m.reward_packed, None)
     mask = 0 if m.reward_packed else rows * row_len * row_len
-    return (2 * shape.largest_block_numel * m.compute_bytes
+    return (gathered_bytes(shape, m.compute_bytes, update=False)
             + peak_recompute_bytes(shape, rows, row_len, m.compute_bytes, True) + mask)
 
 

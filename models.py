@@ -79,6 +79,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return max(candidates, key=len)
 
 
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules apply_fsdp gives their own fully_shard unit before the root's (which holds every
+    parameter outside them: embeddings, final norm, LM head). memory_plan.model_shape reads the units'
+    sizes from here, so the plan follows the wrapping."""
+    return decoder_layers(model)
+
+
 def apply_fsdp(
     model: nn.Module,
     fsdp_mesh: DeviceMesh,
@@ -102,7 +109,7 @@ def apply_fsdp(
         offload = CPUOffloadPolicy()
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kwargs = dict(mesh=fsdp_mesh, mp_policy=mp_policy, offload_policy=offload)
-    for layer in decoder_layers(model):
+    for layer in fsdp_units(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     return model
