@@ -303,16 +303,17 @@ def logprob_chunk_bytes(shape: ModelShape, positions: int, dtype_bytes: int, chu
 def gathered_bytes(shape: ModelShape, dtype_bytes: int, update: bool, reduce_bytes: int = 4) -> int:
     """FSDP2's unsharded parameters (and, in an update, gradients) beside the shards, at their peak.
     The root unit (shape.root_numel: embeddings, final norm, LM head) is gathered before the first
-    block and stays gathered for the whole forward (and again for the whole backward); its all-gather
-    output exists once more until it is copied out. Besides it, two blocks are gathered at a time
-    (the current one and the prefetched next). In an update the backward ends with the root's
-    gradients in the compute dtype, first beside its parameters (a tied embedding: the LM head's
-    gradient, the embedding's, and their sum), then, resharded, beside their reduce-scatter input in
-    the reduce dtype; before that a block's gradients and reduce-scatter input sit beside the root
-    and two blocks."""
+    block and stays gathered for the whole forward (and again for the whole backward). In a forward
+    FSDP2 frees a unit's all-gather output only once the next unit's is copied out (to overlap the
+    two), so the peak is at a copy-out: the root, the previous unit's all-gather output (the root's,
+    or a block's), and the current block's output and unsharded copy. In an update the backward ends
+    with the root's gradients in the compute dtype, first beside its parameters (a tied embedding:
+    the LM head's gradient, the embedding's, and their sum), then, resharded, beside their
+    reduce-scatter input in the reduce dtype; before that a block's gradients and reduce-scatter
+    input sit beside the root and two blocks. bench/memory_rehearsal.py measures each of these."""
     e = dtype_bytes
     root, block = shape.root_numel, shape.largest_block_numel
-    forward = root * e + max(root * e, 2 * block * e)
+    forward = root * e + max(root, block) * e + 2 * block * e
     if not update:
         return forward
     root_grads = root * max(e * (2 + 2 * shape.tied_root), e + reduce_bytes)

@@ -93,6 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--response-len", type=int, default=128, help="data.max_response_length")
     ap.add_argument("--samples", type=int, default=6, help="samples per rank: one mini batch")
     ap.add_argument("--micro-batch", type=int, default=2, help="ppo / log-prob micro batch per rank")
+    ap.add_argument("--vocab-size", type=int, default=None, help="override the vocabulary (quick dry runs only)")
     ap.add_argument("--overrides", nargs="*", default=[], help="more key=value config overrides")
     ap.add_argument("--gpu-memory-gb", type=float, default=80.0, help="the plan's device memory (its verdict)")
     ap.add_argument("--max-ratio-error", type=float, default=None,
@@ -202,11 +203,12 @@ def parse_case(text: str) -> tuple[str, int]:
     return shape, int(world)
 
 
-def write_model_dir(out: Path, shape: str, layers: int) -> Path:
+def write_model_dir(out: Path, shape: str, layers: int, vocab_size: int | None = None) -> Path:
     """config.json of the model's real dimensions with `layers` blocks (no weights: nothing reads them)."""
     from transformers import Qwen2Config
 
-    Qwen2Config(num_hidden_layers=layers, **SHAPES[shape]).save_pretrained(out)
+    dims = {**SHAPES[shape], **({"vocab_size": vocab_size} if vocab_size else {})}
+    Qwen2Config(num_hidden_layers=layers, **dims).save_pretrained(out)
     return out
 
 
@@ -263,7 +265,7 @@ def rehearse(shape: str, world: int, args: argparse.Namespace, device: torch.dev
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_model_dir(Path(tmp) / f"qwen2.5-{shape}-{args.layers}l", shape, args.layers)
+        model_dir = write_model_dir(Path(tmp) / f"qwen2.5-{shape}-{args.layers}l", shape, args.layers, args.vocab_size)
         cfg = load_config(FLAGSHIP, rehearsal_overrides(model_dir, world, args))
         dims, plan = validate(cfg, world)
         planned = plan_totals(mp.phase_bytes(mp.memory_inputs(cfg, dims, plan, args.gpu_memory_gb), 0))
