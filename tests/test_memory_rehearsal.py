@@ -60,7 +60,9 @@ def test_rehearsal_is_within_15_percent_of_the_plan(tmp_path):
     assert phases["sync"]["measured_transient"] > embedding_bf16
     assert phases["log_prob"]["measured_transient"] > 2 * embedding_bf16
     for phase, row in phases.items():
-        assert row["measured_resident"] == row["planned_resident"] - (row["planned_items"]["actor.grads"])
+        # the shards and Adam state exactly, plus the rotary buffers and the batch (a few KiB)
+        planned_resident = row["planned_resident"] - row["planned_items"]["actor.grads"]  # no gradients yet
+        assert 0 <= row["measured_resident"] - planned_resident < 2**16, phase
         assert abs(row["ratio"] - 1) <= 0.15, (phase, row["ratio"])
 
 
