@@ -97,10 +97,15 @@ bench: setup
 	$(PY) bench/run_all.py $(ARGS)
 
 # On a GPU machine (CUDA, NCCL, bf16; no vLLM needed): the training side of a step for every offload
-# combination on FSDP and HSDP, checked against memory_plan's table and byte estimates; exits 1 on a
-# failed check. NGPU defaults to every visible GPU; on a CPU machine it runs 2 ranks and skips (and
-# names) the device checks.
+# combination on FSDP and HSDP, checked against memory_plan's table and byte estimates; the packed and
+# padded forwards and gradient accumulation at Qwen2.5-0.5B's vocabulary; the memory rehearsal
+# (bench/memory_rehearsal.py) with the allocator's statistics against the plan. One table; exits 1 on
+# a failed check. No setup and no venv needed: it runs with .venv's python when there is one, else
+# python3 (PyTorch >= 2.11, transformers, accelerate, peft). NGPU defaults to every visible GPU; on a
+# CPU machine it runs 2 ranks and skips (and names) the device checks.
 NGPU ?= $(shell nvidia-smi -L 2>/dev/null | wc -l | awk '{print ($$1 > 0 ? $$1 : 2)}')
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 .PHONY: gpu-check
 gpu-check:
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NGPU) bench/device_check.py --model $(or $(MODEL),700m) $(ARGS)
+	$(GPU_PY) -m torch.distributed.run --standalone --nproc_per_node=$(NGPU) bench/device_check.py \
+		--model $(or $(MODEL),700m) $(ARGS)

@@ -329,6 +329,17 @@ def grad_bytes(trained_shard: int, trained_full: int, accumulate_unsharded: bool
     return trained_shard + (trained_full if accumulate_unsharded else 0)
 
 
+def sync_bucket_bytes(shape: ModelShape, dtype_bytes: int, fsdp: int,
+                      bucket_bytes: int = 16 * 2**20) -> int:
+    """models.iter_full_params' largest bucket in the engine's dtype: up to `bucket_bytes` of parameters,
+    or one larger parameter whole (a Qwen2.5 embedding: hundreds of MiB), plus, on more than one rank,
+    the bucket's shards cast to that dtype and packed for the all-gather (2/fsdp of it)."""
+    total = sum(math.prod(s) for s in shape.param_shapes) * dtype_bytes
+    largest = max(math.prod(s) for s in shape.param_shapes) * dtype_bytes
+    bucket = max(min(bucket_bytes, total), largest)
+    return bucket + (2 * bucket // fsdp if fsdp > 1 else 0)
+
+
 GIB = 2**30
 
 
@@ -414,8 +425,8 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
             "reward_model.forward": 0,
             "teacher.topk": 0,
         }
-        if phase == "sync":  # iter_full_params: one bucket (<= 16 MiB) of full tensors in the engine's dtype
-            b["gathered_blocks"] = min(16 * 2**20, engine_weights * m.infer_tp)
+        if phase == "sync":
+            b["gathered_blocks"] = sync_bucket_bytes(m.actor, m.engine_bytes, m.fsdp)
         if phase == "generate" and m.reward_model is not None:  # it scores beside the awake engine
             b["reward_model.forward"] = _reward_forward_bytes(m)
         if phase == "log_prob":
@@ -456,7 +467,7 @@ def _reward_forward_bytes(m: MemoryInputs) -> int:
     shape = m.reward_model
     rows, row_len = forward_layout(m.reward_micro, m.prompt_len + m.response_len, m.reward_packed, None)
     mask = 0 if m.reward_packed else rows * row_len * row_len
-    return (2 * shape.largest_block_numel * m.compute_bytes
+    return (gathered_bytes(shape, m.compute_bytes, backward=False)
             + peak_recompute_bytes(shape, rows, row_len, m.compute_bytes, True) + mask)
 
 

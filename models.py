@@ -212,6 +212,24 @@ def _load_sharded(
     # (transformers 5 ignores classifier_dropout=0.0 there, leaving the critic head's dropout at 0.1).
     for key, value in (config_overrides or {}).items():
         setattr(config, key, value)
+    model = build_sharded(auto_cls, config, fsdp_mesh, device=device, param_dtype=param_dtype,
+                          reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
+                          cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
+                          attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, wrap=wrap)
+    _load_weights_from_rank0(model, auto_cls, name_or_path, config, trust_remote_code, zero_init_head, wrap,
+                             require_all_weights)
+    _check_tied_embeddings(model)
+    return model
+
+
+def build_sharded(auto_cls: type, config: Any, fsdp_mesh: DeviceMesh, *, device: torch.device,
+                  param_dtype: torch.dtype, reduce_dtype: torch.dtype, reshard_after_forward: bool = True,
+                  cpu_offload: bool = False, activation_checkpointing: bool = False,
+                  attn_implementation: str | None = None, trust_remote_code: bool = False,
+                  wrap: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
+    """The FSDP2-sharded model of `config` (an HF config) as load_causal_lm builds it, before any weight
+    is read: float32 shards allocated on `device` but uninitialised, buffers as the constructor made them.
+    load_causal_lm fills the shards from the checkpoint; bench/memory_rehearsal.py fills them at random."""
     # Parameters on the meta device; buffers real, as the constructor computes them: it is the only
     # source of the non-persistent ones (rotary inv_freq, ...), which no checkpoint holds.
     with init_empty_weights(include_buffers=False):
@@ -231,9 +249,6 @@ def _load_sharded(
     model.to_empty(device=torch.device("cpu") if cpu_offload else device)
     for name, buffer in model.named_buffers(remove_duplicate=False):
         buffer.copy_(buffers[name])
-    _load_weights_from_rank0(model, auto_cls, name_or_path, config, trust_remote_code, zero_init_head, wrap,
-                             require_all_weights)
-    _check_tied_embeddings(model)
     return model
 
 

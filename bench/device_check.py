@@ -32,20 +32,26 @@ Rank 0 prints a table and writes <out>/device_check.json.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import shlex
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import bench_common as bc  # first: it puts the repo root on sys.path
+import memory_rehearsal as rehearsal
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import memory_plan as mp
 import models
-from mesh_utils import ParallelDims, build_meshes, init_distributed
+import train_ppo
+from config import load_config
+from mesh_utils import ParallelDims, UpdateSpec, build_meshes, init_distributed
 
 T = TypeVar("T")
 
@@ -61,7 +67,134 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--assets", type=Path, default=bc.DEFAULT_ASSETS)
     ap.add_argument("--out", type=Path, default=bc.DEFAULT_OUT)
     ap.add_argument("--skip-plan", action="store_true", help="skip the offload-plan walk (the second part)")
+    ap.add_argument("--vocab-shape", default="0.5b", choices=list(rehearsal.SHAPES),
+                    help="the real model whose width and vocabulary the packed / padded / accumulation checks use")
+    ap.add_argument("--vocab-layers", type=int, default=4, help="its decoder blocks")
+    ap.add_argument("--vocab-size", type=int, default=None, help="override its vocabulary (CPU dry runs only)")
+    ap.add_argument("--rehearsal", default="", help="arguments of bench/memory_rehearsal.py (default: its own "
+                    "defaults, Qwen2.5-0.5B on 6 ranks and 7B on 8); 'off' skips it")
+    ap.add_argument("--rehearsal-max-error", type=float, default=0.15,
+                    help="on CUDA, each rehearsal phase's planned / measured must be within 1 +- this")
     return ap.parse_args(argv)
+
+
+# The packed and padded forwards compute the same log-probs up to the compute dtype's rounding (the
+# kernels sum in different orders): mean |difference| over real response tokens, as the stale-weights
+# check tolerates between the engine and the actor (rollout.STALE_TOLERANCE).
+LOGPROB_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+# One micro batch against four of the same samples: the same gradient (the same norm) up to rounding.
+ACCUMULATION_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+
+
+def ragged_batch(samples: int, prompt_len: int, response_len: int, vocab: int, seed: int,
+                 device: torch.device) -> dict[str, torch.Tensor]:
+    """Rollouts as the trainer holds them: prompts left-padded to P, responses right-padded to R, lengths
+    at random (the first sample full length), with the response mask and advantages the update reads."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(max(1, prompt_len // 4), prompt_len + 1, (samples,), generator=generator)
+    response_lens = torch.randint(1, response_len + 1, (samples,), generator=generator)
+    prompt_lens[0], response_lens[0] = prompt_len, response_len
+    columns = torch.arange(prompt_len + response_len)
+    prompt_valid = columns[None, :prompt_len] >= (prompt_len - prompt_lens)[:, None]  # (B, P)
+    response_valid = columns[None, :response_len] < response_lens[:, None]  # (B, R)
+    attention_mask = torch.cat([prompt_valid, response_valid], 1).long()  # (B, P+R)
+    input_ids = torch.randint(4, vocab, attention_mask.shape, generator=generator) * attention_mask
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask,
+             "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+             "responses": input_ids[:, prompt_len:].contiguous(), "response_mask": response_valid.float(),
+             "advantages": torch.randn(samples, response_len, generator=generator)}
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def real_vocabulary_checks(args: argparse.Namespace, fsdp_mesh: object, device: torch.device, rank: int,
+                           param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> list[dict[str, object]]:
+    """At a real model's width and vocabulary (random weights, built as load_causal_lm builds them, with
+    gradient checkpointing): the packed and padded log-probs and entropies agree; on CUDA the packed row
+    runs on the flash sdpa kernel; train_ppo.update_actor's gradient over one micro batch equals its
+    accumulation over four (the grad norm and the loss), both finite. Rows of the table."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    shape = {**rehearsal.SHAPES[args.vocab_shape], **({"vocab_size": args.vocab_size} if args.vocab_size else {})}
+    config = Qwen2Config(num_hidden_layers=args.vocab_layers, **shape)
+    label = f"{args.vocab_shape} x{args.vocab_layers} layers, vocab {config.vocab_size}"
+    actor = models.build_sharded(AutoModelForCausalLM, config, fsdp_mesh, device=device, param_dtype=param_dtype,
+                                 reduce_dtype=reduce_dtype, activation_checkpointing=True)
+    rehearsal.fill_at_random(actor, seed=1)
+    batch = ragged_batch(args.batch, args.prompt_len, args.response_len, config.vocab_size, rank, device)
+    mask = batch["response_mask"].bool()
+    rows = []
+    actor.eval()
+    with torch.no_grad():
+        padded = models.compute_log_probs(actor, batch, 1.0, args.micro_batch, True, use_remove_padding=False)
+        packed = models.compute_log_probs(actor, batch, 1.0, args.micro_batch, True, use_remove_padding=True)
+    tolerance = LOGPROB_TOLERANCE[param_dtype]
+    for what, a, b in (("log-probs", padded[0], packed[0]), ("entropy", padded[1], packed[1])):
+        diff = (a - b).abs()[mask]
+        rows.append(row(f"packed = padded {what} ({label})", bool(torch.isfinite(diff).all()) and
+                        diff.mean().item() <= tolerance, f"mean {diff.mean().item():.2e}, max {diff.max().item():.2e}",
+                        f"mean <= {tolerance:g}"))
+    if device.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        try:
+            with torch.no_grad(), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                models.compute_log_probs(actor, batch, 1.0, args.micro_batch, use_remove_padding=True)
+            rows.append(row("packed rows run on the flash sdpa kernel", True))
+        except RuntimeError as e:
+            rows.append(row("packed rows run on the flash sdpa kernel", False, str(e).splitlines()[0][:80]))
+    cfg = load_config(rehearsal.FLAGSHIP)
+    loss = train_ppo.ActorLoss.from_config(cfg)
+    batch.update(old_log_probs=packed[0], ref_log_probs=padded[0])
+    start = [p.detach().to_local().clone() for p in actor.parameters()]
+    norms, losses = {}, {}
+    for micro in (args.batch, max(1, args.batch // 4)):
+        with torch.no_grad():
+            for p, s in zip(actor.parameters(), start, strict=True):
+                p.to_local().copy_(s)
+        optimizer, _ = models.make_optimizer(actor, cfg.actor_rollout_ref.actor.optim, 1)
+        spec = UpdateSpec(epochs=1, mini_batch_size=args.batch, micro_batch_size=micro, max_token_len=None,
+                          shuffle=False, loss_agg_mode="token-mean", use_remove_padding=True, grad_clip=1.0)
+        metrics, _ = train_ppo.update_actor(actor, optimizer, batch, loss, spec, torch.Generator().manual_seed(0))
+        norms[micro], losses[micro] = metrics["actor/grad_norm"], metrics["actor/pg_loss"]
+    one, four = norms.values()
+    error = abs(one - four) / max(abs(one), 1e-12)
+    tolerance = ACCUMULATION_TOLERANCE[param_dtype]
+    cut = f"1 = {len(range(0, args.batch, micro))} micro batches"
+    rows.append(row(f"gradient accumulation: {cut} (grad norm)",
+                    math.isfinite(one) and math.isfinite(four) and error <= tolerance,
+                    f"{one:.4g} vs {four:.4g} (rel {error:.1e})", f"rel <= {tolerance:g}"))
+    one, four = losses.values()
+    rows.append(row(f"gradient accumulation: {cut} (pg loss)",
+                    math.isfinite(one) and abs(one - four) <= tolerance * max(abs(one), 1e-3),
+                    f"{one:.4g} vs {four:.4g}", f"rel <= {tolerance:g}"))
+    del actor, optimizer
+    return rows
+
+
+def row(check: str, ok: bool | None, value: object = None, limit: object = None) -> dict[str, object]:
+    """One row of the table: ok None is a number reported, not checked."""
+    return {"check": check, "ok": ok, "value": value, "limit": limit}
+
+
+def rehearsal_rows(args: argparse.Namespace, device_type: str) -> tuple[list[dict[str, object]], dict | None]:
+    """bench/memory_rehearsal.py in its own process (its fake process group cannot share this one's), with
+    the allocator's statistics on CUDA: one row per case and phase, planned against measured; gated on
+    CUDA (within --rehearsal-max-error), reported on the CPU (its live-storage account is the test's)."""
+    cmd = [sys.executable, str(bc.ROOT / "bench" / "memory_rehearsal.py"), *shlex.split(args.rehearsal), "--json"]
+    proc = subprocess.run(cmd, cwd=bc.ROOT, capture_output=True, text=True, env=bc.clean_env())
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        return [row("memory rehearsal runs", False, f"exit {proc.returncode}: {tail[0][:100]}")], None
+    report = json.loads(proc.stdout)
+    gate = device_type == "cuda"
+    rows = []
+    for case in report["cases"]:
+        for phase, r in case["phases"].items():
+            ok = abs(r["ratio"] - 1) <= args.rehearsal_max_error if gate else None
+            rows.append(row(f"rehearsal {case['case']} {phase}: plan / measured ({case['measure']})", ok,
+                            f"{r['ratio']:.2f} ({r['planned'] / mp.GIB:.2f} / {r['measured'] / mp.GIB:.2f} GiB)",
+                            f"1 +- {args.rehearsal_max_error:g}" if gate else "reported"))
+    return rows, report
 
 
 def local_tensors(actor: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -258,42 +391,63 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915 - one linear s
         for layout, dims in layouts:
             mesh = build_meshes(dims, env.device_type).fsdp
             for label, flags in mp.flag_combinations():
-                row = plan_walk(str(path), flags, mesh, dims.fsdp, env.rank % dims.fsdp, batch, mask,
-                                args.micro_batch, device, param_dtype, reduce_dtype)
-                plan_rows.append({"layout": layout, "flags": label, **row})
+                walked = plan_walk(str(path), flags, mesh, dims.fsdp, env.rank % dims.fsdp, batch, mask,
+                                   args.micro_batch, device, param_dtype, reduce_dtype)
+                plan_rows.append({"layout": layout, "flags": label, **walked})
                 for check in ("placement_ok", "finite_and_moved", "freed_ok", "estimate_ok"):
-                    if check in row:
-                        checks[f"plan[{layout}: {label}] {check}"] = bool(row[check])
+                    if check in walked:
+                        checks[f"plan[{layout}: {label}] {check}"] = bool(walked[check])
         skipped.append("the engine's rows of the table (vLLM is not used here)")
 
-    ok = torch.tensor(float(all(checks.values())))
+    vocab_rows = real_vocabulary_checks(args, meshes.fsdp, device, env.rank, param_dtype, reduce_dtype)
+    ok = torch.tensor(float(all(checks.values()) and all(r["ok"] for r in vocab_rows)))
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank's checks
-    if env.rank == 0:
-        report = {"machine": bc.machine_info(), "model": bc.model_label(args.model), "world": world,
-                  "params_m": sum(p.numel() for p in actor.parameters()) / 1e6, "param_dtype": str(param_dtype),
-                  "settings": {k: v for k, v in vars(args).items() if k not in ("assets", "out")},
-                  "phases": phases, "losses": losses, "offload_moved_gb": moved_gb, "offload_freed_gb": freed_gb,
-                  "checks_rank0": checks, "all_ranks_ok": bool(ok.item()), "plan": plan_rows, "skipped": skipped}
-        bc.write_json(args.out / "device_check.json", report)
-        print(f"device check: {report['machine']['device']}, {world} rank(s), {report['model']} "
-              f"({report['params_m']:.1f}M params, compute {param_dtype}), batch {args.batch} x {length} tokens")
-        print(bc.table([{"phase": k, **v} for k, v in phases.items()],
-                       [("phase", "phase", ""), ("seconds", "seconds", ".3f"), ("peak_gb", "peak GB", ".2f"),
-                        ("end_gb", "in use GB", ".2f")]))
-        if plan_rows:
-            print(bc.table(plan_rows, [("layout", "layout", ""), ("flags", "offload flags", ""),
-                                       ("placement_ok", "placement", ""), ("finite_and_moved", "finite+moved", ""),
-                                       ("freed_gb", "freed GB", ".3f"), ("freed_plan_gb", "plan GB", ".3f"),
-                                       ("update_peak_gb", "update peak GB", ".3f"),
-                                       ("update_plan_gb", "plan GB", ".3f")]))
-        for name, passed in checks.items():
-            print(f"  {'ok  ' if passed else 'FAIL'} {name}")
-        for part in skipped:
-            print(f"  skipped: {part}")
-        print(f"-> {args.out / 'device_check.json'}")
+    params_m = sum(p.numel() for p in actor.parameters()) / 1e6
     dist.destroy_process_group()
-    if not ok.item():
+    if env.rank != 0:
+        sys.exit(0 if ok.item() else 1)
+    if env.device_type == "cuda":
+        torch.cuda.empty_cache()  # the rehearsal's process needs the memory this one no longer uses
+    rehearsal_report = None
+    if args.rehearsal == "off":
+        skipped.append("the memory rehearsal (--rehearsal off)")
+        rehearsed: list[dict[str, object]] = []
+    else:
+        rehearsed, rehearsal_report = rehearsal_rows(args, env.device_type)
+        if env.device_type != "cuda":
+            skipped.append("the rehearsal's plan / measured gate (CUDA only: allocator statistics)")
+    rows = [row(f"phase {name}", None, f"{v['seconds']:.2f} s, peak {v['peak_gb']:.2f} GB") for name, v in phases.items()]
+    rows += [row(name, passed, *plan_values(name, plan_rows)) for name, passed in checks.items()]
+    rows += vocab_rows + rehearsed
+    passed = bool(ok.item()) and all(r["ok"] is not False for r in rehearsed)
+    report = {"machine": bc.machine_info(), "model": bc.model_label(args.model), "world": world,
+              "params_m": params_m, "param_dtype": str(param_dtype),
+              "settings": {k: v for k, v in vars(args).items() if k not in ("assets", "out")},
+              "phases": phases, "losses": losses, "offload_moved_gb": moved_gb, "offload_freed_gb": freed_gb,
+              "checks_rank0": checks, "all_ranks_ok": bool(ok.item()), "plan": plan_rows, "rows": rows,
+              "rehearsal": rehearsal_report, "skipped": skipped, "ok": passed}
+    bc.write_json(args.out / "device_check.json", report)
+    print(f"device check: {report['machine']['device']}, {world} rank(s), {report['model']} "
+          f"({params_m:.1f}M params, compute {param_dtype}), batch {args.batch} x {length} tokens")
+    marks = {True: "ok", False: "FAIL", None: "-"}
+    print(bc.table([{**r, "ok": marks[r["ok"]]} for r in rows],
+                   [("ok", "", ""), ("check", "check", ""), ("value", "value", ""), ("limit", "limit", "")]))
+    for part in skipped:
+        print(f"  skipped: {part}")
+    print(f"{'passed' if passed else 'FAILED'} -> {args.out / 'device_check.json'}")
+    if not passed:
         sys.exit(1)
+
+
+def plan_values(name: str, plan_rows: list[dict[str, object]]) -> tuple[object, object]:
+    """(value, limit) of an offload-plan check, from its walk's numbers (rank 0's)."""
+    for r in plan_rows:
+        if name.startswith(f"plan[{r['layout']}: {r['flags']}] "):
+            if name.endswith("freed_ok") and "freed_gb" in r:
+                return f"freed {r['freed_gb']:.3f} GB", f"plan {r['freed_plan_gb']:.3f} GB +- 10%"
+            if name.endswith("estimate_ok") and "update_peak_gb" in r:
+                return f"update peak {r['update_peak_gb']:.3f} GB", f"plan {r['update_plan_gb']:.3f} GB +- 30%"
+    return None, None
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The whole benchmark suite (what `make bench` runs): rollout, weight sync, step breakdown and growth,
-memory, padding (packed / token-budget forwards), Ulysses sequence parallelism, and this project against
+memory, the memory rehearsal against the plan at Qwen2.5-0.5B / 7B widths (memory_rehearsal), padding (packed / token-budget forwards), Ulysses sequence parallelism, and this project against
 TRL's GRPOTrainer on the same work (peer_trl). Prints each table, then the targets, and writes outputs/bench/results.json (every number),
 outputs/bench/results.md (the same tables in Markdown, with the machine, date and command) and
 outputs/bench/step_growth.png. On a GPU machine the same scripts use CUDA and bf16.
@@ -15,7 +15,9 @@ worse than linearly in samples per step (exponent <= 1 over the rollout.n sweep)
 update time <= 0.6 x padded, and its activations within the token budget (bench_packing.py); Ulysses
 sp=2 / sp=1 step time and the all-to-alls' share of it, reported; against TRL's GRPOTrainer, s/step
 <= 0.5 x TRL's and generated tokens/s per rank >= 2 x on the 25m model, s/step <= 0.8 x on the 1m
-model, and peak RSS per rank at most the engine's KV cache above TRL's.
+model, and peak RSS per rank at most the engine's KV cache above TRL's; every phase of the memory
+rehearsal within 15% of memory_plan's total (its 7B case holds about 10 GB of host memory; leave it out
+with --rehearsal-cases 0.5b:6).
 """
 
 from __future__ import annotations
@@ -33,15 +35,18 @@ import bench_rollout
 import bench_step
 import bench_sync
 import bench_ulysses
+import memory_rehearsal
 import peer_trl
 
-BENCHMARKS = ("rollout", "sync", "step", "memory", "packing", "ulysses", "peer_trl")
+BENCHMARKS = ("rollout", "sync", "step", "memory", "rehearsal", "packing", "ulysses", "peer_trl")
 MODULES = {"rollout": bench_rollout, "sync": bench_sync, "step": bench_step, "memory": bench_memory,
+           "rehearsal": memory_rehearsal,
            "packing": bench_packing, "ulysses": bench_ulysses, "peer_trl": peer_trl}
 TARGET_COLUMNS = [("target", "target", ""), ("where", "where", ""), ("value", "value", ".2f"),
                   ("limit", "limit", ".1f"), ("met", "", "")]
 COLLOCATED_MIN, SYNC_MAX, GROWTH_MAX = 0.9, 2.0, 1.0
 PACKED_DYNAMIC_MAX, ACTIVATIONS_VS_BUDGET_MAX = 0.6, 1.0
+REHEARSAL_ERROR_MAX = 0.15  # memory_plan's phase totals against the rehearsal's measured peaks
 # against TRL, per model size: our s/step at most this x TRL's; our generated tokens/s at least this x
 PEER_STEP_RATIO_MAX, PEER_GEN_RATIO_MIN = {"1m": 0.8, "25m": 0.5}, {"25m": 2.0}
 
@@ -56,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--n-values", default="2,4,8")
     ap.add_argument("--response-lengths", default="32,64,128")
     ap.add_argument("--memory-sizes", default="30m")
+    ap.add_argument("--rehearsal-cases", default="0.5b:6,7b:8", help="memory_rehearsal's SHAPE:WORLD cases")
+    ap.add_argument("--rehearsal-layers", default="1", help="memory_rehearsal's decoder blocks per model")
     ap.add_argument("--packing-sizes", default="30m")
     ap.add_argument("--packing-response-length", default="256", help="max response length of bench_packing")
     ap.add_argument("--ulysses-size", default="30m")
@@ -115,6 +122,11 @@ def targets(reports: dict[str, dict]) -> list[dict]:
         rows.append({"target": "peak RSS/rank over TRL <= KV cache (GB)", "where": r["model"],
                      "value": r["rss_excess_gb"], "limit": r["kv_cache_gb"],
                      "met": r["rss_excess_gb"] <= r["kv_cache_gb"]})
+    for case in (reports.get("rehearsal") or {}).get("cases", []):
+        for phase, r in case["phases"].items():
+            rows.append({"target": f"memory plan / rehearsal within 1 +- {REHEARSAL_ERROR_MAX}",
+                         "where": f"{case['case']} {phase}", "value": r["ratio"], "limit": REHEARSAL_ERROR_MAX,
+                         "met": abs(r["ratio"] - 1) <= REHEARSAL_ERROR_MAX})
     rows += long_sequence_targets(reports)
     return rows
 
@@ -165,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         # packing keeps its long tail (responses up to 256 tokens, most far shorter): its target is about that
         args.packing_sizes, args.ulysses_size, args.ulysses_response_length = "5m", "5m", "64"
         args.peer_sizes, args.peer_steps, args.peer_reps = "1m", 3, 1
+        args.rehearsal_cases = "0.5b:6"
     out = args.out_dir
     common = ["--assets", str(args.assets)]
     start = time.perf_counter()
@@ -181,6 +194,10 @@ def main(argv: list[str] | None = None) -> None:
              "--out", str(out / "step.json"), *common])),
         "memory": lambda: bench_memory.run(bench_memory.parse_args(
             ["--models", args.memory_sizes, "--out", str(out / "memory.json"), *common])),
+        "rehearsal": lambda: memory_rehearsal.run(memory_rehearsal.parse_args(
+            [*(f"--case={c}" for c in bc.split_list(args.rehearsal_cases)), "--layers", args.rehearsal_layers,
+             "--prompt-len", "32", "--response-len", "64", "--samples", "4", "--micro-batch", "2",
+             "--out", str(out / "rehearsal.json")])),
         "packing": lambda: bench_packing.run(bench_packing.parse_args(
             ["--models", args.packing_sizes, "--max-response-length", args.packing_response_length,
              "--out", str(out / "packing.json"), *common])),

@@ -208,6 +208,15 @@ def test_targets_table():
     assert run_all.targets({}) == []
 
 
+def test_rehearsal_targets():
+    """memory_rehearsal's phases in run_all's target table: planned / measured within 1 +- 0.15."""
+    reports = {"rehearsal": {"cases": [{"case": "7b:8", "phases": {"sync": {"ratio": 1.15}, "update": {"ratio": 0.84}}}]}}
+    rows = {(r["target"], r["where"]): r for r in run_all.targets(reports)}
+    target = "memory plan / rehearsal within 1 +- 0.15"
+    assert rows[(target, "7b:8 sync")]["met"] is True and rows[(target, "7b:8 update")]["met"] is False
+    assert len(rows) == 2
+
+
 def test_long_sequence_targets():
     """bench_packing's and bench_ulysses's rows in run_all's target table, on made-up numbers."""
     reports = {
@@ -233,10 +242,20 @@ def test_long_sequence_targets():
 @pytest.mark.slow
 def test_device_check_smoke(tiny_assets, tmp_path):
     """bench/device_check.py (the GPU machine's first check, no vLLM) runs its checks on 2 CPU ranks."""
+    # the dry run of `make gpu-check`: the real-vocabulary checks and the rehearsal at a small vocabulary
     torchrun(2, ROOT / "bench" / "device_check.py", "--model", str(tiny_assets["tiny-qwen2"]), "--batch", "4",
-             "--prompt-len", "16", "--response-len", "16", "--micro-batch", "2", "--out", str(tmp_path), timeout=300)
+             "--prompt-len", "16", "--response-len", "16", "--micro-batch", "2", "--out", str(tmp_path),
+             "--vocab-size", "512", "--vocab-layers", "1", "--rehearsal", "--case 0.5b:2 --layers 1 --prompt-len 8 "
+             "--response-len 8 --samples 2 --micro-batch 1 --vocab-size 512", timeout=400)
     report = json.loads((tmp_path / "device_check.json").read_text())
-    assert report["all_ranks_ok"] and report["world"] == 2
+    assert report["all_ranks_ok"] and report["world"] == 2 and report["ok"]
+    rows = {r["check"]: r for r in report["rows"]}
+    for what in ("log-probs", "entropy"):  # fp32 on the CPU: the two layouts agree to rounding
+        assert rows[f"packed = padded {what} (0.5b x1 layers, vocab 512)"]["ok"] is True
+    assert rows["gradient accumulation: 1 = 4 micro batches (grad norm)"]["ok"] is True
+    rehearsed = [r for name, r in rows.items() if name.startswith("rehearsal 0.5b:2 ")]
+    assert len(rehearsed) == 3 and all(r["ok"] is None for r in rehearsed)  # reported; gated on CUDA only
+    assert report["rehearsal"]["cases"][0]["measure"] == "live storages"
     checks = set(report["checks_rank0"])
     assert {"update_finite_and_moved", "gather_equals_full_tensor", "offload_round_trip_exact"} <= checks
     # the offload plan: every combination on FSDP and HSDP, walked with the trainer's functions; on the

@@ -1,0 +1,90 @@
+"""bench/memory_rehearsal.py: its live-storage account against hand counts, the rehearsal at Qwen2.5-0.5B's
+real width and vocabulary on a fake world of 6 against the memory plan, and the GPU check's imports on a
+machine without vLLM."""
+
+import json
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, run
+
+sys.path.insert(0, str(ROOT / "bench"))
+import memory_rehearsal  # noqa: E402
+
+
+def test_live_bytes_counts_each_storage_once_until_it_is_freed():
+    with memory_rehearsal.LiveBytes() as live:
+        x = torch.empty(1000)  # 4000 bytes
+        view = x[10:]  # the same storage: nothing more
+        assert live.current == 4000
+        del x
+        assert live.current == 4000  # the view keeps it alive
+        del view
+        assert (live.current, live.peak) == (0, 4000)
+        y = torch.empty(256)
+        y.untyped_storage().resize_(0)  # how FSDP2 frees an unsharded parameter, outside the dispatcher
+        assert live.current == 0
+        y.untyped_storage().resize_(4096)  # and allocates it again
+        assert live.current == 4096
+        live.reset()
+        assert live.peak == 4096
+        # autograd: a, its gradient, and what sin saves (its input, a * 2), against a hand count
+        a = torch.randn(100, 100, requires_grad=True)
+        b = (a * 2).sin().sum()
+        assert live.current == 4096 + 2 * 40000 + 4  # a, a * 2 (saved by sin), the sum
+        b.backward()
+        del b
+        assert live.current == 4096 + 2 * 40000  # the graph freed a * 2; a.grad is new
+    assert torch.UntypedStorage.resize_ is live._resize  # restored on exit
+
+
+def rehearse(tmp_path, samples: int, micro: int) -> dict:
+    out = tmp_path / f"rehearsal_{samples}_{micro}.json"
+    run([sys.executable, str(ROOT / "bench" / "memory_rehearsal.py"), "--case", "0.5b:6", "--layers", "1",
+         "--prompt-len", "16", "--response-len", "32", "--samples", str(samples), "--micro-batch", str(micro),
+         "--out", str(out)], timeout=600)
+    [case] = json.loads(out.read_text())["cases"]
+    return case
+
+
+@pytest.mark.slow
+def test_rehearsal_is_within_15_percent_of_the_plan(tmp_path):
+    """One mini batch in one micro batch: every phase's peak within 15% of memory_plan's total, and the terms
+    the plan once missed are there: the sync gathers the whole tied embedding (151936 x 896, bf16), the
+    forwards hold the root unit (that embedding) gathered."""
+    case = rehearse(tmp_path, samples=2, micro=2)
+    assert case["world"] == 6 and case["measure"] == "live storages" and case["old_log_probs_from"] == "update"
+    embedding_bf16 = 151936 * 896 * 2
+    phases = case["phases"]
+    assert phases["sync"]["measured_transient"] > embedding_bf16
+    assert phases["log_prob"]["measured_transient"] > 2 * embedding_bf16
+    for phase, row in phases.items():
+        # the shards and Adam state exactly, plus the rotary buffers and the batch (a few KiB)
+        planned_resident = row["planned_resident"] - row["planned_items"]["actor.grads"]  # no gradients yet
+        assert 0 <= row["measured_resident"] - planned_resident < 2**16, phase
+        assert abs(row["ratio"] - 1) <= 0.15, (phase, row["ratio"])
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="gradient accumulation holds the whole unsharded fp32 gradient between "
+                   "micro batches, which the plan does not count (issue 30 part 1 removes it)")
+def test_rehearsal_update_with_several_micro_batches_is_within_15_percent(tmp_path):
+    case = rehearse(tmp_path, samples=2, micro=1)
+    assert case["batch"]["micro_batch"] == 1 and case["batch"]["samples_per_rank"] == 2
+    for phase, row in case["phases"].items():
+        assert abs(row["ratio"] - 1) <= 0.15, (phase, row["ratio"])
+
+
+def test_gpu_check_imports_without_vllm():
+    """The GPU machine has torch, transformers, accelerate and peft, and no vLLM (nor datasets, pandas,
+    pyarrow, matplotlib): the GPU check's whole module graph imports there."""
+    code = ("import sys\n"
+            "for name in ('vllm', 'datasets', 'pandas', 'pyarrow', 'matplotlib'):\n"
+            "    sys.modules[name] = None  # import fails\n"
+            f"sys.path.insert(0, {str(ROOT / 'bench')!r})\n"
+            "import device_check, memory_rehearsal\n"
+            "assert not any(m.split('.')[0] == 'vllm' for m, v in sys.modules.items() if v is not None)\n"
+            "print('imported')\n")
+    proc = run([sys.executable, "-c", code], timeout=300)
+    assert proc.stdout.strip().endswith("imported")
