@@ -9,6 +9,7 @@ starts it.
 """
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 # the 6-GPU recipes scaled to 2 ranks x 8 prompts x 4 samples: 16 samples per rank
@@ -23,6 +24,7 @@ TINY = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_par
         "trainer.save_freq=-1"]
 TWO_STEPS = ["trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1"]
 RC = "algorithm.rollout_correction"
+LEARN_RM_STEPS = 40  # the learned reward model's run (learn_rm)
 
 CASES: dict[str, tuple[str, list[str]]] = {
     # --- tests/test_train_ppo_algorithms.py: the recipes as shipped, and each estimator and loss mode once
@@ -64,6 +66,11 @@ CASES: dict[str, tuple[str, list[str]]] = {
         *TWO_STEPS]),
     # the demo's task, shortened: after 40 GRPO steps the greedy validation score is clearly higher
     "learn": ("configs/tiny_cpu.yaml", ["trainer.total_training_steps=40", "trainer.test_freq=40"]),
+    # --- tests/test_reward_model.py: the demo's task trained on a learned reward model's scores
+    # (tests/demo_reward_model.py) instead of the rule's; validation scores with the rule, as in verl
+    "learn_rm": ("configs/tiny_cpu.yaml", [
+        f"trainer.total_training_steps={LEARN_RM_STEPS}", f"trainer.test_freq={LEARN_RM_STEPS}", "reward_model.enable=true",
+        "reward_model.model.path={reward_model}", "reward_model.micro_batch_size_per_gpu=64"]),
     # --- tests/test_train_ppo_rollout_correction.py
     "rc_bypass": ("configs/tiny_cpu.yaml", [
         *TWO_STEPS, f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce", f"{RC}.rollout_is=sequence",
@@ -94,10 +101,12 @@ ALGORITHM_CASES = ("dapo", "gspo", "drgrpo", "remax_clip_cov", "opo_cispo", "gpg
 VERL_CASES = tuple(name for name in CASES if name.startswith("verl_"))
 
 
-def launch(names: list[str], assets: dict, model: Path, root: Path) -> Path:
+def launch(names: list[str], assets: dict, model: Path, root: Path,
+           reward_model: Callable[[], Path] | None = None) -> Path:
     """Run the named cases (in CASES' order) in one 2-rank launch; root/<name> is each run's directory.
     A case that names `{reward_server}` gets tests/reward_server.py's URL, which logs the items it
-    scores to root/<name>.scored.jsonl."""
+    scores to root/<name>.scored.jsonl; one that names `{reward_model}` gets the path reward_model()
+    returns (the conftest fixture builds it then: tests/demo_reward_model.py)."""
     from conftest import start_reward_server, torchrun
 
     unknown = set(names) - set(CASES)
@@ -110,6 +119,10 @@ def launch(names: list[str], assets: dict, model: Path, root: Path) -> Path:
             server, url = start_reward_server(root / f"{name}.scored.jsonl")
             servers.append(server)
             overrides = [o.replace("{reward_server}", url) for o in overrides]
+        if any("{reward_model}" in o for o in overrides):
+            assert reward_model is not None, f"short run {name} needs a reward model: pass launch(reward_model=...)"
+            path = str(reward_model())
+            overrides = [o.replace("{reward_model}", path) for o in overrides]
         cases.append([name, ["--config", config, f"actor_rollout_ref.model.path={model}",
                              f"data.train_files={assets['train']}", f"data.val_files={assets['val']}",
                              f"trainer.default_local_dir={root / name}", *overrides]])

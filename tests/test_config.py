@@ -300,7 +300,8 @@ def test_every_short_run_config_is_valid():
 
     for name, (path, overrides) in CASES.items():
         cfg = load_config(path, ["data.train_files=assets/data/train.parquet",
-                                 *(o.replace("{reward_server}", "http://127.0.0.1:1") for o in overrides)])
+                                 *(o.replace("{reward_server}", "http://127.0.0.1:1")
+                                   .replace("{reward_model}", "assets/tiny-rm") for o in overrides)])
         try:
             check_supported(cfg)
             validate(cfg, 2)
