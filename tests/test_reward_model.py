@@ -102,13 +102,14 @@ def _hf_scores(path: Path, texts: list[str]) -> torch.Tensor:
                             for t in texts])
 
 
-def _build(path: Path, tokenizer, **overrides):
+def _build(path: Path, tokenizer, extra: tuple[str, ...] = (), **overrides):
     from torch.distributed.device_mesh import init_device_mesh
 
     from reward_model import RewardModel
 
-    cfg = config.load_config(None, ["reward_model.enable=true", f"reward_model.model.path={path}",
-                                    *[f"reward_model.{k}={v}" for k, v in overrides.items()]])
+    cfg = config.load_config(None, ["data.max_prompt_length=16", "data.max_response_length=12",  # the demo's
+                                    "reward_model.enable=true", f"reward_model.model.path={path}",
+                                    *[f"reward_model.{k}={v}" for k, v in overrides.items()], *extra])
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
     return RewardModel.build(cfg, mesh, torch.device("cpu"), tokenizer, 2,
                              param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -179,6 +180,46 @@ def test_other_tokenizer_rerenders_the_chat_as_text(random_body_reward_model, tm
         assert short["input_ids"].shape[1] == 6 and bool(short["attention_mask"].all())
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_another_architecture_and_tokenizer(arch, tmp_path):
+    """A random Llama / Mistral body (head size 32) with the ChatML tokenizer as the reward model of the
+    Qwen2 actor's samples: re-rendered, and scored as HF scores the text, packed or padded."""
+    from transformers import LlamaConfig, MistralConfig
+
+    torch.manual_seed(0)
+    cfg = {"llama": LlamaConfig, "mistral": MistralConfig}[arch](
+        vocab_size=make_assets.VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=128, max_position_embeddings=512, pad_token_id=0, num_labels=1)
+    path = tmp_path / f"rm-{arch}"
+    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(path)
+    make_assets.build_chatml_tokenizer().save_pretrained(path)
+    actor_tokenizer = make_assets.build_tokenizer()
+    rows, prompts, _ = _rows(actor_tokenizer, SAMPLES)
+    want = _hf_scores(path, [f"<|im_start|>user\n{a}+{b}=<|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>\n"
+                             for a, b, answer in SAMPLES])
+    with one_rank_process_group():
+        for packed in (True, False):
+            rm = _build(path, actor_tokenizer, **{"model.use_remove_padding": packed})
+            assert rm.tokenizer is not None
+            torch.testing.assert_close(rm.score(rows, prompts), want, rtol=1e-4, atol=1e-4, msg=f"packed={packed}")
+
+
+def test_a_reward_model_that_cannot_read_the_samples_is_refused_at_load(random_body_reward_model, tmp_path):
+    """Re-rendering needs the reward model's chat template; its inputs must fit its context."""
+    actor_tokenizer = AutoTokenizer.from_pretrained(random_body_reward_model)
+    no_template = tmp_path / "rm-no-template"
+    AutoModelForSequenceClassification.from_pretrained(random_body_reward_model).save_pretrained(no_template)
+    chatml = make_assets.build_chatml_tokenizer()
+    chatml.chat_template = None
+    chatml.save_pretrained(no_template)
+    with one_rank_process_group():
+        with pytest.raises(config.ConfigError, match="re-rendered through its chat template, and it has none"):
+            _build(no_template, actor_tokenizer)
+        with pytest.raises(config.ConfigError, match=r"data.max_prompt_length \+ data.max_response_length = 600 "
+                                                     r"tokens exceeds the reward model's max_position_embeddings=512"):
+            _build(random_body_reward_model, actor_tokenizer, extra=("data.max_prompt_length=500", "data.max_response_length=100"))
+
+
 def test_a_checkpoint_without_a_score_head_is_refused(tiny_assets):
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets["tiny-qwen2"])
     with one_rank_process_group(), pytest.raises(config.ConfigError, match="reward_model.model.path=.*score"):
@@ -198,7 +239,7 @@ def test_grpo_learns_the_demo_task_on_reward_model_scores(short_runs):
         assert r["critic/score/max"] > r["critic/score/min"] and r["actor/grad_norm"] > 0, r
         assert r["critic/score/mean"] not in (0.0, 1.0) and r["actor/skipped_steps"] == 0, r
     val = [r["val/score"] for r in rows if "val/score" in r]
-    assert len(val) == 2 and val[1] >= val[0] + 0.1, val
+    assert len(val) == 2 and val[1] >= val[0] + 0.15, val
     # every reward_model.* key the learned reward model has is read (test_every_config_key_is_read leaves them here)
     unread = json.loads((out / "config_unread.json").read_text())
     assert [k for k in unread if k.startswith(("reward_model.model.", "reward_model.max_length",
