@@ -236,7 +236,9 @@ SCHEMA: dict[str, Any] = {
             "fsdp_config": {"param_offload": (bool, True)},
         },
         "micro_batch_size_per_gpu": (_INT_OR_NONE, None),  # null: rollout.log_prob_micro_batch_size_per_gpu
-        "max_length": (_INT_OR_NONE, None),  # re-rendered inputs are cut (on the right) to this; null: P + R
+        # re-rendered inputs are cut (on the right) to this; null: the reward model's max_position_embeddings
+        # (verl's null is P + R, which cuts a chat its template spells longer before the score's token)
+        "max_length": (_INT_OR_NONE, None),
         "reward_manager": (str, "naive"),  # naive | dapo (the score, an `acc` extra, the overlong buffer)
         "overlong_buffer": {  # DAPO's soft length penalty (reward_manager=dapo)
             "enable": (bool, False),

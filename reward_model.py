@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from config import ConfigError
 from data import Prompt
 
 
@@ -57,6 +58,21 @@ def rerender(rows: dict[str, torch.Tensor], prompts: list[Prompt], source: Any, 
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
 
+def check_inputs(path: str, tokenizer: Any, model_config: Any, rerenders: bool, length: int | None) -> None:
+    """At load, not at the first step: a reward model that re-renders needs a chat template, and its inputs
+    (length tokens at most; None: cut to its context) must fit its context."""
+    if rerenders and not tokenizer.chat_template:
+        raise ConfigError(
+            f"reward_model.model.path={path}: its tokenizer differs from the rollout's, so each sample is "
+            f"re-rendered through its chat template, and it has none. Give a reward model whose tokenizer has a "
+            f"chat_template, or one with the actor's tokenizer (it then reads the rollout's ids).")
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if limit is not None and length is not None and length > limit:
+        key = "reward_model.max_length" if rerenders else "data.max_prompt_length + data.max_response_length"
+        raise ConfigError(f"{key} = {length} tokens exceeds the reward model's max_position_embeddings={limit} "
+                          f"(reward_model.model.path={path}); lower it to at most {limit}.")
+
+
 @dataclass
 class RewardModel:
     """The sharded model and how it reads a batch (reward_model.*)."""
@@ -67,7 +83,7 @@ class RewardModel:
     use_remove_padding: bool  # reward_model.model.use_remove_padding
     input_tokenizer: Any  # the tokenizer of the rollout's ids (reward_model.model.input_tokenizer or the actor's)
     tokenizer: Any | None  # the reward model's own, when it re-renders; None: it reads the rollout's ids
-    max_length: int  # re-rendered inputs are cut to this (reward_model.max_length; null: P + R)
+    max_length: int  # re-rendered inputs are cut to this (reward_model.max_length; null: its max_position_embeddings)
 
     @classmethod
     def build(cls, cfg: Any, fsdp_mesh: Any, device: torch.device, actor_tokenizer: Any,
@@ -87,10 +103,14 @@ class RewardModel:
         module = load_frozen_model(load_reward_model, model_cfg.path, fsdp_mesh,
                                    param_offload=model_cfg.fsdp_config.param_offload, device=device,
                                    trust_remote_code=trust, **sharding)
-        max_length = rm_cfg.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
+        rerenders = not same_tokenization(source, target)
+        rollout_length = cfg.data.max_prompt_length + cfg.data.max_response_length
+        check_inputs(model_cfg.path, target, module.config, rerenders, rm_cfg.max_length if rerenders else rollout_length)
+        # null: all the reward model can read. Not P + R: its template may spell the same chat in more tokens,
+        # and a cut there would drop the response's end, where the score is read
+        max_length = rm_cfg.max_length or getattr(module.config, "max_position_embeddings", None) or rollout_length
         return cls(module, device, rm_cfg.micro_batch_size_per_gpu or micro_batch_size,
-                   model_cfg.use_remove_padding, source,
-                   None if same_tokenization(source, target) else target, max_length)
+                   model_cfg.use_remove_padding, source, target if rerenders else None, max_length)
 
     def inputs(self, rows: dict[str, torch.Tensor], prompts: list[Prompt]) -> dict[str, torch.Tensor]:
         """What the reward model reads of `rows` (input_ids, attention_mask, position_ids (B, T))."""

@@ -41,13 +41,24 @@ def sft_model(tiny_assets, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def demo_reward_model(sft_model, tmp_path_factory) -> Path:
+    """A learned reward model of the demo task, trained from the SFT model on its own samples
+    (tests/demo_reward_model.py): it prefers correct answers."""
+    import demo_reward_model
+
+    return demo_reward_model.build(sft_model, tmp_path_factory.mktemp("rm") / "tiny-qwen2-rm")
+
+
+@pytest.fixture(scope="session")
 def short_runs(request, tiny_assets, sft_model, tmp_path_factory) -> Path:
     """<dir>/<name>: the runs of tests/short_runs.py that the selected tests name with
-    @pytest.mark.short_run("name", ...), in a few launches (short_runs.LAUNCHES)."""
+    @pytest.mark.short_run("name", ...), in a few launches (short_runs.LAUNCHES). The reward model is
+    built only when a selected case names `{reward_model}`."""
     import short_runs as cases
 
     wanted = {name for item in request.session.items for mark in item.iter_markers("short_run") for name in mark.args}
-    return cases.launch(sorted(wanted), tiny_assets, sft_model, tmp_path_factory.mktemp("short_runs"))
+    return cases.launch(sorted(wanted), tiny_assets, sft_model, tmp_path_factory.mktemp("short_runs"),
+                        reward_model=lambda: request.getfixturevalue("demo_reward_model"))
 
 
 def short_run(short_runs: Path, name: str) -> Path:

@@ -10,6 +10,7 @@ launch goes on. The `short_runs` fixture (conftest.py) starts them.
 """
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 # the 6-GPU recipes scaled to 2 ranks x 8 prompts x 4 samples: 16 samples per rank
@@ -39,6 +40,9 @@ RC_DECOUPLED = [
     f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=2.0", f"{RC}.rollout_is_batch_normalize=true",
     # a band of 0.1% around ratio 1: exactness rejects nothing, the full-vocabulary comparison half
     f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=0.999_1.001"]
+# the learned reward model's run (learn_rm): greedy validation 0.11 at step 0; 0.27, 0.21, 0.25, 0.35 at steps
+# 5, 10, 15, 20; 0.39 at 40 (the rule's own run, `learn`, needs 40 steps for +0.1)
+LEARN_RM_STEPS = 20
 
 CASES: dict[str, tuple[str, list[str]]] = {
     # --- tests/test_train_ppo_algorithms.py: the recipes as shipped, and each estimator and loss mode once
@@ -114,6 +118,12 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "distillation.distillation_loss.distillation_loss_coef=0.5", "distillation.distillation_loss.log_prob_min_clamp=-10",
         "distillation.teacher_models.teacher_model.fsdp_config.param_offload=true",
         "actor_rollout_ref.model.use_remove_padding=false"]),
+    # --- tests/test_reward_model.py: the demo's task trained on a learned reward model's scores
+    # (tests/demo_reward_model.py) instead of the rule's; validation scores with the rule, as in verl: after
+    # LEARN_RM_STEPS GRPO steps the greedy validation score is clearly higher
+    "learn_rm": ("configs/tiny_cpu.yaml", [
+        f"trainer.total_training_steps={LEARN_RM_STEPS}", f"trainer.test_freq={LEARN_RM_STEPS}", "reward_model.enable=true",
+        "reward_model.model.path={reward_model}", "reward_model.micro_batch_size_per_gpu=64"]),
     # --- tests/test_train_ppo_rollout_correction.py
     "rc_bypass": ("configs/tiny_cpu.yaml", [
         *TWO_STEPS, f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce", f"{RC}.rollout_is=sequence",
@@ -233,12 +243,15 @@ def code_rows(n: int) -> list[dict]:
              "extra_info": {"index": i}} for i in range(n)]
 
 
-def launch(names: list[str], assets: dict, model: Path, root: Path) -> Path:
+def launch(names: list[str], assets: dict, model: Path, root: Path,
+           reward_model: Callable[[], Path] | None = None) -> Path:
     """Run the named cases (and those they need) in LAUNCHES' launches; root/<name> is each run's
     directory, root/<launch>.out a launch's output. Placeholders in a case's overrides: `{root}`,
     `{tests}` (this directory), `{untrained}` (the untrained tiny model), `{teacher}`
     (`model`, the warmed one), `{code_val}` (a parquet of code_rows(16)), `{reward_server}`
-    (tests/reward_server.py's URL, which logs the items it scores to root/<name>.scored.jsonl). A launch
+    (tests/reward_server.py's URL, which logs the items it scores to root/<name>.scored.jsonl),
+    `{reward_model}` (the path reward_model() returns: the conftest fixture builds it then,
+    tests/demo_reward_model.py). A launch
     that fails is recorded in root/<launch>.failed, and the next launch still runs: only the tests of
     its cases fail (conftest.short_run)."""
     import datasets
@@ -249,6 +262,9 @@ def launch(names: list[str], assets: dict, model: Path, root: Path) -> Path:
     assert not unknown, f"no such short run: {sorted(unknown)}"
     fixed = {"{root}": str(root), "{tests}": str(Path(__file__).parent), "{untrained}": str(assets["tiny-qwen2"]),
              "{teacher}": str(model)}
+    if any("{reward_model}" in o for name in names for o in CASES[name][1]):
+        assert reward_model is not None, "a selected short run needs a reward model: pass launch(reward_model=...)"
+        fixed["{reward_model}"] = str(reward_model())
     if any("{code_val}" in o for name in names for o in CASES[name][1]):
         fixed["{code_val}"] = str(root / "code_val.parquet")
         datasets.Dataset.from_list(code_rows(16)).to_parquet(fixed["{code_val}"])
