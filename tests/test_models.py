@@ -148,4 +148,4 @@ def test_sharded_log_probs_and_grads_equal_plain_model(ranks, name):
             assert got.shape == (3, 5) and torch.equal(got, want), (rank, key, (got - want).abs().max())
         for param, got, want in r["grads"]:
             assert want.abs().max() > 0, (param, "the reference gradient is zero: the loss does not reach it")
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=lambda m, p=param: f"{p}: {m}")
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, p=param: f"{p}: {m}")

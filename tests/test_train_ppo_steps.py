@@ -189,7 +189,8 @@ def test_micro_batch_cut_does_not_change_the_update(mode, tiny_assets, tmp_path)
     assert moved > 1e-4, "the update did not move the weights: the test would pass vacuously"
     for micro in (2, 3, "dynamic", "packed_dynamic"):
         for name, whole in params[8].items():
-            torch.testing.assert_close(params[micro][name], whole, rtol=1e-5, atol=1e-6,
+            # float32 sums in another order: within rounding of the update's own size (token-sum's is the largest)
+            torch.testing.assert_close(params[micro][name], whole, rtol=1e-5, atol=max(1e-6, 3e-5 * moved),
                                        msg=lambda m, n=name, k=micro: f"{mode}, micro {k}, {n}: {m}")
 
 
