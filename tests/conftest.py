@@ -41,6 +41,17 @@ def sft_model(tiny_assets, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def early_sft_model(tiny_assets, tmp_path_factory) -> Path:
+    """tiny-qwen2 after 15 steps of the demo's supervised warm-up: a student that has started on the task,
+    as a distilled student usually has (an untrained one puts most of its samples where the warmed
+    teacher's log-probs are so low that k3's clamp at 10 stops their gradient)."""
+    out = tmp_path_factory.mktemp("early_sft") / "tiny-qwen2-early"
+    run([sys.executable, "sft_warmup.py", "--model", str(tiny_assets["tiny-qwen2"]), "--data", str(tiny_assets["train"]),
+         "--out", str(out), "--steps", "15"], timeout=600)
+    return out
+
+
+@pytest.fixture(scope="session")
 def demo_reward_model(sft_model, tmp_path_factory) -> Path:
     """A learned reward model of the demo task, trained from the SFT model on its own samples
     (tests/demo_reward_model.py): it prefers correct answers."""
@@ -53,12 +64,13 @@ def demo_reward_model(sft_model, tmp_path_factory) -> Path:
 def short_runs(request, tiny_assets, sft_model, tmp_path_factory) -> Path:
     """<dir>/<name>: the runs of tests/short_runs.py that the selected tests name with
     @pytest.mark.short_run("name", ...), in a few launches (short_runs.LAUNCHES). The reward model is
-    built only when a selected case names `{reward_model}`."""
+    built only when a selected case names `{reward_model}`, the early student only for `{student}`."""
     import short_runs as cases
 
     wanted = {name for item in request.session.items for mark in item.iter_markers("short_run") for name in mark.args}
     return cases.launch(sorted(wanted), tiny_assets, sft_model, tmp_path_factory.mktemp("short_runs"),
-                        reward_model=lambda: request.getfixturevalue("demo_reward_model"))
+                        reward_model=lambda: request.getfixturevalue("demo_reward_model"),
+                        student=lambda: request.getfixturevalue("early_sft_model"))
 
 
 def short_run(short_runs: Path, name: str) -> Path:

@@ -43,6 +43,7 @@ RC_DECOUPLED = [
 # the learned reward model's run (learn_rm): greedy validation 0.11 at step 0; 0.27, 0.21, 0.25, 0.35 at steps
 # 5, 10, 15, 20; 0.39 at 40 (the rule's own run, `learn`, needs 40 steps for +0.1)
 LEARN_RM_STEPS = 20
+DISTILL_STEPS = 10
 
 CASES: dict[str, tuple[str, list[str]]] = {
     # --- tests/test_train_ppo_algorithms.py: the recipes as shipped, and each estimator and loss mode once
@@ -96,14 +97,17 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "custom_reward_function.name=score_with_pred"]),
     # the demo's task, shortened: after 40 GRPO steps the greedy validation score is clearly higher
     "learn": ("configs/tiny_cpu.yaml", ["trainer.total_training_steps=40", "trainer.test_freq=40"]),
-    # --- tests/test_train_ppo_distillation.py: an untrained student, the warmed model as its teacher.
-    # Distillation alone (verl's default k3, back-propagated; the task's reward left out): the KL to the teacher falls
+    # --- tests/test_train_ppo_distillation.py: the warmed model as the teacher.
+    # Distillation alone (verl's default k3, back-propagated; the task's loss left out), a student 15 supervised
+    # steps in ({student}): the KL to the teacher falls (0.91 -> 0.41 over 15 steps)
     "distill": ("configs/tiny_cpu.yaml", [
-        "actor_rollout_ref.model.path={untrained}", "distillation.enabled=true",
+        "actor_rollout_ref.model.path={student}", "distillation.enabled=true",
         "distillation.teacher_models.teacher_model.model_path={teacher}", "distillation.distillation_loss.use_task_rewards=false",
         "distillation.distillation_loss.loss_max_clamp=10.0", "actor_rollout_ref.actor.optim.lr=1e-3",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=32", "trainer.total_training_steps=15", "trainer.test_freq=15"]),
-    # k1 as a per-token reward (verl's recipe) beside the task's GRPO loss, 2 steps
+        "actor_rollout_ref.actor.ppo_mini_batch_size=32", f"trainer.total_training_steps={DISTILL_STEPS}",
+        f"trainer.test_freq={DISTILL_STEPS}"]),
+    # an untrained student ({untrained}) in the other two: k1 as a per-token reward (verl's recipe) beside the
+    # task's GRPO loss, 2 steps
     "distill_pg": ("configs/tiny_cpu.yaml", [
         *TWO_STEPS, "actor_rollout_ref.model.path={untrained}", "distillation.enabled=true",
         "distillation.teacher_models.teacher_model.model_path={teacher}", "distillation.distillation_loss.loss_mode=k1",
@@ -244,14 +248,15 @@ def code_rows(n: int) -> list[dict]:
 
 
 def launch(names: list[str], assets: dict, model: Path, root: Path,
-           reward_model: Callable[[], Path] | None = None) -> Path:
+           reward_model: Callable[[], Path] | None = None, student: Callable[[], Path] | None = None) -> Path:
     """Run the named cases (and those they need) in LAUNCHES' launches; root/<name> is each run's
     directory, root/<launch>.out a launch's output. Placeholders in a case's overrides: `{root}`,
     `{tests}` (this directory), `{untrained}` (the untrained tiny model), `{teacher}`
     (`model`, the warmed one), `{code_val}` (a parquet of code_rows(16)), `{reward_server}`
     (tests/reward_server.py's URL, which logs the items it scores to root/<name>.scored.jsonl),
     `{reward_model}` (the path reward_model() returns: the conftest fixture builds it then,
-    tests/demo_reward_model.py). A launch
+    tests/demo_reward_model.py), `{student}` (the path student() returns: the model 15 supervised steps
+    in, conftest's early_sft_model). A launch
     that fails is recorded in root/<launch>.failed, and the next launch still runs: only the tests of
     its cases fail (conftest.short_run)."""
     import datasets
@@ -265,6 +270,9 @@ def launch(names: list[str], assets: dict, model: Path, root: Path,
     if any("{reward_model}" in o for name in names for o in CASES[name][1]):
         assert reward_model is not None, "a selected short run needs a reward model: pass launch(reward_model=...)"
         fixed["{reward_model}"] = str(reward_model())
+    if any("{student}" in o for name in names for o in CASES[name][1]):
+        assert student is not None, "a selected short run needs a student model: pass launch(student=...)"
+        fixed["{student}"] = str(student())
     if any("{code_val}" in o for name in names for o in CASES[name][1]):
         fixed["{code_val}"] = str(root / "code_val.parquet")
         datasets.Dataset.from_list(code_rows(16)).to_parquet(fixed["{code_val}"])

@@ -7,6 +7,8 @@ separate process on a free port, so everything in between (JSON, HTTP, threads, 
 
 import json
 import math
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -243,8 +245,10 @@ def serve_judge(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--served-model-name", "judge", "--dtype", "float32", "--enforce-eager",
            "--max-model-len", "512", "--max-num-seqs", "8", "--no-enable-chunked-prefill"]
+    # its own process group: the server's engine core and worker are its children, and a kill of the server
+    # alone leaves them running (2 GB) through the rest of the suite
     proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(VLLM_CPU_KVCACHE_SPACE="1", **NO_PROXY), stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
+                            stderr=subprocess.STDOUT, start_new_session=True)
     url, deadline = f"http://127.0.0.1:{port}/v1", time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -255,8 +259,14 @@ def serve_judge(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
                     return proc, url
         except OSError:
             time.sleep(0.5)
-    proc.kill()
+    stop_judge(proc)
     pytest.fail(f"vllm serve did not answer within 600 s:\n{log.read_text()[-3000:]}")
+
+
+def stop_judge(proc: subprocess.Popen) -> None:
+    """SIGKILL serve_judge's server and every process it started (its process group)."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 @pytest.mark.slow
@@ -292,5 +302,4 @@ def test_judge_against_vllm_serve(tiny_assets, tmp_path):
         unread = json.loads((out / "config_unread.json").read_text())
         assert not [k for k in unread if k.startswith("reward_model.judge.")], unread
     finally:
-        proc.kill()
-        proc.wait()
+        stop_judge(proc)
