@@ -1,7 +1,7 @@
 """A learned reward model of the demo task, built the way one is in practice: from the SFT policy.
 
 The body starts as the warmed (SFT) tiny model, whose hidden states already carry the task; a one-logit
-score head (no bias) is added, and the whole model is trained for 200 steps to tell correct
+score head (no bias) is added, and the whole model is trained for 400 steps to tell correct
 answers from wrong ones (binary cross-entropy on the rule's 0 / 1). Its training data is drawn as the
 policy's samples are: the SFT model's own responses to every demo prompt, sampled at temperature 1
 with the rollout's length limit (right, wrong, badly formatted or cut off), labelled by the rule
@@ -111,7 +111,7 @@ def pair_accuracy(scores: torch.Tensor, samples: list[Sample]) -> float:
     return right / pairs
 
 
-def build(sft_model: Path, out: Path, steps: int = 200, seed: int = 0) -> Path:
+def build(sft_model: Path, out: Path, steps: int = 400, seed: int = 0) -> Path:
     """Train the reward model from sft_model (module docstring) and save it to out. Each step's batch is
     half correct answers, half wrong ones (the policy's samples are mostly wrong)."""
     tokenizer = AutoTokenizer.from_pretrained(sft_model)
@@ -141,7 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--sft", type=Path, required=True, help="the warmed policy (sft_warmup.py's --out)")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=400)
     args = parser.parse_args()
     build(args.sft, args.out, args.steps)
     tokenizer = AutoTokenizer.from_pretrained(args.out)
