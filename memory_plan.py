@@ -347,7 +347,8 @@ def forward_gathered_bytes(shape: ModelShape, dtype_bytes: int, fsdp: int) -> tu
     return e * peak, e * (root + (2 if shape.head_unit else 1) * units[-1])
 
 
-def backward_gathered_bytes(shape: ModelShape, dtype_bytes: int, reduce_bytes: int = 4) -> tuple[int, int, int]:
+def backward_gathered_bytes(shape: ModelShape, dtype_bytes: int, reduce_bytes: int = 4,
+                            trained: bool = True) -> tuple[int, int, int]:
     """What FSDP2 holds gathered in a backward, at three kinds of moment (compute dtype e, float32
     reduce-scatter, bytes): (while the logits' gradient lives: the LM head's backward; with activations:
     every unit's; alone: the tied root's last, when the activations are freed).
@@ -358,20 +359,24 @@ def backward_gathered_bytes(shape: ModelShape, dtype_bytes: int, reduce_bytes: i
     one until the next reduce-scatter); its post-backward reshards it, drops k-1's input and makes its
     own: its gradient, that input and the prefetched unit. The tied root's end: its parameters, the two
     gradients and their sum (4e), and the last unit's reduce-scatter input; then its gradient and its
-    own input."""
+    own input. Frozen (`trained` false: LoRA's base, whose adapter's gradients are too small to count), a
+    unit's backward holds its parameters and the prefetched unit's, and no gradient."""
     e, r, root = dtype_bytes, reduce_bytes, shape.root_numel
     units = _units(shape)[::-1]
-    head_grad = shape.vocab * shape.hidden if shape.tied else 0
+    g = e if trained else 0  # a unit's gradient
+    if not trained:
+        r = 0
+    head_grad = shape.vocab * shape.hidden if shape.tied and trained else 0
     held = e * (root + head_grad)
     prev, nxt = [0] + units[:-1], units[1:] + [0]
-    during = [held + r * p + 2 * e * n + e * q for p, n, q in zip(prev, units, nxt, strict=True)]
-    post = [held + (e + r) * n + e * q for n, q in zip(units, nxt, strict=True)]
+    during = [held + r * p + (e + g) * n + e * q for p, n, q in zip(prev, units, nxt, strict=True)]
+    post = [held + (g + r) * n + e * q for n, q in zip(units, nxt, strict=True)]
     if shape.head_unit:
         first, rest = during[0], during[1:] + post
     else:  # the head's matmul runs in the root: the root, the head's weight gradient, the first unit prefetched
         first, rest = held + e * units[0], during + post
-    end = (e * root + 3 * e * head_grad + r * units[-1]) if shape.tied else 0
-    return first, max(rest), max(end, (e + r) * root)
+    end = (e * root + 3 * e * head_grad + r * units[-1]) if shape.tied and trained else 0
+    return first, max(rest), max(end, (g + r) * root)
 
 
 def gathered_bytes(shape: ModelShape, dtype_bytes: int, backward: bool, fsdp: int = 2) -> int:
@@ -544,7 +549,7 @@ def _update_peak(m: MemoryInputs) -> Moment:
     logits = positions * m.actor.vocab * e
     acts = _update_activations(m, critic=False)
     units, at_head = forward_gathered_bytes(m.actor, e, m.fsdp)
-    first, rest, end = backward_gathered_bytes(m.actor, e)
+    first, rest, end = backward_gathered_bytes(m.actor, e, trained=m.adapter is None)
     moments = [_moment(units, acts), _moment(at_head, acts, logits),
                _moment(0, acts, logprob_chunk_bytes(m.actor, positions, e, backward=True)),
                _moment(first, acts, logits), _moment(rest, acts), _moment(end)]
