@@ -12,7 +12,9 @@ Two plans, both pure arithmetic, both used before (and while) anything touches a
   memory      per rank and phase, the estimated bytes of each of those, plus the activations of one
               micro batch (its layout: padded rows, one packed row, or a token budget's packed row;
               1/sp of its positions per rank under Ulysses) and the log-prob chunk, and a verdict
-              against the device's memory.
+              against the device's memory. The log_prob and update phases are planned moment by
+              moment (what FSDP2 holds gathered as each unit unshards and runs its backward, the LM
+              head's logits and their gradient), each phase as its largest moment.
 
 The whole planner, `python memory_plan.py --config X [--gpu-memory-gb 80] [--json] [key=value ...]`,
 prints mesh_utils.py's device map and batch flow, then the memory plan.
