@@ -12,7 +12,9 @@ Two plans, both pure arithmetic, both used before (and while) anything touches a
   memory      per rank and phase, the estimated bytes of each of those, plus the activations of one
               micro batch (its layout: padded rows, one packed row, or a token budget's packed row;
               1/sp of its positions per rank under Ulysses) and the log-prob chunk, and a verdict
-              against the device's memory.
+              against the device's memory. The log_prob and update phases are planned moment by
+              moment (what FSDP2 holds gathered as each unit unshards and runs its backward, the LM
+              head's logits and their gradient), each phase as its largest moment.
 
 The whole planner, `python memory_plan.py --config X [--gpu-memory-gb 80] [--json] [key=value ...]`,
 prints mesh_utils.py's device map and batch flow, then the memory plan.
@@ -176,7 +178,12 @@ class ModelShape:
     # parameters of the largest unit gathered only while it runs (models.fsdp_units: a decoder block, an
     # untied embedding or LM head); 0: largest_block_numel
     largest_unit_numel: int = 0
-    root_numel: int = 0  # parameters the root unit keeps gathered through forward and backward (a tied embedding)
+    root_numel: int = 0  # parameters of the root unit (the final norm; a tied embedding)
+    # parameters of each unit in the order the forward runs them (an untied embedding, the decoder blocks, an
+    # untied LM head); empty: `layers` blocks of largest_block_numel
+    unit_numels: tuple[int, ...] = ()
+    head_unit: bool = False  # the last of unit_numels is the LM head (untied); else the root holds the output layer
+    tied: bool = False  # the root's embedding is the LM head: its gradient is vocab x hidden, summed at the end
 
 
 def model_shape(path: str, value_head: bool = False, trust_remote_code: bool = False) -> ModelShape:
@@ -200,6 +207,9 @@ def model_shape(path: str, value_head: bool = False, trust_remote_code: bool = F
     blocks = decoder_layers(model)
     units = fsdp_units(model)
     in_units = {id(p) for unit in units for p in unit.parameters()}
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    in_order = ([embed] if any(embed is u for u in units) else []) + list(blocks) \
+        + ([head] if head is not None and any(head is u for u in units) else [])  # the forward's order
     return ModelShape(
         param_shapes=[tuple(p.shape) for p in model.parameters()],  # tied ones once, as FSDP2 holds them
         hidden=config.hidden_size, layers=config.num_hidden_layers, heads=heads,
@@ -207,7 +217,10 @@ def model_shape(path: str, value_head: bool = False, trust_remote_code: bool = F
         intermediate=config.intermediate_size, vocab=config.vocab_size,
         largest_block_numel=max(sum(p.numel() for p in b.parameters()) for b in blocks),
         largest_unit_numel=max(sum(p.numel() for p in unit.parameters()) for unit in units),
-        root_numel=sum(p.numel() for p in model.parameters() if id(p) not in in_units))
+        root_numel=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
+        unit_numels=tuple(sum(p.numel() for p in unit.parameters()) for unit in in_order),
+        head_unit=head is not None and any(head is u for u in units),
+        tied=head is not None and embed is not None and head.weight is embed.weight)
 
 
 # -----------------------------------------------------------------------------
@@ -302,30 +315,77 @@ def head_positions(rows: int, row_len: int, packed: bool, micro: int, response_l
 
 def logprob_chunk_bytes(shape: ModelShape, positions: int, dtype_bytes: int, chunk_rows: int = 1024,
                         backward: bool = False) -> int:
-    """The LM head's logits for `positions` (head_positions) in the compute dtype, and the float32
-    chunks of rows ppo_core.logprobs_and_entropy works on at a time: in its forward three (the upcast
-    chunk, its softmax and their product, for the entropy); in its backward (`backward`, the update)
-    the saved logits, their gradient, of the same size and dtype, and two chunks. Nothing else is
-    kept for the backward (the logsumexp and the entropy are one number per row)."""
+    """The most the LM head's logits for `positions` (head_positions, in the compute dtype) and
+    ppo_core.logprobs_and_entropy's float32 chunks of rows hold at once. Forward: the logits and three
+    chunks (the upcast chunk, its softmax and their product, for the entropy). Backward (`backward`, the
+    update; the larger of its moments and the forward's): in _LogProbEntropy's backward the saved logits,
+    their gradient (same size and dtype) and three chunks (the previous chunk's probabilities live until
+    the next chunk's are made); then autograd's way back through the in-place temperature division and
+    the row select holds four logits-sized tensors (the gradient, its strided copy, a clone and the
+    quotient), which passes the chunks beyond 4096 positions."""
     logits, chunk = positions * shape.vocab * dtype_bytes, min(chunk_rows, positions) * shape.vocab * 4
     forward = logits + 3 * chunk
-    return max(forward, 2 * logits + 2 * chunk) if backward else forward
+    return max(forward, 2 * logits + 3 * chunk, 4 * logits) if backward else forward
 
 
-def gathered_bytes(shape: ModelShape, dtype_bytes: int, backward: bool) -> int:
-    """The parameters FSDP2 holds gathered at once in a forward of the model (models.fsdp_units): the
-    root's (a tied embedding: from the first forward to the end of the backward) and two units (the
-    running one and the prefetched next); in a backward (`backward`), the larger of that and the root
-    with one unit, its unsharded gradient in the compute dtype and its float32 copy for the
-    reduce-scatter (the root's last)."""
-    unit = shape.largest_unit_numel or shape.largest_block_numel
-    held = (shape.root_numel + 2 * unit) * dtype_bytes
-    if not backward:
-        return held
-    # the forward's units are freed by the time a unit's backward runs: the root and that unit's
-    # parameters, its gradient and the float32 copy (bench/memory_rehearsal.py measured the sum of the
-    # two 1.27x high at Qwen2.5-7B's width, the larger of them 1.1x)
-    return max(held, (shape.root_numel + unit) * dtype_bytes + max(unit, shape.root_numel) * (dtype_bytes + 4))
+def _units(shape: ModelShape) -> list[int]:
+    """The parameters of each unit in forward order (ModelShape.unit_numels, or `layers` blocks)."""
+    return list(shape.unit_numels) or [shape.largest_unit_numel or shape.largest_block_numel] * max(shape.layers, 1)
+
+
+def forward_gathered_bytes(shape: ModelShape, dtype_bytes: int, fsdp: int) -> tuple[int, int]:
+    """(the most FSDP2 holds gathered while a forward's units unshard, what it holds at the LM head's
+    matmul) in the compute dtype. FSDP2 (torch 2.13, FSDPParamGroup.wait_for_unshard) copies each unit's
+    all-gather output into its unsharded parameters and, in a forward, frees that flat output only once
+    the next unit's copy-out is done: unit k's copy-out holds the root's parameters, unit k-1's flat
+    output, unit k's and its parameters (the first unit's predecessor is the root, whose flat output is
+    its size); the units before k are resharded. At the head: the root and, untied, the head's output
+    and parameters, or, with the head in the root, the last unit's output. With fsdp 1 there is no flat
+    output: the root and one unit."""
+    e, root, units = dtype_bytes, shape.root_numel, _units(shape)
+    if fsdp == 1:
+        return e * (root + max(units)), e * (root + (units[-1] if shape.head_unit else 0))
+    peak = max([2 * root] + [root + prev + 2 * n for prev, n in zip([root] + units[:-1], units, strict=True)])
+    return e * peak, e * (root + (2 if shape.head_unit else 1) * units[-1])
+
+
+def backward_gathered_bytes(shape: ModelShape, dtype_bytes: int, reduce_bytes: int = 4,
+                            trained: bool = True) -> tuple[int, int, int]:
+    """What FSDP2 holds gathered in a backward, at three kinds of moment (compute dtype e, float32
+    reduce-scatter, bytes): (while the logits' gradient lives: the LM head's backward; with activations:
+    every unit's; alone: the tied root's last, when the activations are freed).
+    The root is gathered again at the backward's start and held to its end, and with a tied embedding
+    so is the LM head's weight gradient (vocab x hidden, made at the head, summed with the embedding's
+    at the end). Unit k's backward (backward order) holds its parameters and gradient (2e), the next
+    unit's all-gather output (prefetched, e) and unit k-1's float32 reduce-scatter input (4; FSDP2 keeps
+    one until the next reduce-scatter); its post-backward reshards it, drops k-1's input and makes its
+    own: its gradient, that input and the prefetched unit. The tied root's end: its parameters, the two
+    gradients and their sum (4e), and the last unit's reduce-scatter input; then its gradient and its
+    own input. Frozen (`trained` false: LoRA's base, whose adapter's gradients are too small to count), a
+    unit's backward holds its parameters and the prefetched unit's, and no gradient."""
+    e, r, root = dtype_bytes, reduce_bytes, shape.root_numel
+    units = _units(shape)[::-1]
+    g = e if trained else 0  # a unit's gradient
+    if not trained:
+        r = 0
+    head_grad = shape.vocab * shape.hidden if shape.tied and trained else 0
+    held = e * (root + head_grad)
+    prev, nxt = [0] + units[:-1], units[1:] + [0]
+    during = [held + r * p + (e + g) * n + e * q for p, n, q in zip(prev, units, nxt, strict=True)]
+    post = [held + (g + r) * n + e * q for n, q in zip(units, nxt, strict=True)]
+    if shape.head_unit:
+        first, rest = during[0], during[1:] + post
+    else:  # the head's matmul runs in the root: the root, the head's weight gradient, the first unit prefetched
+        first, rest = held + e * units[0], during + post
+    end = (e * root + 3 * e * head_grad + r * units[-1]) if shape.tied and trained else 0
+    return first, max(rest), max(end, (g + r) * root)
+
+
+def gathered_bytes(shape: ModelShape, dtype_bytes: int, backward: bool, fsdp: int = 2) -> int:
+    """The most FSDP2 holds gathered at once in a forward (forward_gathered_bytes) or, with `backward`,
+    in a forward and backward (backward_gathered_bytes) of the model, whatever else is live."""
+    forward = max(forward_gathered_bytes(shape, dtype_bytes, fsdp))
+    return max(forward, *backward_gathered_bytes(shape, dtype_bytes)) if backward else forward
 
 
 def grad_bytes(trained_shard: int, trained_full: int, accumulate_unsharded: bool) -> int:
@@ -424,8 +484,7 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
             "teacher.params": param_shard_bytes(m.teacher, m.fsdp, fsdp_rank) if m.teacher and on["teacher.params"] else 0,
             "engine.weights": engine_weights if on["engine.weights"] else 0,
             "engine.kv_cache": max(0, engine_total - engine_weights) if on["engine.kv_cache"] else 0,
-            "gathered_blocks": (gathered_bytes(m.actor, m.compute_bytes, backward=phase == "update")
-                                if phase in ("log_prob", "update") else 0),
+            "gathered_blocks": 0,
             "activations": 0,
             "log_prob_chunk": 0,
             "reward_model.forward": 0,
@@ -436,18 +495,70 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
         if phase == "generate" and m.reward_model is not None:  # it scores beside the awake engine
             b["reward_model.forward"] = _reward_forward_bytes(m)
         if phase == "log_prob":
-            b["log_prob_chunk"] = _head_bytes(m, m.log_prob_micro, m.log_prob_max_tokens)
-            if m.teacher is not None:  # its forward runs after the actor's: the larger of the two
-                b["log_prob_chunk"] = max(b["log_prob_chunk"],
-                                          _head_bytes(m, m.log_prob_micro, m.log_prob_max_tokens, model=m.teacher))
-                b["gathered_blocks"] = max(b["gathered_blocks"], gathered_bytes(m.teacher, m.compute_bytes, backward=False))
+            b |= _log_prob_peak(m)
         if m.teacher_topk and phase in ("log_prob", "update"):  # float32 log-probs and int64 ids per response token
             b["teacher.topk"] = (m.samples_per_rank or 0) * m.response_len * m.teacher_topk * (4 + 8)
         if phase == "update":
-            b["activations"] = max(_update_activations(m, critic=False), _update_activations(m, critic=True))
-            b["log_prob_chunk"] = _head_bytes(m, m.ppo_micro, m.ppo_max_tokens, backward=True)
+            b |= _update_peak(m)
         out[phase] = b
     return out
+
+
+# The transient items of a phase's moments: what FSDP2 holds gathered, the activations, the LM head's logits
+# and float32 chunks. A phase's plan is its largest moment (the items of that moment), not the sum of each
+# item's own largest: a tied model's embedding gradients peak at the end of the backward, when the logits
+# and the activations are long freed.
+Moment = dict[str, int]
+
+
+def _largest(moments: list[Moment]) -> Moment:
+    return max(moments, key=lambda items: sum(items.values()))
+
+
+def _moment(gathered: int = 0, activations: int = 0, head: int = 0) -> Moment:
+    return {"gathered_blocks": gathered, "activations": activations, "log_prob_chunk": head}
+
+
+def _log_prob_peak(m: MemoryInputs) -> Moment:
+    """The log_prob phase's no-grad forwards (the actor's, the reference's, the teacher's), one micro batch at
+    a time: while the units unshard (forward_gathered_bytes), with the previous micro batch's logits still
+    held when there are several (models.compute_log_probs keeps them until the next forward returns); at
+    the LM head's matmul, the logits beside what is gathered there; then the logits and the float32
+    chunks, nothing gathered (the root reshards after the forward)."""
+    several = m.log_prob_max_tokens is not None or m.samples_per_rank is None or m.samples_per_rank > m.log_prob_micro
+    moments = []
+    for shape in (m.actor, m.teacher):
+        if shape is None:
+            continue
+        positions = _head_positions(m, m.log_prob_micro, m.log_prob_max_tokens)
+        logits = positions * shape.vocab * m.compute_bytes
+        units, at_head = forward_gathered_bytes(shape, m.compute_bytes, m.fsdp)
+        moments += [_moment(units, head=logits if several else 0), _moment(at_head, head=logits),
+                    _moment(head=logprob_chunk_bytes(shape, positions, m.compute_bytes))]
+    return _largest(moments)
+
+
+def _update_peak(m: MemoryInputs) -> Moment:
+    """The update's micro batch, forward and backward, of the actor (and of the critic, after it): every
+    activation is counted at every moment but the tied root's last (the forward saves them, the backward
+    frees them block by block; with checkpointing, one block's recompute too). The actor's moments: its
+    forward's units unshard (forward_gathered_bytes); at the LM head's matmul, the logits; the log-prob
+    backward (logprob_chunk_bytes), nothing gathered; the head's backward, beside the logits' gradient;
+    every unit's backward; the tied root's end (backward_gathered_bytes). The critic's: its forward and
+    backward gathered beside its activations (its values are one number per token)."""
+    e = m.compute_bytes
+    positions = _head_positions(m, m.ppo_micro, m.ppo_max_tokens)
+    logits = positions * m.actor.vocab * e
+    acts = _update_activations(m, critic=False)
+    units, at_head = forward_gathered_bytes(m.actor, e, m.fsdp)
+    first, rest, end = backward_gathered_bytes(m.actor, e, trained=m.adapter is None)
+    moments = [_moment(units, acts), _moment(at_head, acts, logits),
+               _moment(0, acts, logprob_chunk_bytes(m.actor, positions, e, backward=True)),
+               _moment(first, acts, logits), _moment(rest, acts), _moment(end)]
+    if m.critic is not None and m.critic_micro:
+        moments.append(_moment(gathered_bytes(m.critic, e, backward=True, fsdp=m.fsdp),
+                               _update_activations(m, critic=True)))
+    return _largest(moments)
 
 
 def _update_activations(m: MemoryInputs, critic: bool, checkpointing: bool | None = None,
@@ -473,18 +584,23 @@ def _reward_forward_bytes(m: MemoryInputs) -> int:
     shape = m.reward_model
     rows, row_len = forward_layout(m.reward_micro, m.prompt_len + m.response_len, m.reward_packed, None)
     mask = 0 if m.reward_packed else rows * row_len * row_len
-    return (gathered_bytes(shape, m.compute_bytes, backward=False)
+    return (gathered_bytes(shape, m.compute_bytes, backward=False, fsdp=m.fsdp)
             + peak_recompute_bytes(shape, rows, row_len, m.compute_bytes, True) + mask)
+
+
+def _head_positions(m: MemoryInputs, micro: int, max_tokens: int | None) -> int:
+    """The positions of one micro batch that go through the actor's LM head on one rank (head_positions)."""
+    rows, row_len = forward_layout(micro, m.prompt_len + m.response_len, m.actor_packed, max_tokens,
+                                   m.samples_per_rank)
+    return head_positions(rows, row_len, m.actor_packed, micro, m.response_len, m.sp, max_tokens is not None)
 
 
 def _head_bytes(m: MemoryInputs, micro: int, max_tokens: int | None, backward: bool = False,
                 model: ModelShape | None = None) -> int:
     """The actor's (or `model`'s) LM-head logits and float32 chunks (logprob_chunk_bytes) of one micro
     batch on one rank, in a no-grad forward or (backward) in the update."""
-    rows, row_len = forward_layout(micro, m.prompt_len + m.response_len, m.actor_packed, max_tokens,
-                                   m.samples_per_rank)
-    positions = head_positions(rows, row_len, m.actor_packed, micro, m.response_len, m.sp, max_tokens is not None)
-    return logprob_chunk_bytes(model or m.actor, positions, m.compute_bytes, backward=backward)
+    return logprob_chunk_bytes(model or m.actor, _head_positions(m, micro, max_tokens), m.compute_bytes,
+                               backward=backward)
 
 
 def _remedies(m: MemoryInputs, phase: str, items: dict[str, int], over: int,
@@ -499,36 +615,34 @@ def _remedies(m: MemoryInputs, phase: str, items: dict[str, int], over: int,
         if room > items["engine.weights"]:
             util = math.floor(room / m.gpu_memory_bytes * 100) / 100
             out.append((f"actor_rollout_ref.rollout.gpu_memory_utilization={util:.2f}", over))
+    def freed(**change: Any) -> int:  # the phase planned again with the change: its largest moment may move
+        return sum(items.values()) - sum(phase_bytes(replace(m, **change), 0)[phase].values())
+
     if phase == "update":
         if not m.actor_checkpointing:
-            saved = items["activations"] - max(_update_activations(m, critic=False, checkpointing=True, recompute=False),
-                                               _update_activations(m, critic=True))
-            out.append(("actor_rollout_ref.model.enable_gradient_checkpointing=true", saved))
-        per_sample = (items["activations"] + items["log_prob_chunk"]) / m.ppo_micro
+            out.append(("actor_rollout_ref.model.enable_gradient_checkpointing=true", freed(actor_checkpointing=True)))
         smaller = [d for d in range(m.ppo_micro - 1, 0, -1) if ppo_mini_per_rank % d == 0]
-        fitting = [d for d in smaller if per_sample * (m.ppo_micro - d) >= over]
         if m.ppo_max_tokens is not None:  # token budgets: the budget, not the micro batch size, sets the bytes
             smaller = []
             per_gpu, least = m.ppo_max_tokens // m.sp, -(-(m.prompt_len + m.response_len) // m.sp)
-            used = items["activations"] + items["log_prob_chunk"]
-            budget = max(least, math.floor(per_gpu * (1 - over / used)))
-            if m.actor_packed and budget < per_gpu:
-                out.append((f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
-                            int(used * (1 - budget / per_gpu))))
-            elif not m.actor_packed:  # padded, a budget admits many short samples, each P+R positions long
-                packed = replace(m, actor_packed=True)
-                freed = used - max(_update_activations(packed, critic=False), _update_activations(m, critic=True)) \
-                    - _head_bytes(packed, m.ppo_micro, m.ppo_max_tokens, backward=True)
-                out.append(("actor_rollout_ref.model.use_remove_padding=true", int(freed)))
+            if m.actor_packed:  # the largest budget that fits, else the least (one sample)
+                budgets = range(per_gpu - 1, least - 1, -max(1, (per_gpu - least) // 64))
+                freeing = {t: freed(ppo_max_tokens=t * m.sp) for t in budgets}
+                budget = next((t for t, f in freeing.items() if f >= over), least)
+                if budget < per_gpu:
+                    out.append((f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
+                                freeing.get(budget, freed(ppo_max_tokens=budget * m.sp))))
+            else:  # padded, a budget admits many short samples, each P+R positions long
+                out.append(("actor_rollout_ref.model.use_remove_padding=true", freed(actor_packed=True)))
         if smaller:
-            d = fitting[0] if fitting else smaller[-1]
-            out.append((f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={d}",
-                        int(per_sample * (m.ppo_micro - d))))
+            freeing = {d: freed(ppo_micro=d) for d in smaller}
+            d = next((d for d in smaller if freeing[d] >= over), smaller[-1])
+            out.append((f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={d}", freeing[d]))
     if phase == "log_prob" and m.log_prob_micro > 1:
-        per_sample = items["log_prob_chunk"] / m.log_prob_micro
-        d = max(1, m.log_prob_micro - math.ceil(over / per_sample))
-        out.append((f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={d}",
-                    int(per_sample * (m.log_prob_micro - d))))
+        smaller = list(range(m.log_prob_micro - 1, 0, -1))
+        freeing = {d: freed(log_prob_micro=d) for d in smaller}
+        d = next((d for d in smaller if freeing[d] >= over), 1)
+        out.append((f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={d}", freeing[d]))
     for item, key, flag in (("actor.optimizer", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
                              m.flags.actor_optimizer),
                             ("critic.optimizer", "critic.fsdp_config.optimizer_offload", m.flags.critic_optimizer),
