@@ -848,18 +848,24 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip
 CPU_ENGINE_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
+def read_model_config(path: str, key: str, trust_remote_code: bool) -> Any:
+    """The transformers config of the model the config key `key` names, or one ConfigError line saying why it
+    cannot be read (before anything loads: a missing path fails here, not in a traceback minutes later)."""
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # a missing path, no config.json, an unknown architecture, no network
+        raise ConfigError(
+            f"{key}={path!r}: cannot read the model's config ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}). Give a local directory with config.json and weights, "
+            f"or a hub id that is downloaded already (this program does not fetch at run time)."
+        ) from None
+
+
 def check_model(path: str, needed_length: int, trust_remote_code: bool, device_type: str, infer_tp: int = 1) -> None:
     """Before anything loads: the model's config can be read, prompt + response fit its context, vLLM can
     split it over infer_tp ranks, and (on the CPU) vLLM's CPU engine can run its attention. Each failure
     is one ConfigError line."""
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except Exception as e:  # a missing path, no config.json, an unknown architecture, no network
-        raise ConfigError(
-            f"actor_rollout_ref.model.path={path!r}: cannot read the model's config ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}). Give a local directory with config.json and weights, "
-            f"or a hub id that is downloaded already (this program does not fetch at run time)."
-        ) from None
+    config = read_model_config(path, "actor_rollout_ref.model.path", trust_remote_code)
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and needed_length > limit:
         raise ConfigError(
@@ -887,12 +893,12 @@ def check_teacher(path: str, tokenizer: Any, student_vocab_rows: int, trust_remo
     from transformers import AutoTokenizer
 
     key = "distillation.teacher_models.teacher_model.model_path"
+    config = read_model_config(path, key, trust_remote_code)
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         teacher_tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except Exception as e:  # a missing path, no config.json or tokenizer, an unknown architecture
-        raise ConfigError(f"{key}={path!r}: cannot read the teacher's config and tokenizer ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}). Give a local model directory with both.") from None
+    except Exception as e:  # no tokenizer files
+        raise ConfigError(f"{key}={path!r}: cannot read the teacher's tokenizer ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}). Give a local model directory with one.") from None
     mine, theirs = tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
     if mine != theirs:
         differ = sorted(t for t in mine.keys() | theirs.keys() if mine.get(t) != theirs.get(t))
@@ -931,9 +937,9 @@ def check_tensor_parallel(config: Any, tp: int, path: str) -> None:
 def check_sequence_parallel_heads(path: str, sp: int, trust_remote_code: bool, key: str) -> None:
     """Ulysses splits attention heads over the sp ranks: refuse, before anything loads, a model whose head
     counts sp cannot split (ulysses.check_heads), naming the model's key."""
+    config = read_model_config(path, key, trust_remote_code)
     if sp == 1:
         return
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     heads = config.num_attention_heads
     try:
         ulysses.check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, sp)

@@ -104,6 +104,7 @@ from models import (
     make_optimizer,
     optimizer_step,
     padding_fraction,
+    read_model_config,
     token_budget_micro_batches,
 )
 from reward_model import RewardModel
@@ -1104,6 +1105,8 @@ def load_data(cfg: Config, dims: ParallelDims,
     check_sequence_parallel_heads(model_cfg.path, dims.sp, model_cfg.trust_remote_code, "actor_rollout_ref.model.path")
     if core.ADV_ESTIMATORS[cfg.algorithm.adv_estimator].needs_critic and cfg.critic.model.path is not None:
         check_sequence_parallel_heads(cfg.critic.model.path, dims.sp, model_cfg.trust_remote_code, "critic.model.path")
+    if cfg.reward_model.enable:
+        read_model_config(cfg.reward_model.model.path, "reward_model.model.path", cfg.reward_model.model.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(data_cfg.tokenizer or model_cfg.path,
                                               trust_remote_code=model_cfg.trust_remote_code)
     if tokenizer.pad_token_id is None:

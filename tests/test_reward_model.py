@@ -12,6 +12,7 @@ validation score (the short run `learn_rm`)."""
 
 import json
 import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -230,7 +231,8 @@ def test_a_checkpoint_without_a_score_head_is_refused(tiny_assets):
 @pytest.mark.short_run("learn_rm")
 def test_grpo_learns_the_demo_task_on_reward_model_scores(short_runs):
     """2 CPU ranks, the demo task, GRPO on the learned reward model's scores (not the rule's 0 / 1): every
-    step trains, and the greedy validation score, which the rule gives, is clearly higher at the end."""
+    step trains, and the greedy validation score, which the rule gives, is higher at every validation (steps
+    5, 10, 15, 20) than before training, by 0.1 on average."""
     out = short_run(short_runs, "learn_rm")
     rows = read_metrics(out / "metrics.jsonl")
     steps = [r for r in rows if r["step"] > 0]
@@ -239,7 +241,8 @@ def test_grpo_learns_the_demo_task_on_reward_model_scores(short_runs):
         assert r["critic/score/max"] > r["critic/score/min"] and r["actor/grad_norm"] > 0, r
         assert r["critic/score/mean"] not in (0.0, 1.0) and r["actor/skipped_steps"] == 0, r
     val = [r["val/score"] for r in rows if "val/score" in r]
-    assert len(val) == 2 and val[1] >= val[0] + 0.15, val
+    assert len(val) == 1 + LEARN_RM_STEPS // 5, val
+    assert min(val[1:]) > val[0] and statistics.fmean(val[1:]) >= val[0] + 0.1, val
     # every reward_model.* key the learned reward model has is read (test_every_config_key_is_read leaves them here)
     unread = json.loads((out / "config_unread.json").read_text())
     assert [k for k in unread if k.startswith(("reward_model.model.", "reward_model.max_length",

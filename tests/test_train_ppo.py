@@ -256,7 +256,7 @@ def test_score_improves(short_runs):
 
 
 BAD_INPUT_CASES = ["missing_file", "empty_data", "reward_name", "too_long", "layout", "timeout", "temperature", "logger",
-                   "model_path", "head_size"]
+                   "model_path", "reward_model_path", "critic_path", "head_size"]
 
 
 def bad_input_args(case: str, assets: dict, tmp: Path) -> tuple[list[str], str]:
@@ -286,6 +286,12 @@ def bad_input_args(case: str, assets: dict, tmp: Path) -> tuple[list[str], str]:
         return [*base, "trainer.logger=[console,tensorbord]"], "trainer.logger has unknown entries"
     if case == "model_path":
         return [*base, f"actor_rollout_ref.model.path={tmp / 'no-such-model'}"], "cannot read the model's config"
+    if case == "reward_model_path":
+        return [*base, "reward_model.enable=true", f"reward_model.model.path={tmp / 'no-such-rm'}"], \
+            f"reward_model.model.path='{tmp / 'no-such-rm'}': cannot read the model's config"
+    if case == "critic_path":
+        return [*base, "algorithm.adv_estimator=gae", f"critic.model.path={tmp / 'no-such-critic'}"], \
+            f"critic.model.path='{tmp / 'no-such-critic'}': cannot read the model's config"
     if case == "head_size":  # vLLM's CPU engine has no kernels for heads of 16
         import make_assets
 
