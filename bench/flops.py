@@ -201,3 +201,39 @@ def matmul_rate(device: torch.device, dtype: torch.dtype | None = None, size: in
         rates.append(per_rep * work / (time.perf_counter() - start))
     return {"median": statistics.median(rates), "best": max(rates), "size": size, "threads": torch.get_num_threads(),
             "dtype": str(dtype).removeprefix("torch.")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Each phase against its floor, from a run's metrics (bench/step_flops.py adds flops/* to them)
+
+FLOOR_PHASES = ("gen", "old_log_prob", "ref", "values", "update_critic", "update_actor")
+
+
+def floor_table(rows: Sequence[dict[str, float]]) -> dict:
+    """From train_ppo metrics rows (each with timing_s/<phase> and flops/<phase>, per rank, reduced as
+    means over ranks) the mean of each phase that ran: {phase: {gflop, seconds, gflop_per_s,
+    vs_matmul}} per rank, with vs_matmul the achieved rate over flops/matmul_rate (the same threads'
+    square-matmul rate, probed at the end of each step); and that rate's mean, "matmul_gflop_per_s"."""
+    def mean(key: str) -> float:
+        return sum(r.get(key, 0.0) for r in rows) / len(rows)
+
+    rate = mean("flops/matmul_rate")
+    phases = {}
+    for phase in FLOOR_PHASES:
+        work, seconds = mean(f"flops/{phase}"), mean(f"timing_s/{phase}")
+        if work > 0 and seconds > 0:
+            phases[phase] = {"gflop": work / 1e9, "seconds": seconds, "gflop_per_s": work / seconds / 1e9,
+                             "vs_matmul": work / seconds / rate if rate > 0 else None}
+    return {"matmul_gflop_per_s": rate / 1e9, "matmul_best_gflop_per_s": mean("flops/matmul_rate_best") / 1e9,
+            "matmul_threads": mean("flops/matmul_threads"), "phases": phases}
+
+
+FLOOR_COLUMNS = [("run", "run", ""), ("phase", "phase", ""), ("gflop", "GFLOP/rank", ".2f"),
+                 ("seconds", "s", ".2f"), ("gflop_per_s", "GFLOP/s", ".1f"),
+                 ("matmul_gflop_per_s", "matmul GFLOP/s", ".1f"), ("vs_matmul", "/ matmul", ".2f")]
+
+
+def floor_rows(run: str, floor: dict) -> list[dict]:
+    """floor_table's phases as table rows (FLOOR_COLUMNS)."""
+    return [{"run": run, "phase": phase, **r, "matmul_gflop_per_s": floor["matmul_gflop_per_s"]}
+            for phase, r in floor["phases"].items()]

@@ -53,6 +53,7 @@ import venv
 from pathlib import Path
 
 import bench_common as bc  # first: it puts the repo root on sys.path
+import flops
 import torch
 import yaml
 
@@ -183,7 +184,8 @@ def our_config(model: Path, data: dict[str, Path], prompt_len: int, response_len
 def run_ours(size: str, model: Path, config: Path, rep: int, args: argparse.Namespace) -> dict:
     run_dir = args.out.parent / "peer_trl" / size / f"ours_{rep}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    wall = bc.torchrun(bc.ROOT / "train_ppo.py", WORLD, [
+    # train_ppo.py under step_flops.py: the same run, with each phase's FLOPs and a matmul probe per step
+    wall = bc.torchrun(bc.ROOT / "bench" / "step_flops.py", WORLD, [
         "--config", config, f"trainer.total_training_steps={args.steps}", f"trainer.default_local_dir={run_dir}",
         f"trainer.experiment_name={size}_{rep}"], args.out.parent / "logs" / f"peer_trl_{size}_ours_{rep}.log")
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "timing_s/step" in r]
@@ -192,7 +194,8 @@ def run_ours(size: str, model: Path, config: Path, rep: int, args: argparse.Name
     return {"step_s": [r["timing_s/step"] for r in measured], "gen_s": [r["timing_s/gen"] for r in measured],
             "phases_s": {k[len("timing_s/"):]: sum(r.get(k, 0.0) for r in measured) / len(measured) for k in phases},
             "mean_len": [r["response_length/mean"] for r in measured],
-            "peak_rss_gb": max(r["perf/max_memory_gb"] for r in rows), "wall_s": wall}
+            "peak_rss_gb": max(r["perf/max_memory_gb"] for r in rows), "wall_s": wall,
+            "floor_metrics": [{k: v for k, v in r.items() if k.startswith(("flops/", "timing_s/"))} for r in measured]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,7 +306,10 @@ def side_summary(runs: list[dict]) -> dict:
     return {"step_s": step_s, "step_s_reps": [sum(r["step_s"]) / len(r["step_s"]) for r in runs], "phases_s": phases,
             "gen_s": gen_s, "mean_len": mean_len, "gen_tokens_per_rank": tokens,
             "gen_tok_s_rank": tokens / step_s, "gen_phase_tok_s": tokens / gen_s,
-            "peak_rss_gb": max(r["peak_rss_gb"] for r in runs), "wall_s": sum(r["wall_s"] for r in runs)}
+            "peak_rss_gb": max(r["peak_rss_gb"] for r in runs), "wall_s": sum(r["wall_s"] for r in runs),
+            # ours: each phase against its floor (flops.floor_table), over every measured step of every rep
+            "floor": flops.floor_table([m for r in runs for m in r["floor_metrics"]]) if "floor_metrics" in runs[0]
+            else None}
 
 
 def compare(size: str, params_m: float, ours_runs: list[dict], trl_runs: list[dict]) -> dict:
@@ -317,6 +323,7 @@ def compare(size: str, params_m: float, ours_runs: list[dict], trl_runs: list[di
             "step_ratio_reps": [o["step_s"] / t["step_s"] for o, t in reps],
             "gen_tok_s_ratio": ours["gen_tok_s_rank"] / trl["gen_tok_s_rank"],  # > 1: ours is faster
             "gen_tok_s_ratio_reps": [o["gen_tok_s_rank"] / t["gen_tok_s_rank"] for o, t in reps],
+            "floor_reps": [o["floor"] for o, _ in reps],  # per rep, for the floor targets' verdicts
             "rss_excess_gb": ours["peak_rss_gb"] - trl["peak_rss_gb"],
             "kv_cache_gb": KV_CACHE_GIB * 2**30 / 1e9}
 
@@ -336,8 +343,13 @@ def tables(report: dict) -> list[tuple[str, list[dict], list]]:
             for r in report["results"] for side, key in (("ours", "ours"), (f"TRL {TRL_VERSION}", "trl"))]
     title = (f"this project vs TRL GRPOTrainer: {s['prompts']} prompts x {s['n']}, GRPO, no KL, fp32, {s['world']} "
              f"ranks each; mean of steps 2-{s['steps']} over {s['reps']} alternating runs per side")
+    floor = [row for r in report["results"] if r["ours"].get("floor")
+             for row in flops.floor_rows(f"{r['model']} ours", r["ours"]["floor"])]
     return [(title, rows, COLUMNS), ("ratios (targets: 25m s/step <= 0.5, gen tok/s >= 2; 1m s/step <= 0.8; "
-                                     "RSS excess <= KV cache)", report["results"], RATIO_COLUMNS)]
+                                     "RSS excess <= KV cache)", report["results"], RATIO_COLUMNS),
+            ("ours, each phase against its floor: model FLOPs per rank (bench/flops.py), achieved FLOP/s, and the "
+             "ratio to a square matmul on the same threads (targets: 25m update_actor >= 0.7, gen >= 0.4)",
+             floor, flops.FLOOR_COLUMNS)]
 
 
 def run(args: argparse.Namespace) -> dict:
