@@ -21,7 +21,9 @@ width), kv_heads key/value heads, intermediate size i, vocabulary V:
 
   a training pass (forward + backward) = 3 x the forward: the backward does each matmul twice (the
   input's gradient and the weight's; attention's four), so the update phase is 3 x epochs x forward.
-  Activation checkpointing's recomputed forward is not counted (model FLOPs, not hardware FLOPs).
+  With frozen base weights (a LoRA adapter) the weights' gradients are not computed: 2 x the forward
+  (the adapters' own matmuls are not counted). Activation checkpointing's recomputed forward is not
+  counted (model FLOPs, not hardware FLOPs).
 
   generation of R tokens after a P-token prompt (a KV-cache engine, vLLM's prefill + decode):
       2 * N_block * layers * (P + R - 1)       the prompt, then every sampled token but the last is fed
@@ -141,14 +143,16 @@ def generation_flops(shape: DecoderShape, prompt_lens: Sequence[int], response_l
 
 def step_flops(actor: DecoderShape, prompt_lens: Sequence[int], response_lens: Sequence[int], *,
                actor_epochs: int = 1, old_log_prob: bool = True, ref: bool = False,
-               critic: DecoderShape | None = None, critic_epochs: int = 1) -> dict[str, Flops]:
+               critic: DecoderShape | None = None, critic_epochs: int = 1,
+               frozen_actor_weights: bool = False) -> dict[str, Flops]:
     """The FLOPs of each phase of one PPO / GRPO step over these samples, keyed by train_ppo's timer
     names: gen, old_log_prob and ref (one forward each; ref is the actor's shape), update_actor (3 x
-    actor_epochs forwards), values and update_critic (the critic's, when there is one). A phase that does
-    not run is absent."""
+    actor_epochs forwards; 2 x with frozen_actor_weights, a LoRA adapter's), values and update_critic
+    (the critic's, when there is one). A phase that does not run is absent."""
     lens = [p + r for p, r in zip(prompt_lens, response_lens, strict=True)]
     forward = forward_flops(actor, lens, sum(response_lens))
-    phases = {"gen": generation_flops(actor, prompt_lens, response_lens), "update_actor": 3 * actor_epochs * forward}
+    passes = (2 if frozen_actor_weights else 3) * actor_epochs
+    phases = {"gen": generation_flops(actor, prompt_lens, response_lens), "update_actor": passes * forward}
     if old_log_prob:
         phases["old_log_prob"] = forward
     if ref:

@@ -38,7 +38,8 @@ def phase_flops(run: train_ppo.Run, batch: train_ppo.Batch) -> dict[str, float]:
     phases = flops.step_flops(flops.decoder_shape(run.actor.config), prompt_lens, response_lens,
                               actor_epochs=run.plan.actor_update.epochs,
                               old_log_prob=run.old_log_probs_from == "forward", ref=run.ref is not None,
-                              critic=critic, critic_epochs=run.plan.critic_update.epochs if critic else 1)
+                              critic=critic, critic_epochs=run.plan.critic_update.epochs if critic else 1,
+                              frozen_actor_weights=run.lora_spec is not None)
     if "num_turns" in batch:
         phases.pop("gen")
     return {f"flops/{name}": f.total / run.dims.sp for name, f in phases.items()}

@@ -35,6 +35,8 @@ def test_hand_count():
     assert set(phases) == {"gen", "update_actor", "old_log_prob", "ref"}
     one = flops.forward_flops(shape, [5, 5], head_tokens=4)
     assert phases["old_log_prob"] == phases["ref"] == one and phases["update_actor"].total == 6 * one.total
+    lora = flops.step_flops(shape, [2, 4], [3, 1], frozen_actor_weights=True)
+    assert lora["update_actor"].total == 2 * one.total  # input gradients only
     critic = flops.decoder_shape(TINY, head_width=1)
     with_critic = flops.step_flops(shape, [2], [3], old_log_prob=False, critic=critic, critic_epochs=1)
     assert "old_log_prob" not in with_critic and with_critic["values"].head == 2 * 8 * 1 * 3
