@@ -247,6 +247,33 @@ def test_targets_table():
     assert run_all.targets({}) == []
 
 
+def test_peer_floor_table():
+    """peer_trl's side of ours carries each phase against its floor (step_flops.py's metrics), per rep and
+    over all reps; TRL's has none; the table and run_all's targets read it."""
+    import peer_trl
+
+    def side(update_s: float, floor: bool) -> dict:
+        metrics = {"timing_s/update_actor": update_s, "flops/update_actor": 3e11, "timing_s/gen": 4.0,
+                   "flops/gen": 6e10, "flops/matmul_rate": 1e11, "flops/matmul_rate_best": 1.2e11,
+                   "flops/matmul_threads": 1.0}
+        run = {"step_s": [10.0, 12.0], "gen_s": [4.0, 4.0], "phases_s": {"gen": 4.0}, "mean_len": [80.0, 90.0],
+               "peak_rss_gb": 3.0, "wall_s": 60.0}
+        return run | ({"floor_metrics": [metrics, metrics]} if floor else {})
+
+    result = peer_trl.compare("25m", 23.7, [side(5.0, True), side(3.0, True)], [side(6.0, False)] * 2)
+    assert result["trl"]["floor"] is None
+    update = result["ours"]["floor"]["phases"]["update_actor"]
+    assert update["seconds"] == pytest.approx(4.0) and update["vs_matmul"] == pytest.approx(3e11 / 4.0 / 1e11)
+    assert [rep["phases"]["update_actor"]["vs_matmul"] for rep in result["floor_reps"]] == pytest.approx([0.6, 1.0])
+    assert result["ours"]["floor"]["phases"]["gen"]["gflop_per_s"] == pytest.approx(15.0)
+    report = {"settings": {"prompts": 16, "n": 4, "world": 2, "steps": 3, "reps": 2}, "results": [result]}
+    *_, (title, rows, columns) = peer_trl.tables(report)
+    assert [(r["run"], r["phase"]) for r in rows] == [("llama-25m ours", "gen"), ("llama-25m ours", "update_actor")]
+    targets = {r["target"]: r for r in run_all.floor_targets(result)}
+    assert targets["update_actor FLOP/s / matmul rate >= 0.7"]["met"] is None  # reps 0.6 and 1.0 straddle it
+    assert targets["gen FLOP/s / matmul rate >= 0.4"]["met"] is False  # 0.15 in both reps
+
+
 def test_rehearsal_targets():
     """memory_rehearsal's phases in run_all's target table: planned / measured within 1 +- 0.15."""
     reports = {"rehearsal": {"cases": [{"case": "7b:8", "phases": {"sync": {"ratio": 1.15}, "update": {"ratio": 0.84}}}]}}
