@@ -197,14 +197,19 @@ def matmul_rate(device: torch.device, dtype: torch.dtype | None = None, size: in
     once = max(time.perf_counter() - start, 1e-9)
     per_rep = max(1, round(seconds / reps / once))  # products per timed run
     rates = []
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
     for _ in range(reps):
         start = time.perf_counter()
         for _ in range(per_rep):
             torch.mm(a, b, out=out)
         sync()
         rates.append(per_rep * work / (time.perf_counter() - start))
-    return {"median": statistics.median(rates), "best": max(rates), "size": size, "threads": torch.get_num_threads(),
-            "dtype": str(dtype).removeprefix("torch.")}
+    # the process's CPU seconds per wall second per thread: near 1 on free cores, lower while other jobs
+    # hold them (then the phases, longer than the probe, are likely slowed more than it is)
+    threads = torch.get_num_threads()
+    cpu_share = (time.process_time() - cpu_start) / (time.perf_counter() - wall_start) / threads
+    return {"median": statistics.median(rates), "best": max(rates), "size": size, "threads": threads,
+            "cpu_share": cpu_share if device.type == "cpu" else None, "dtype": str(dtype).removeprefix("torch.")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,7 +222,8 @@ def floor_table(rows: Sequence[dict[str, float]]) -> dict:
     """From train_ppo metrics rows (each with timing_s/<phase> and flops/<phase>, per rank, reduced as
     means over ranks) the mean of each phase that ran: {phase: {gflop, seconds, gflop_per_s,
     vs_matmul}} per rank, with vs_matmul the achieved rate over flops/matmul_rate (the same threads'
-    square-matmul rate, probed at the end of each step); and that rate's mean, "matmul_gflop_per_s"."""
+    square-matmul rate, probed at the end of each step); and that rate's mean, "matmul_gflop_per_s",
+    and the probe's CPU share (matmul_rate's cpu_share: below 1, other jobs held the cores)."""
     def mean(key: str) -> float:
         return sum(r.get(key, 0.0) for r in rows) / len(rows)
 
@@ -229,15 +235,17 @@ def floor_table(rows: Sequence[dict[str, float]]) -> dict:
             phases[phase] = {"gflop": work / 1e9, "seconds": seconds, "gflop_per_s": work / seconds / 1e9,
                              "vs_matmul": work / seconds / rate if rate > 0 else None}
     return {"matmul_gflop_per_s": rate / 1e9, "matmul_best_gflop_per_s": mean("flops/matmul_rate_best") / 1e9,
-            "matmul_threads": mean("flops/matmul_threads"), "phases": phases}
+            "matmul_threads": mean("flops/matmul_threads"), "matmul_cpu_share": mean("flops/matmul_cpu_share"),
+            "phases": phases}
 
 
 FLOOR_COLUMNS = [("run", "run", ""), ("phase", "phase", ""), ("gflop", "GFLOP/rank", ".2f"),
                  ("seconds", "s", ".2f"), ("gflop_per_s", "GFLOP/s", ".1f"),
-                 ("matmul_gflop_per_s", "matmul GFLOP/s", ".1f"), ("vs_matmul", "/ matmul", ".2f")]
+                 ("matmul_gflop_per_s", "matmul GFLOP/s", ".1f"), ("vs_matmul", "/ matmul", ".2f"),
+                 ("matmul_cpu_share", "probe cpu/wall", ".2f")]
 
 
 def floor_rows(run: str, floor: dict) -> list[dict]:
     """floor_table's phases as table rows (FLOOR_COLUMNS)."""
-    return [{"run": run, "phase": phase, **r, "matmul_gflop_per_s": floor["matmul_gflop_per_s"]}
-            for phase, r in floor["phases"].items()]
+    return [{"run": run, "phase": phase, **r, "matmul_gflop_per_s": floor["matmul_gflop_per_s"],
+             "matmul_cpu_share": floor.get("matmul_cpu_share")} for phase, r in floor["phases"].items()]

@@ -55,6 +55,8 @@ def main(argv: list[str]) -> None:
         rate = flops.matmul_rate(run.env.device)
         metrics["flops/matmul_rate"], metrics["flops/matmul_rate_best"] = rate["median"], rate["best"]
         metrics["flops/matmul_threads"] = rate["threads"]
+        if rate["cpu_share"] is not None:
+            metrics["flops/matmul_cpu_share"] = rate["cpu_share"]
         return metrics
 
     train_ppo.step_metrics = with_flops

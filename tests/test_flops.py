@@ -76,3 +76,4 @@ def test_matmul_rate():
     rate = flops.matmul_rate(torch.device("cpu"), size=128, seconds=0.02, reps=3)
     assert math.isfinite(rate["median"]) and 0 < rate["median"] <= rate["best"]
     assert (rate["size"], rate["dtype"], rate["threads"]) == (128, "float32", torch.get_num_threads())
+    assert 0 < rate["cpu_share"] <= 1.05  # CPU seconds per wall second per thread
