@@ -15,7 +15,8 @@ responses and "25m" (~24 M) with 128-token responses. Responses stop at EOS on b
 
   ours  train_ppo.py with a config written to <out>/peer_trl/<size>/config.yaml (the settings a
         user picks for speed: use_remove_padding, data.max_prompt_length = the data's real prompt
-        length, one micro batch per rank) plus command-line overrides; the vLLM CPU engine generates.
+        length, one micro batch per rank, fsdp_size=1 for a model that fits one rank) plus
+        command-line overrides; the vLLM CPU engine generates.
   TRL   trl==1.16.0 GRPOTrainer under DDP (torchrun, gloo), HF generate on each rank, gradient
         checkpointing off (TRL's default is on: it would trade speed for memory), no vLLM.
 
@@ -70,8 +71,9 @@ DIFFERENCES = [
     "TRL HF generate on the whole per-rank batch (a static batch that runs until its longest response ends)",
     "weight sync: ours copies the updated actor into the engine every step; TRL generates with the "
     "training model itself (nothing to sync)",
-    "sharding: ours FSDP2 (parameters sharded over the 2 ranks, gathered per forward); TRL DDP (a full copy "
-    "per rank, gradients all-reduced)",
+    "sharding: ours FSDP2 with fsdp_size=1 (HSDP of one-rank shard groups: a full copy per rank, no "
+    "all-gathers, gradients all-reduced per block; the model fits one rank, so sharding it only adds "
+    "collectives); TRL DDP (a full copy per rank, gradients all-reduced in buckets)",
     "sampled tokens: both sample at temperature 1 from the same initial weights, but with different random "
     "streams, so response lengths (and so generated tokens) differ per step; tokens/s counts each side's own",
     "memory: ours holds a vLLM engine and its KV cache beside the actor",
@@ -167,7 +169,11 @@ def our_config(model: Path, data: dict[str, Path], prompt_len: int, response_len
                  "max_prompt_length": prompt_len, "max_response_length": response_length},
         "actor_rollout_ref": {
             "model": {"path": str(model), "use_remove_padding": True},
-            "actor": {"ppo_mini_batch_size": PROMPTS, "ppo_micro_batch_size_per_gpu": per_rank, "ppo_epochs": 1,
+            # a full copy per rank (HSDP of one-rank groups): no all-gather per block in forward and
+            # backward, a local gather at the weight sync (25m, 2 CPU ranks: the update of 2 samples per
+            # rank 1.40 -> 1.13 s, the sync 0.36-0.46 -> 0.11-0.18 s; numbers within 2e-7 relative)
+            "actor": {"fsdp_config": {"fsdp_size": 1},
+                      "ppo_mini_batch_size": PROMPTS, "ppo_micro_batch_size_per_gpu": per_rank, "ppo_epochs": 1,
                       "clip_ratio": CLIP_RATIO, "loss_agg_mode": "token-mean", "use_kl_loss": False,
                       "entropy_coeff": 0.0, "grad_clip": GRAD_CLIP,
                       "optim": {"lr": LR, "lr_warmup_steps": 0, "weight_decay": WEIGHT_DECAY}},
