@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 import bench_common as bc  # first: it puts the repo root on sys.path
+import flops
 import matplotlib
 from matplotlib.figure import Figure
 from safetensors import safe_open
@@ -54,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "the first is the base (100m is too slow to train on 2 CPU cores: ~1 min per step)")
     ap.add_argument("--prompts", type=int, default=8, help="data.train_batch_size (prompts per step)")
     ap.add_argument("--steps", type=int, default=3, help="steps per run; the first is dropped")
+    ap.add_argument("--fixed-cost", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the base model at one prompt x one sample per rank: a step's fixed cost")
     ap.add_argument("--assets", type=Path, default=bc.DEFAULT_ASSETS)
     ap.add_argument("--out", type=Path, default=bc.DEFAULT_OUT / "step.json")
     ap.add_argument("--profile", default=None, help="profile one step of these setups instead: demo and/or "
@@ -74,14 +77,14 @@ def param_count(model_dir: Path) -> int:
 
 
 def overrides(model: Path, n: int, response_length: int, args: argparse.Namespace, out_dir: Path,
-              data: dict[str, Path], world: int) -> list[str]:
-    per_rank = args.prompts * n // world  # samples each rank trains on
+              data: dict[str, Path], world: int, prompts: int) -> list[str]:
+    per_rank = prompts * n // world  # samples each rank trains on
     micro = math.gcd(per_rank, 8)
     return [
         f"actor_rollout_ref.model.path={model}", f"data.train_files={data['train']}",
         f"data.val_files={data['val']}",
-        f"data.train_batch_size={args.prompts}", f"data.max_response_length={response_length}",
-        f"actor_rollout_ref.rollout.n={n}", f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
+        f"data.train_batch_size={prompts}", f"data.max_response_length={response_length}",
+        f"actor_rollout_ref.rollout.n={n}", f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={math.gcd(per_rank, 16)}",
         f"critic.ppo_micro_batch_size_per_gpu={micro}",
@@ -92,13 +95,16 @@ def overrides(model: Path, n: int, response_length: int, args: argparse.Namespac
 
 
 def run_point(name: str, model_spec: str, n: int, response_length: int, args: argparse.Namespace,
-              data: dict[str, Path]) -> dict:
+              data: dict[str, Path], prompts: int | None = None) -> dict:
+    """One train_ppo.py run (under step_flops.py, which adds each phase's FLOPs and a matmul probe to its
+    metrics) at args.prompts prompts per step unless `prompts` is given."""
     model = bc.resolve_model(model_spec, args.assets)
     out_dir = args.out.parent / "step" / name
     shutil.rmtree(out_dir, ignore_errors=True)
     world = bc.fit_world(WORLD)
-    wall = bc.torchrun(bc.ROOT / "train_ppo.py", world, ["--config", "configs/tiny_cpu.yaml",
-                       *overrides(model, n, response_length, args, out_dir, data, world)],
+    prompts = prompts or args.prompts
+    wall = bc.torchrun(bc.ROOT / "bench" / "step_flops.py", world, ["--config", "configs/tiny_cpu.yaml",
+                       *overrides(model, n, response_length, args, out_dir, data, world, prompts)],
                        args.out.parent / "logs" / f"step_{name}.log")
     rows = [r for r in read_metrics(out_dir / "metrics.jsonl") if r["step"] > 0]
     measured = rows[1:] or rows  # the first step pays one-time costs
@@ -108,7 +114,7 @@ def run_point(name: str, model_spec: str, n: int, response_length: int, args: ar
 
     phases = {p: mean(f"timing_s/{p}") for p in PHASES}
     step_s = mean("timing_s/step")
-    samples = args.prompts * n
+    samples = prompts * n
     mean_len = mean("response_length/mean")
     point = {
         "name": name, "model": bc.model_label(model_spec), "params_m": param_count(model) / 1e6, "n": n,
@@ -123,6 +129,7 @@ def run_point(name: str, model_spec: str, n: int, response_length: int, args: ar
         # each rank's engine (TP=1) generates its dp group's samples
         "gen_tokens_per_s_per_rank": samples // world * mean_len / max(phases["gen"], 1e-9),
         "max_memory_gb": mean("perf/max_memory_gb"), "wall_s": wall,
+        "floor": flops.floor_table(measured),  # each phase's FLOPs, FLOP/s and ratio to the matmul probe
     }
     print(f"  {name}: step {step_s:.2f}s ({wall:.0f}s wall)", flush=True)
     return point
@@ -180,9 +187,14 @@ COLUMNS = [("name", "run", ""), ("params_m", "params M", ".1f"), ("n", "n", "d")
 def tables(report: dict) -> list[tuple[str, list[dict], list]]:
     """(title, rows, columns) of what this benchmark shows, for the console and results.md."""
     s = report["settings"]
+    points = report["points"] + ([report["fixed"]] if report.get("fixed") else [])
     title = (f"step breakdown, seconds per phase: {report['world']} ranks, train_ppo.py ({s['config']}), "
-             f"mean of {s['steps'] - 1} steps after the first")
-    return [(title, [{**p, **p["phases_s"]} for p in report["points"]], COLUMNS)]
+             f"mean of {s['steps'] - 1} steps after the first" + (f"; {report['fixed']['name']}: one prompt x one "
+             "sample per rank, the step's fixed cost" if report.get("fixed") else ""))
+    floor = [row for p in points if p.get("floor") for row in flops.floor_rows(p["name"], p["floor"])]
+    floor_title = ("each phase against its floor: the model's matmul FLOPs per rank (bench/flops.py), achieved "
+                   "FLOP/s, and its ratio to a square matmul's rate on the same threads, probed after each step")
+    return [(title, [{**p, **p["phases_s"]} for p in points], COLUMNS), (floor_title, floor, flops.FLOOR_COLUMNS)]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -209,12 +221,15 @@ def run(args: argparse.Namespace) -> dict:
     sweeps = {k: v for k, v in sweeps.items() if len(v) > 1}
     growth = {k: {"x": X_KEYS[k], "exponent": exponent(v, X_KEYS[k])} for k, v in sweeps.items()}
     base = point(base_size, base_n, base_len)
+    # one prompt x one sample per rank at the base's response length: what a step costs beyond its work
+    fixed = run_point(f"{bc.model_label(base_size)}_fixed", base_size, 1, base_len, args, data,
+                      prompts=world) if args.fixed_cost else None
     png = plot(sweeps, args.png or args.out.with_name("step_growth.png")) if sweeps else None
     settings = {"prompts": args.prompts, "steps": args.steps, "config": "configs/tiny_cpu.yaml + GAE + KL loss"}
     report = {"benchmark": "step", "world": world, "settings": settings,
-              "base": base, "sweeps": {k: [p["name"] for p in v] for k, v in sweeps.items()},
+              "base": base, "fixed": fixed, "sweeps": {k: [p["name"] for p in v] for k, v in sweeps.items()},
               "growth": growth, "points": list(points.values()), "png": str(png) if png else None,
-              "wall_s": sum(p["wall_s"] for p in points.values())}
+              "wall_s": sum(p["wall_s"] for p in [*points.values(), *([fixed] if fixed else [])])}
     bc.write_json(args.out, report)
     bc.print_tables(tables(report))
     for sweep, g in growth.items():

@@ -15,7 +15,8 @@ responses and "25m" (~24 M) with 128-token responses. Responses stop at EOS on b
 
   ours  train_ppo.py with a config written to <out>/peer_trl/<size>/config.yaml (the settings a
         user picks for speed: use_remove_padding, data.max_prompt_length = the data's real prompt
-        length, one micro batch per rank) plus command-line overrides; the vLLM CPU engine generates.
+        length, one micro batch per rank, fsdp_size=1 for a model that fits one rank) plus
+        command-line overrides; the vLLM CPU engine generates.
   TRL   trl==1.16.0 GRPOTrainer under DDP (torchrun, gloo), HF generate on each rank, gradient
         checkpointing off (TRL's default is on: it would trade speed for memory), no vLLM.
 
@@ -53,6 +54,7 @@ import venv
 from pathlib import Path
 
 import bench_common as bc  # first: it puts the repo root on sys.path
+import flops
 import torch
 import yaml
 
@@ -69,8 +71,9 @@ DIFFERENCES = [
     "TRL HF generate on the whole per-rank batch (a static batch that runs until its longest response ends)",
     "weight sync: ours copies the updated actor into the engine every step; TRL generates with the "
     "training model itself (nothing to sync)",
-    "sharding: ours FSDP2 (parameters sharded over the 2 ranks, gathered per forward); TRL DDP (a full copy "
-    "per rank, gradients all-reduced)",
+    "sharding: ours FSDP2 with fsdp_size=1 (HSDP of one-rank shard groups: a full copy per rank, no "
+    "all-gathers, gradients all-reduced per block; the model fits one rank, so sharding it only adds "
+    "collectives); TRL DDP (a full copy per rank, gradients all-reduced in buckets)",
     "sampled tokens: both sample at temperature 1 from the same initial weights, but with different random "
     "streams, so response lengths (and so generated tokens) differ per step; tokens/s counts each side's own",
     "memory: ours holds a vLLM engine and its KV cache beside the actor",
@@ -166,7 +169,11 @@ def our_config(model: Path, data: dict[str, Path], prompt_len: int, response_len
                  "max_prompt_length": prompt_len, "max_response_length": response_length},
         "actor_rollout_ref": {
             "model": {"path": str(model), "use_remove_padding": True},
-            "actor": {"ppo_mini_batch_size": PROMPTS, "ppo_micro_batch_size_per_gpu": per_rank, "ppo_epochs": 1,
+            # a full copy per rank (HSDP of one-rank groups): no all-gather per block in forward and
+            # backward, a local gather at the weight sync (25m, 2 CPU ranks: the update of 2 samples per
+            # rank 1.40 -> 1.13 s, the sync 0.36-0.46 -> 0.11-0.18 s; numbers within 2e-7 relative)
+            "actor": {"fsdp_config": {"fsdp_size": 1},
+                      "ppo_mini_batch_size": PROMPTS, "ppo_micro_batch_size_per_gpu": per_rank, "ppo_epochs": 1,
                       "clip_ratio": CLIP_RATIO, "loss_agg_mode": "token-mean", "use_kl_loss": False,
                       "entropy_coeff": 0.0, "grad_clip": GRAD_CLIP,
                       "optim": {"lr": LR, "lr_warmup_steps": 0, "weight_decay": WEIGHT_DECAY}},
@@ -183,7 +190,8 @@ def our_config(model: Path, data: dict[str, Path], prompt_len: int, response_len
 def run_ours(size: str, model: Path, config: Path, rep: int, args: argparse.Namespace) -> dict:
     run_dir = args.out.parent / "peer_trl" / size / f"ours_{rep}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    wall = bc.torchrun(bc.ROOT / "train_ppo.py", WORLD, [
+    # train_ppo.py under step_flops.py: the same run, with each phase's FLOPs and a matmul probe per step
+    wall = bc.torchrun(bc.ROOT / "bench" / "step_flops.py", WORLD, [
         "--config", config, f"trainer.total_training_steps={args.steps}", f"trainer.default_local_dir={run_dir}",
         f"trainer.experiment_name={size}_{rep}"], args.out.parent / "logs" / f"peer_trl_{size}_ours_{rep}.log")
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "timing_s/step" in r]
@@ -192,7 +200,8 @@ def run_ours(size: str, model: Path, config: Path, rep: int, args: argparse.Name
     return {"step_s": [r["timing_s/step"] for r in measured], "gen_s": [r["timing_s/gen"] for r in measured],
             "phases_s": {k[len("timing_s/"):]: sum(r.get(k, 0.0) for r in measured) / len(measured) for k in phases},
             "mean_len": [r["response_length/mean"] for r in measured],
-            "peak_rss_gb": max(r["perf/max_memory_gb"] for r in rows), "wall_s": wall}
+            "peak_rss_gb": max(r["perf/max_memory_gb"] for r in rows), "wall_s": wall,
+            "floor_metrics": [{k: v for k, v in r.items() if k.startswith(("flops/", "timing_s/"))} for r in measured]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,7 +312,10 @@ def side_summary(runs: list[dict]) -> dict:
     return {"step_s": step_s, "step_s_reps": [sum(r["step_s"]) / len(r["step_s"]) for r in runs], "phases_s": phases,
             "gen_s": gen_s, "mean_len": mean_len, "gen_tokens_per_rank": tokens,
             "gen_tok_s_rank": tokens / step_s, "gen_phase_tok_s": tokens / gen_s,
-            "peak_rss_gb": max(r["peak_rss_gb"] for r in runs), "wall_s": sum(r["wall_s"] for r in runs)}
+            "peak_rss_gb": max(r["peak_rss_gb"] for r in runs), "wall_s": sum(r["wall_s"] for r in runs),
+            # ours: each phase against its floor (flops.floor_table), over every measured step of every rep
+            "floor": flops.floor_table([m for r in runs for m in r["floor_metrics"]]) if "floor_metrics" in runs[0]
+            else None}
 
 
 def compare(size: str, params_m: float, ours_runs: list[dict], trl_runs: list[dict]) -> dict:
@@ -317,6 +329,7 @@ def compare(size: str, params_m: float, ours_runs: list[dict], trl_runs: list[di
             "step_ratio_reps": [o["step_s"] / t["step_s"] for o, t in reps],
             "gen_tok_s_ratio": ours["gen_tok_s_rank"] / trl["gen_tok_s_rank"],  # > 1: ours is faster
             "gen_tok_s_ratio_reps": [o["gen_tok_s_rank"] / t["gen_tok_s_rank"] for o, t in reps],
+            "floor_reps": [o["floor"] for o, _ in reps],  # per rep, for the floor targets' verdicts
             "rss_excess_gb": ours["peak_rss_gb"] - trl["peak_rss_gb"],
             "kv_cache_gb": KV_CACHE_GIB * 2**30 / 1e9}
 
@@ -336,8 +349,13 @@ def tables(report: dict) -> list[tuple[str, list[dict], list]]:
             for r in report["results"] for side, key in (("ours", "ours"), (f"TRL {TRL_VERSION}", "trl"))]
     title = (f"this project vs TRL GRPOTrainer: {s['prompts']} prompts x {s['n']}, GRPO, no KL, fp32, {s['world']} "
              f"ranks each; mean of steps 2-{s['steps']} over {s['reps']} alternating runs per side")
+    floor = [row for r in report["results"] if r["ours"].get("floor")
+             for row in flops.floor_rows(f"{r['model']} ours", r["ours"]["floor"])]
     return [(title, rows, COLUMNS), ("ratios (targets: 25m s/step <= 0.5, gen tok/s >= 2; 1m s/step <= 0.8; "
-                                     "RSS excess <= KV cache)", report["results"], RATIO_COLUMNS)]
+                                     "RSS excess <= KV cache)", report["results"], RATIO_COLUMNS),
+            ("ours, each phase against its floor: model FLOPs per rank (bench/flops.py), achieved FLOP/s, and the "
+             "ratio to a square matmul on the same threads (targets: 25m update_actor >= 0.7, gen >= 0.4)",
+             floor, flops.FLOOR_COLUMNS)]
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -15,8 +15,10 @@ worse than linearly in samples per step (exponent <= 1 over the rollout.n sweep)
 update time <= 0.6 x padded, and its activations within the token budget (bench_packing.py); Ulysses
 sp=2 / sp=1 step time and the all-to-alls' share of it, reported; against TRL's GRPOTrainer, s/step
 <= 0.5 x TRL's and generated tokens/s per rank >= 2 x on the 25m model, s/step <= 0.8 x on the 1m
-model, and peak RSS per rank at most the engine's KV cache above TRL's; every phase of the memory
-rehearsal within 15% of memory_plan's total (its 7B case holds about 10 GB of host memory; leave it out
+model, and peak RSS per rank at most the engine's KV cache above TRL's; on that 25m work our update
+at least 0.7 x and our generation at least 0.4 x the matmul rate of the same threads (bench/flops.py;
+every phase's ratio reported, and the step benchmark's with its fixed cost, one prompt x one sample
+per rank); every phase of the memory rehearsal within 15% of memory_plan's total (its 7B case holds about 10 GB of host memory; leave it out
 with --rehearsal-cases 0.5b:6).
 """
 
@@ -49,6 +51,8 @@ PACKED_DYNAMIC_MAX, ACTIVATIONS_VS_BUDGET_MAX = 0.6, 1.0
 REHEARSAL_ERROR_MAX = 0.15  # memory_plan's phase totals against the rehearsal's measured peaks
 # against TRL, per model size: our s/step at most this x TRL's; our generated tokens/s at least this x
 PEER_STEP_RATIO_MAX, PEER_GEN_RATIO_MIN = {"1m": 0.8, "25m": 0.5}, {"25m": 2.0}
+# ours on the peer's work, per model size: each phase's achieved FLOP/s at least this x the matmul probe's
+PEER_FLOOR_MIN = {"25m": {"update_actor": 0.7, "gen": 0.4}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -119,15 +123,48 @@ def targets(reports: dict[str, dict]) -> list[dict]:
             spread = "" if met is not None else f" (reps {min(reps):.2f}-{max(reps):.2f}: within noise)"
             rows.append({"target": f"{name} {'>=' if at_least else '<='} {limit}", "where": r["model"] + spread,
                          "value": r[key], "limit": limit, "met": met})
+        rows += floor_targets(r)
         rows.append({"target": "peak RSS/rank over TRL <= KV cache (GB)", "where": r["model"],
                      "value": r["rss_excess_gb"], "limit": r["kv_cache_gb"],
                      "met": r["rss_excess_gb"] <= r["kv_cache_gb"]})
+    step = reports.get("step") or {}
+    if (step.get("base") or {}).get("floor"):  # the step benchmark's base point and fixed cost, reported
+        base, fixed = step["base"], step.get("fixed")
+        for phase, f in base["floor"]["phases"].items():
+            rows.append({"target": f"{phase} FLOP/s / matmul rate (reported)", "where": base["name"],
+                         "value": f["vs_matmul"], "limit": None, "met": None})
+        if fixed:
+            rows.append({"target": "fixed cost: 1 prompt x 1 sample s/step (reported)", "where": fixed["name"],
+                         "value": fixed["step_s"], "limit": None, "met": None})
     for case in (reports.get("rehearsal") or {}).get("cases", []):
         for phase, r in case["phases"].items():
             rows.append({"target": f"memory plan / rehearsal within 1 +- {REHEARSAL_ERROR_MAX}",
                          "where": f"{case['case']} {phase}", "value": r["ratio"], "limit": REHEARSAL_ERROR_MAX,
                          "met": abs(r["ratio"] - 1) <= REHEARSAL_ERROR_MAX})
     rows += long_sequence_targets(reports)
+    return rows
+
+
+def floor_targets(result: dict) -> list[dict]:
+    """peer_trl's side of ours: each phase's achieved FLOP/s over the matmul probe's, at least
+    PEER_FLOOR_MIN's share on the sizes it names (a verdict only when every rep falls on the same side),
+    reported on the others."""
+    floor = (result.get("ours") or {}).get("floor")
+    if not floor:  # a report from before the floor was measured
+        return []
+    rows = []
+    for phase, f in floor["phases"].items():
+        limit = PEER_FLOOR_MIN.get(result["size"], {}).get(phase)
+        if limit is None:
+            rows.append({"target": f"{phase} FLOP/s / matmul rate (reported)", "where": f"{result['model']} ours",
+                         "value": f["vs_matmul"], "limit": None, "met": None})
+            continue
+        reps = [rep["phases"][phase]["vs_matmul"] for rep in result.get("floor_reps") or [floor]
+                if rep and phase in rep["phases"]] or [f["vs_matmul"]]
+        met = True if min(reps) >= limit else False if max(reps) < limit else None
+        spread = "" if met is not None else f" (reps {min(reps):.2f}-{max(reps):.2f}: within noise)"
+        rows.append({"target": f"{phase} FLOP/s / matmul rate >= {limit}", "where": f"{result['model']} ours{spread}",
+                     "value": f["vs_matmul"], "limit": limit, "met": met})
     return rows
 
 

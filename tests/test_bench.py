@@ -153,6 +153,28 @@ def test_bench_step_smoke(tiny_assets, tmp_path):
     assert base["response_length_mean"] <= 8
     assert report["points"] == [base]  # one point: no sweep, no plot
     assert report["png"] is None
+    # each phase against its floor: the FLOPs step_flops.py counted, over the phase's seconds, against the
+    # matmul probe of the same threads
+    floor = base["floor"]
+    assert_positive(floor, "matmul_gflop_per_s", "matmul_best_gflop_per_s", "matmul_threads")
+    assert floor["matmul_gflop_per_s"] <= floor["matmul_best_gflop_per_s"] and 0 < floor["matmul_cpu_share"] <= 1.05
+    assert set(floor["phases"]) == {"gen", "ref", "values", "update_critic", "update_actor"}  # no old_log_prob
+    for phase, row in floor["phases"].items():
+        assert_positive(row, "gflop", "seconds", "gflop_per_s", "vs_matmul")
+        assert row["seconds"] == pytest.approx(base["phases_s"][phase])
+        assert row["gflop_per_s"] == pytest.approx(row["gflop"] / row["seconds"])
+        assert row["vs_matmul"] == pytest.approx(row["gflop_per_s"] / floor["matmul_gflop_per_s"])
+    lp = floor["phases"]
+    assert lp["update_actor"]["gflop"] == pytest.approx(3 * lp["ref"]["gflop"])  # forward + backward, one epoch
+    assert lp["update_critic"]["gflop"] == pytest.approx(3 * lp["values"]["gflop"])
+    # the fixed cost: one prompt x one sample per rank, the same model and response budget
+    fixed = report["fixed"]
+    assert (fixed["n"], fixed["samples_per_rank"], fixed["max_response_length"]) == (1, 1, 8)
+    assert_positive(fixed, "step_s", "phases_s.update_actor", "floor.phases.update_actor.gflop")
+    assert fixed["floor"]["phases"]["update_actor"]["gflop"] < lp["update_actor"]["gflop"]
+    (_, steps, _), (_, floors, _) = bench_step.tables(report)
+    assert [row["name"] for row in steps] == [base["name"], fixed["name"]]
+    assert [row["run"] for row in floors].count(base["name"]) == len(floor["phases"])
 
 
 def fake_point(name: str, step_s: float, **fields) -> dict:
@@ -173,6 +195,11 @@ def test_growth_exponent_and_plot(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def floor(**vs_matmul: float) -> dict:
+    """A made-up flops.floor_table: each phase's ratio to the matmul probe."""
+    return {"matmul_gflop_per_s": 100.0, "phases": {p: {"vs_matmul": v} for p, v in vs_matmul.items()}}
+
+
 def test_targets_table():
     reports = {
         "rollout": {"results": [{"model": "30m", "collocated_vs_standalone": 0.85, "contended": False},
@@ -185,10 +212,14 @@ def test_targets_table():
                             "size": {"x": "params_m", "exponent": 1.3}, "response_length": None}},
         "peer_trl": {"results": [
             {"size": "25m", "model": "llama-25m", "step_ratio": 0.45, "step_ratio_reps": [0.4, 0.5],
-             "gen_tok_s_ratio": 2.1, "gen_tok_s_ratio_reps": [1.9, 2.3], "rss_excess_gb": 1.5, "kv_cache_gb": 1.07},
+             "gen_tok_s_ratio": 2.1, "gen_tok_s_ratio_reps": [1.9, 2.3], "rss_excess_gb": 1.5, "kv_cache_gb": 1.07,
+             "ours": {"floor": floor(update_actor=0.55, gen=0.45, old_log_prob=0.5)},
+             "floor_reps": [floor(update_actor=0.5, gen=0.35), floor(update_actor=0.6, gen=0.55)]},
             {"size": "1m", "model": "llama-1m", "step_ratio": 0.9, "step_ratio_reps": [0.85, 0.95],
              "gen_tok_s_ratio": 1.2, "rss_excess_gb": 0.5, "kv_cache_gb": 1.07}]},
     }
+    reports["step"] |= {"base": {"name": "5m_n4_len64", "floor": floor(update_actor=0.4, gen=0.2)},
+                        "fixed": {"name": "5m_fixed", "step_s": 1.5}}
     rows = {(r["target"], r["where"]): r for r in run_all.targets(reports)}
     assert rows[("collocated / standalone rollout >= 0.9", "30m")]["met"] is False
     assert rows[("collocated / standalone rollout >= 0.9", "100m")]["met"] is True
@@ -205,7 +236,42 @@ def test_targets_table():
     assert ("generated tok/s per rank ours / TRL >= 2.0", "llama-1m") not in rows  # no such target on 1m
     assert rows[("peak RSS/rank over TRL <= KV cache (GB)", "llama-25m")]["met"] is False
     assert rows[("peak RSS/rank over TRL <= KV cache (GB)", "llama-1m")]["met"] is True
+    # each phase against the matmul probe: the issue's limits on the 25m work, per rep; the rest reported
+    assert rows[("update_actor FLOP/s / matmul rate >= 0.7", "llama-25m ours")]["met"] is False
+    gen = rows[("gen FLOP/s / matmul rate >= 0.4", "llama-25m ours (reps 0.35-0.55: within noise)")]
+    assert (gen["value"], gen["met"]) == (0.45, None)
+    assert rows[("old_log_prob FLOP/s / matmul rate (reported)", "llama-25m ours")]["limit"] is None
+    assert not any(where.startswith("llama-1m ours") for _, where in rows)  # no floor measured there
+    assert rows[("update_actor FLOP/s / matmul rate (reported)", "5m_n4_len64")]["value"] == 0.4
+    assert rows[("fixed cost: 1 prompt x 1 sample s/step (reported)", "5m_fixed")]["value"] == 1.5
     assert run_all.targets({}) == []
+
+
+def test_peer_floor_table():
+    """peer_trl's side of ours carries each phase against its floor (step_flops.py's metrics), per rep and
+    over all reps; TRL's has none; the table and run_all's targets read it."""
+    import peer_trl
+
+    def side(update_s: float, floor: bool) -> dict:
+        metrics = {"timing_s/update_actor": update_s, "flops/update_actor": 3e11, "timing_s/gen": 4.0,
+                   "flops/gen": 6e10, "flops/matmul_rate": 1e11, "flops/matmul_rate_best": 1.2e11,
+                   "flops/matmul_threads": 1.0}
+        run = {"step_s": [10.0, 12.0], "gen_s": [4.0, 4.0], "phases_s": {"gen": 4.0}, "mean_len": [80.0, 90.0],
+               "peak_rss_gb": 3.0, "wall_s": 60.0}
+        return run | ({"floor_metrics": [metrics, metrics]} if floor else {})
+
+    result = peer_trl.compare("25m", 23.7, [side(5.0, True), side(3.0, True)], [side(6.0, False)] * 2)
+    assert result["trl"]["floor"] is None
+    update = result["ours"]["floor"]["phases"]["update_actor"]
+    assert update["seconds"] == pytest.approx(4.0) and update["vs_matmul"] == pytest.approx(3e11 / 4.0 / 1e11)
+    assert [rep["phases"]["update_actor"]["vs_matmul"] for rep in result["floor_reps"]] == pytest.approx([0.6, 1.0])
+    assert result["ours"]["floor"]["phases"]["gen"]["gflop_per_s"] == pytest.approx(15.0)
+    report = {"settings": {"prompts": 16, "n": 4, "world": 2, "steps": 3, "reps": 2}, "results": [result]}
+    *_, (title, rows, columns) = peer_trl.tables(report)
+    assert [(r["run"], r["phase"]) for r in rows] == [("llama-25m ours", "gen"), ("llama-25m ours", "update_actor")]
+    targets = {r["target"]: r for r in run_all.floor_targets(result)}
+    assert targets["update_actor FLOP/s / matmul rate >= 0.7"]["met"] is None  # reps 0.6 and 1.0 straddle it
+    assert targets["gen FLOP/s / matmul rate >= 0.4"]["met"] is False  # 0.15 in both reps
 
 
 def test_rehearsal_targets():
