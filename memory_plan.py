@@ -31,9 +31,11 @@ One offload mechanism per model, as verl does it:
   LoRA           (actor_rollout_ref.model.lora_rank > 0) the actor's base weights are frozen: gradients
                  and AdamW state exist for the adapter only, and the reference model is the actor
                  with its adapter disabled, so it holds no memory of its own.
-  engine         rollout.free_cache_engine puts vLLM to sleep after generating (weights to the
-                 host, KV cache freed); rollout.sync_weights wakes it again. Without vLLM sleep
-                 mode (the CPU) nothing moves, and everything is in host memory anyway.
+  engine         rollout.free_cache_engine puts vLLM to sleep after generating (KV cache freed;
+                 weights discarded, as the next sync overwrites them all, or with LoRA, whose later
+                 syncs send the adapted modules only, copied to the host); rollout.sync_weights wakes
+                 it again. Without vLLM sleep mode (the CPU) nothing moves, and everything is in host
+                 memory anyway.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class OffloadFlags:
     reward_model_param: bool = False  # reward_model.model.fsdp_config.param_offload (true in the config)
     teacher_param: bool = False  # distillation.teacher_models.teacher_model.fsdp_config.param_offload
     free_cache_engine: bool = True  # actor_rollout_ref.rollout.free_cache_engine
+    # actor_rollout_ref.model.lora_rank > 0: later syncs send only the adapted modules, so the sleeping engine
+    # keeps its weights on the host (vLLM sleep level 1); otherwise they are discarded (level 2), as the next
+    # sync overwrites every one (rollout.sleep_level)
+    partial_sync: bool = False
 
     @classmethod
     def from_config(cls, cfg: Config) -> OffloadFlags:
@@ -85,7 +91,7 @@ class OffloadFlags:
                    ref_param=roles.ref.fsdp_config.param_offload,
                    reward_model_param=cfg.reward_model.model.fsdp_config.param_offload,
                    teacher_param=cfg.distillation.teacher_models.teacher_model.fsdp_config.param_offload,
-                   free_cache_engine=roles.rollout.free_cache_engine)
+                   free_cache_engine=roles.rollout.free_cache_engine, partial_sync=roles.model.lora_rank > 0)
 
 
 def placement(flags: OffloadFlags, phase: str) -> dict[str, str]:
@@ -111,7 +117,7 @@ def placement(flags: OffloadFlags, phase: str) -> dict[str, str]:
         "ref.params": HOST if flags.ref_param else DEVICE,  # CPUOffloadPolicy: streamed per block
         "reward_model.params": HOST if flags.reward_model_param else DEVICE,  # the same
         "teacher.params": HOST if flags.teacher_param else DEVICE,  # the same
-        "engine.weights": HOST if engine_asleep else DEVICE,
+        "engine.weights": (HOST if flags.partial_sync else FREED) if engine_asleep else DEVICE,
         "engine.kv_cache": FREED if engine_asleep else DEVICE,
     }
 

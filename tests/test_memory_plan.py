@@ -21,16 +21,16 @@ EXPECTED = {
         "log_prob": (D, N, D, D, D, D), "update": (D, D, D, D, D, D)},
     "no offload": {
         "sync": (D, N, D, D, D, D), "generate": (D, N, D, D, D, D),
-        "log_prob": (D, N, D, D, H, F), "update": (D, D, D, D, H, F)},
+        "log_prob": (D, N, D, D, F, F), "update": (D, D, D, D, F, F)},
     "param_offload": {
         "sync": (D, N, D, D, D, D), "generate": (H, N, D, D, D, D),
-        "log_prob": (D, N, D, D, H, F), "update": (D, D, D, D, H, F)},
+        "log_prob": (D, N, D, D, F, F), "update": (D, D, D, D, F, F)},
     "optimizer_offload": {
         "sync": (D, N, H, D, D, D), "generate": (D, N, H, D, D, D),
-        "log_prob": (D, N, H, D, H, F), "update": (D, D, D, D, H, F)},
+        "log_prob": (D, N, H, D, F, F), "update": (D, D, D, D, F, F)},
     "param_offload + optimizer_offload + ref param_offload": {
         "sync": (D, N, H, H, D, D), "generate": (H, N, H, H, D, D),
-        "log_prob": (D, N, H, H, H, F), "update": (D, D, D, H, H, F)},
+        "log_prob": (D, N, H, H, F, F), "update": (D, D, D, H, F, F)},
 }
 COLUMNS = ("actor.params", "actor.grads", "actor.optimizer", "ref.params", "engine.weights", "engine.kv_cache")
 
@@ -47,6 +47,9 @@ def test_placement_is_the_table_and_the_readme_shows_it():
             assert where["critic.optimizer"] == where["actor.optimizer"]
             assert where["critic.grads"] == where["actor.grads"]
     assert mp.placement_table() in (ROOT / "docs" / "memory-and-offload.md").read_text()
+    # LoRA's later syncs send the adapted modules only: the sleeping engine keeps the others on the host
+    lora = mp.placement(mp.OffloadFlags(partial_sync=True), "update")
+    assert (lora["engine.weights"], lora["engine.kv_cache"]) == (H, F)
 
 
 @pytest.mark.parametrize("label", list(EXPECTED))
