@@ -326,12 +326,12 @@ def logprob_chunk_bytes(shape: ModelShape, positions: int, dtype_bytes: int, chu
     chunks (the upcast chunk, its softmax and their product, for the entropy). Backward (`backward`, the
     update; the larger of its moments and the forward's): in _LogProbEntropy's backward the saved logits,
     their gradient (same size and dtype) and three chunks (the previous chunk's probabilities live until
-    the next chunk's are made); then autograd's way back through the in-place temperature division and
-    the row select holds four logits-sized tensors (the gradient, its strided copy, a clone and the
-    quotient), which passes the chunks beyond 4096 positions."""
+    the next chunk's are made). The way back through the temperature division and the row select holds
+    no more (two logits-sized tensors: models.compute_log_probs divides the head's output in place, not
+    a view of it, which would hold four)."""
     logits, chunk = positions * shape.vocab * dtype_bytes, min(chunk_rows, positions) * shape.vocab * 4
     forward = logits + 3 * chunk
-    return max(forward, 2 * logits + 3 * chunk, 4 * logits) if backward else forward
+    return max(forward, 2 * logits + 3 * chunk) if backward else forward
 
 
 def _units(shape: ModelShape) -> list[int]:

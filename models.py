@@ -554,7 +554,9 @@ def compute_log_probs(
         elif use_remove_padding:
             model_inputs, predictors, response_valid = _pack(inputs, response_len)
             out = model(**model_inputs, use_cache=False, logits_to_keep=predictors)
-            logits = out.logits[0].div_(temperature)  # (K, V), in place as below
+            # in place as below, on the output itself: in place on its row (a view) would make autograd's
+            # way back hold four logits-sized tensors instead of two
+            logits = out.logits.div_(temperature)[0]  # (K, V)
             labels = inputs["input_ids"][:, -response_len:][response_valid]  # (K,)
             token_log_probs, token_entropy = core.logprobs_and_entropy(logits, labels, calc_entropy)  # (K,) each
             log_probs.append(_unpack(token_log_probs, response_valid))  # (b, R)

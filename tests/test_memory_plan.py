@@ -354,9 +354,8 @@ def test_the_shape_knows_the_fsdp_units(tied, tmp_path):
 
 
 def test_update_counts_the_logits_gradient_and_the_accumulated_gradient():
-    """The update's head: the saved logits, their gradient (compute dtype) and three float32 chunks, then four
-    logits-sized tensors on the way back through the temperature; a no-grad forward: the logits and three
-    chunks. Gradients: the fp32 shard, plus under
+    """The update's head: the saved logits, their gradient (compute dtype) and three float32 chunks (no more on
+    the way back through the temperature); a no-grad forward: the logits and three chunks. Gradients: the fp32 shard, plus under
     accumulate_unsharded_grads the whole model's fp32 gradient, held between micro batches."""
     from mesh_utils import UpdateSpec
 
@@ -365,9 +364,9 @@ def test_update_counts_the_logits_gradient_and_the_accumulated_gradient():
     positions = 4 * 3584  # packed: micro x R response positions
     chunk = 1024 * 128 * 4
     phases = mp.phase_bytes(_inputs(shape), 0)
-    # the update's largest moment is the log-prob backward's: four logits-sized tensors (past 4096 positions
-    # more than the logits, their gradient and three chunks), nothing gathered
-    assert phases["update"]["log_prob_chunk"] == 4 * positions * 128 * 2
+    # the update's largest moment is the log-prob backward's: the logits, their gradient and three chunks,
+    # nothing gathered
+    assert phases["update"]["log_prob_chunk"] == 2 * positions * 128 * 2 + 3 * chunk
     assert phases["update"]["gathered_blocks"] == 0
     assert phases["log_prob"]["log_prob_chunk"] == 8 * 3584 * 128 * 2 + 3 * chunk
     assert mp.logprob_chunk_bytes(shape, 10, 2, backward=True) == 2 * 10 * 128 * 2 + 3 * 10 * 128 * 4
