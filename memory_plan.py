@@ -527,11 +527,9 @@ def _moment(gathered: int = 0, activations: int = 0, head: int = 0) -> Moment:
 
 def _log_prob_peak(m: MemoryInputs) -> Moment:
     """The log_prob phase's no-grad forwards (the actor's, the reference's, the teacher's), one micro batch at
-    a time: while the units unshard (forward_gathered_bytes), with the previous micro batch's logits still
-    held when there are several (models.compute_log_probs keeps them until the next forward returns); at
-    the LM head's matmul, the logits beside what is gathered there; then the logits and the float32
-    chunks, nothing gathered (the root reshards after the forward)."""
-    several = m.log_prob_max_tokens is not None or m.samples_per_rank is None or m.samples_per_rank > m.log_prob_micro
+    a time (models.compute_log_probs releases a micro batch's logits before the next one's forward): while
+    the units unshard (forward_gathered_bytes); at the LM head's matmul, the logits beside what is gathered
+    there; then the logits and the float32 chunks, nothing gathered (the root reshards after the forward)."""
     moments = []
     for shape in (m.actor, m.teacher):
         if shape is None:
@@ -539,7 +537,7 @@ def _log_prob_peak(m: MemoryInputs) -> Moment:
         positions = _head_positions(m, m.log_prob_micro, m.log_prob_max_tokens)
         logits = positions * shape.vocab * m.compute_bytes
         units, at_head = forward_gathered_bytes(shape, m.compute_bytes, m.fsdp)
-        moments += [_moment(units, head=logits if several else 0), _moment(at_head, head=logits),
+        moments += [_moment(units), _moment(at_head, head=logits),
                     _moment(head=logprob_chunk_bytes(shape, positions, m.compute_bytes))]
     return _largest(moments)
 

@@ -600,6 +600,7 @@ def compute_log_probs(
                 gathered.append(F.pad(picked, to_full_k))  # (b, R, k)
             if calc_sum_pi_squared:
                 sum_sq.append(F.pad(core.sum_pi_squared_from_logits(logits)[:, :-1], to_full))  # (b, R)
+        out = logits = None  # released now: held, they would sit beside the next micro batch's whole forward
         row_groups.append(rows)
     out = [_in_batch_order(log_probs, row_groups), _in_batch_order(entropies, row_groups) if calc_entropy else None]
     if truncation is not None:
