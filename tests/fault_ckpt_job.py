@@ -91,4 +91,7 @@ for step in range(start + 1, args.steps + 1):
 weights = {name: p.full_tensor().clone() for name, p in model.named_parameters()}  # collective
 if rank == 0:
     torch.save(weights, out / "final.pt")
+# both ranks idle before either tears its process group down: a rank that destroyed it while the other was
+# still saving once ended in gloo's "terminate called without an active exception" (exit -6)
+dist.barrier()
 dist.destroy_process_group()
