@@ -135,7 +135,7 @@ def test_dynamic_sampling_keeps_the_first_groups_that_differ(tmp_path):
         assert got["metrics"] == {"train/num_gen_batches": 2, "train/uniform_group_fraction": 3 / 8}
 
 
-def _update_worker(rank: int, init_file: str, model_path: str, mode: str, out: str) -> None:
+def _update_worker(rank: int, init_file: str, model_path: str, modes: list[str], out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import models
@@ -156,35 +156,44 @@ def _update_worker(rank: int, init_file: str, model_path: str, mode: str, out: s
         batch = {"input_ids": ids, "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
                  "responses": ids[:, prompt_len:], "response_mask": response_mask,
                  "advantages": torch.randn(samples, response_len, generator=g) * response_mask}
-        params = {}
-        # (samples per micro batch, token budget per micro batch, packed)
-        cuts = {8: (8, None, False), 2: (2, None, False), 3: (3, None, False), "dynamic": (8, 25, False),
-                "packed_dynamic": (8, 25, True)}
-        for cut, (micro, max_token_len, packed) in cuts.items():
-            actor = models.load_causal_lm(model_path, mesh, device=torch.device("cpu"), param_dtype=torch.float32,
-                                          reduce_dtype=torch.float32)
-            params["initial"] = {n: p.full_tensor() for n, p in actor.named_parameters()}
-            with torch.no_grad():
-                batch["old_log_probs"] = models.compute_log_probs(actor, batch, 1.0, samples)[0] - 0.01
-            cfg = config.load_config(None, ["actor_rollout_ref.actor.grad_clip=1e9",
-                                            f"actor_rollout_ref.actor.loss_agg_mode={mode}"])
-            spec = UpdateSpec(epochs=1, mini_batch_size=samples, micro_batch_size=micro, max_token_len=max_token_len,
-                              shuffle=False, loss_agg_mode=mode, use_remove_padding=packed, grad_clip=1e9)
-            loss = dataclasses.replace(train_ppo.ActorLoss.from_config(cfg), temperature=1.0,
-                                       loss_scale_factor=response_len)
-            train_ppo.update_actor(actor, torch.optim.SGD(actor.parameters(), lr=1.0), batch, loss, spec,
-                                   torch.Generator().manual_seed(0))
-            params[cut] = {n: p.full_tensor() for n, p in actor.named_parameters()}
-        torch.save(params, f"{out}.{rank}")
+        updates = {}
+        for mode in modes:  # every loss aggregation in one process group (a spawn costs seconds)
+            params = updates[mode] = {}
+            # (samples per micro batch, token budget per micro batch, packed)
+            cuts = {8: (8, None, False), 2: (2, None, False), 3: (3, None, False), "dynamic": (8, 25, False),
+                    "packed_dynamic": (8, 25, True)}
+            for cut, (micro, max_token_len, packed) in cuts.items():
+                actor = models.load_causal_lm(model_path, mesh, device=torch.device("cpu"), param_dtype=torch.float32,
+                                              reduce_dtype=torch.float32)
+                params["initial"] = {n: p.full_tensor() for n, p in actor.named_parameters()}
+                with torch.no_grad():
+                    batch["old_log_probs"] = models.compute_log_probs(actor, batch, 1.0, samples)[0] - 0.01
+                cfg = config.load_config(None, ["actor_rollout_ref.actor.grad_clip=1e9",
+                                                f"actor_rollout_ref.actor.loss_agg_mode={mode}"])
+                spec = UpdateSpec(epochs=1, mini_batch_size=samples, micro_batch_size=micro, max_token_len=max_token_len,
+                                  shuffle=False, loss_agg_mode=mode, use_remove_padding=packed, grad_clip=1e9)
+                loss = dataclasses.replace(train_ppo.ActorLoss.from_config(cfg), temperature=1.0,
+                                           loss_scale_factor=response_len)
+                train_ppo.update_actor(actor, torch.optim.SGD(actor.parameters(), lr=1.0), batch, loss, spec,
+                                       torch.Generator().manual_seed(0))
+                params[cut] = {n: p.full_tensor() for n, p in actor.named_parameters()}
+        torch.save(updates, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def cut_updates(tiny_assets, tmp_path_factory) -> dict:
+    """Rank 0's weights after one update of each loss aggregation mode under each micro-batch cut."""
+    tmp = tmp_path_factory.mktemp("cuts")
+    run_gloo(_update_worker, WORLD, str(tmp / "pg"), str(tiny_assets["tiny-qwen2"]), list(ppo_core.LOSS_AGG_MODES),
+             str(tmp / "upd"), timeout_s=600)
+    return torch.load(tmp / "upd.0")
+
+
 @pytest.mark.parametrize("mode", ppo_core.LOSS_AGG_MODES)
-def test_micro_batch_cut_does_not_change_the_update(mode, tiny_assets, tmp_path):
-    run_gloo(_update_worker, WORLD, str(tmp_path / "pg"), str(tiny_assets["tiny-qwen2"]), mode, str(tmp_path / "upd"),
-             timeout_s=180)
-    params = torch.load(tmp_path / "upd.0")
+def test_micro_batch_cut_does_not_change_the_update(mode, cut_updates):
+    params = cut_updates[mode]
     moved = max((params[8][n] - params["initial"][n]).abs().max().item() for n in params[8])
     assert moved > 1e-4, "the update did not move the weights: the test would pass vacuously"
     for micro in (2, 3, "dynamic", "packed_dynamic"):
