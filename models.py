@@ -940,9 +940,9 @@ def check_tensor_parallel(config: Any, tp: int, path: str) -> None:
 def check_sequence_parallel_heads(path: str, sp: int, trust_remote_code: bool, key: str) -> None:
     """Ulysses splits attention heads over the sp ranks: refuse, before anything loads, a model whose head
     counts sp cannot split (ulysses.check_heads), naming the model's key."""
-    config = read_model_config(path, key, trust_remote_code)
     if sp == 1:
         return
+    config = read_model_config(path, key, trust_remote_code)
     heads = config.num_attention_heads
     try:
         ulysses.check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, sp)

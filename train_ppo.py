@@ -1105,8 +1105,13 @@ def load_data(cfg: Config, dims: ParallelDims,
     check_sequence_parallel_heads(model_cfg.path, dims.sp, model_cfg.trust_remote_code, "actor_rollout_ref.model.path")
     if core.ADV_ESTIMATORS[cfg.algorithm.adv_estimator].needs_critic and cfg.critic.model.path is not None:
         check_sequence_parallel_heads(cfg.critic.model.path, dims.sp, model_cfg.trust_remote_code, "critic.model.path")
-    if cfg.reward_model.enable:
-        read_model_config(cfg.reward_model.model.path, "reward_model.model.path", cfg.reward_model.model.trust_remote_code)
+    # the other models' configs can be read (one config error naming the key, not a traceback at load)
+    critic_path = cfg.critic.model.path if core.ADV_ESTIMATORS[cfg.algorithm.adv_estimator].needs_critic else None
+    reward_path = cfg.reward_model.model.path if cfg.reward_model.enable else None
+    for key, path, trust in (("critic.model.path", critic_path, model_cfg.trust_remote_code),
+                             ("reward_model.model.path", reward_path, cfg.reward_model.model.trust_remote_code)):
+        if path is not None:
+            read_model_config(path, key, trust)
     tokenizer = AutoTokenizer.from_pretrained(data_cfg.tokenizer or model_cfg.path,
                                               trust_remote_code=model_cfg.trust_remote_code)
     if tokenizer.pad_token_id is None:

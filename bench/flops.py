@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from models import default_dtypes
+
 
 @dataclass(frozen=True)
 class DecoderShape:
@@ -167,18 +169,13 @@ def step_flops(actor: DecoderShape, prompt_lens: Sequence[int], response_lens: S
 # The rate those FLOPs are held against
 
 
-def probe_dtype(device: torch.device) -> torch.dtype:
-    """fp32 on the CPU (what training runs there); bf16 on an accelerator (its MFU reference)."""
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
-
-
 def matmul_rate(device: torch.device, dtype: torch.dtype | None = None, size: int | None = None,
                 seconds: float = 0.25, reps: int = 5) -> dict[str, float]:
     """FLOP/s of a square (size x size) matmul on these threads, now: `reps` timed runs of about
     seconds / reps each after one warm-up; the median (the reference) and the best. size defaults to
     1024 on the CPU (a 2-GFLOP product: large enough for the kernel's peak, short on a busy core) and
     8192 on an accelerator."""
-    dtype = dtype or probe_dtype(device)
+    dtype = dtype or default_dtypes(device.type)[0]  # the dtype the trainer computes in there
     size = size or (1024 if device.type == "cpu" else 8192)
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)

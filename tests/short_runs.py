@@ -269,12 +269,10 @@ def launch(names: list[str], assets: dict, model: Path, root: Path,
     assert not unknown, f"no such short run: {sorted(unknown)}"
     fixed = {"{root}": str(root), "{tests}": str(Path(__file__).parent), "{untrained}": str(assets["tiny-qwen2"]),
              "{teacher}": str(model)}
-    if any("{reward_model}" in o for name in names for o in CASES[name][1]):
-        assert reward_model is not None, "a selected short run needs a reward model: pass launch(reward_model=...)"
-        fixed["{reward_model}"] = str(reward_model())
-    if any("{student}" in o for name in names for o in CASES[name][1]):
-        assert student is not None, "a selected short run needs a student model: pass launch(student=...)"
-        fixed["{student}"] = str(student())
+    for key, build in (("reward_model", reward_model), ("student", student)):  # built only when a case names it
+        if any(f"{{{key}}}" in o for name in names for o in CASES[name][1]):
+            assert build is not None, f"a selected short run needs {{{key}}}: pass launch({key}=...)"
+            fixed[f"{{{key}}}"] = str(build())
     if any("{code_val}" in o for name in names for o in CASES[name][1]):
         fixed["{code_val}"] = str(root / "code_val.parquet")
         datasets.Dataset.from_list(code_rows(16)).to_parquet(fixed["{code_val}"])
