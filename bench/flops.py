@@ -209,6 +209,48 @@ def matmul_rate(device: torch.device, dtype: torch.dtype | None = None, size: in
             "cpu_share": cpu_share if device.type == "cpu" else None, "dtype": str(dtype).removeprefix("torch.")}
 
 
+def decode_matmul_rate(shape: DecoderShape, batch: int, device: torch.device, dtype: torch.dtype | None = None,
+                       seconds: float = 0.25) -> dict[str, float]:
+    """FLOP/s of one decode step's matmuls at `batch` sequences: every block's fused q/k/v, o, fused
+    gate/up and down projections and the LM head, as a KV-cache engine runs them (vLLM fuses q/k/v and
+    gate/up), each block with weights of its own so that, as in the engine, every step reads them all
+    from memory. A decode step is a (batch x hidden) product per weight: at a small batch it reads far
+    more bytes per FLOP than the square probe (matmul_rate), and the kernels reach a fraction of its
+    rate. Holds one copy of the weights: for the bench's small models. Returns {"rate": FLOP/s
+    (median of 5 timed runs), "batch", "weight_gb_per_s": the weights' bytes per second}."""
+    dtype = dtype or default_dtypes(device.type)[0]
+    h, i, d_attn = shape.hidden, shape.intermediate, shape.attn_width
+    qkv = d_attn + 2 * shape.kv_heads * shape.head_dim
+    gate_up = (shape.mlp_matrices - 1) * i
+    dims = [(h, qkv), (d_attn, h), (h, gate_up), (i, h)]
+    weights = [[torch.randn(k, n, device=device, dtype=dtype) for k, n in dims] for _ in range(shape.layers)]
+    head = torch.randn(h, shape.vocab, device=device, dtype=dtype)
+    inputs = {k: torch.randn(batch, k, device=device, dtype=dtype) for k in {h, d_attn, i}}
+    work = 2.0 * batch * (shape.body_params + h * shape.vocab)
+    weight_bytes = (shape.body_params + h * shape.vocab) * head.element_size()
+
+    def one_step() -> None:
+        for block in weights:
+            for w in block:
+                inputs[w.shape[0]] @ w
+        inputs[h] @ head
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    one_step()  # warm-up: kernel choice
+    start = time.perf_counter()
+    one_step()
+    per_rep = max(1, round(seconds / 5 / max(time.perf_counter() - start, 1e-9)))
+    rates = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(per_rep):
+            one_step()
+        rates.append(per_rep * work / (time.perf_counter() - start))
+    rate = statistics.median(rates)
+    return {"rate": rate, "batch": batch, "weight_gb_per_s": rate / work * weight_bytes / 1e9}
+
+
 # ---------------------------------------------------------------------------------------------
 # Each phase against its floor, from a run's metrics (bench/step_flops.py adds flops/* to them)
 
@@ -219,18 +261,22 @@ def floor_table(rows: Sequence[dict[str, float]]) -> dict:
     """From train_ppo metrics rows (each with timing_s/<phase> and flops/<phase>, per rank, reduced as
     means over ranks) the mean of each phase that ran: {phase: {gflop, seconds, gflop_per_s,
     vs_matmul}} per rank, with vs_matmul the achieved rate over flops/matmul_rate (the same threads'
-    square-matmul rate, probed at the end of each step); and that rate's mean, "matmul_gflop_per_s",
+    square-matmul rate, probed at the end of each step), and for gen also decode_matmul_gflop_per_s and
+    vs_decode_matmul (against flops/decode_matmul_rate, when the run has it); and that rate's mean, "matmul_gflop_per_s",
     and the probe's CPU share (matmul_rate's cpu_share: below 1, other jobs held the cores)."""
     def mean(key: str) -> float:
         return sum(r.get(key, 0.0) for r in rows) / len(rows)
 
-    rate = mean("flops/matmul_rate")
+    rate, decode_rate = mean("flops/matmul_rate"), mean("flops/decode_matmul_rate")
     phases = {}
     for phase in FLOOR_PHASES:
         work, seconds = mean(f"flops/{phase}"), mean(f"timing_s/{phase}")
         if work > 0 and seconds > 0:
             phases[phase] = {"gflop": work / 1e9, "seconds": seconds, "gflop_per_s": work / seconds / 1e9,
                              "vs_matmul": work / seconds / rate if rate > 0 else None}
+    if "gen" in phases and decode_rate > 0:  # generation against its own matmuls' rate at its decode batch
+        phases["gen"]["decode_matmul_gflop_per_s"] = decode_rate / 1e9
+        phases["gen"]["vs_decode_matmul"] = phases["gen"]["gflop_per_s"] * 1e9 / decode_rate
     return {"matmul_gflop_per_s": rate / 1e9, "matmul_best_gflop_per_s": mean("flops/matmul_rate_best") / 1e9,
             "matmul_threads": mean("flops/matmul_threads"), "matmul_cpu_share": mean("flops/matmul_cpu_share"),
             "phases": phases}
@@ -239,6 +285,8 @@ def floor_table(rows: Sequence[dict[str, float]]) -> dict:
 FLOOR_COLUMNS = [("run", "run", ""), ("phase", "phase", ""), ("gflop", "GFLOP/rank", ".2f"),
                  ("seconds", "s", ".2f"), ("gflop_per_s", "GFLOP/s", ".1f"),
                  ("matmul_gflop_per_s", "matmul GFLOP/s", ".1f"), ("vs_matmul", "/ matmul", ".2f"),
+                 ("decode_matmul_gflop_per_s", "decode matmul GFLOP/s", ".1f"),
+                 ("vs_decode_matmul", "/ decode matmul", ".2f"),
                  ("matmul_cpu_share", "probe cpu/wall", ".2f")]
 
 

@@ -7,8 +7,9 @@ Every rank runs train_ppo.main() unchanged; at the end of each step (after timin
 before the metrics are reduced over ranks) every rank counts the FLOPs of its own samples
 (bench/flops.py: flops/<phase> for gen, old_log_prob, ref, values, update_critic, update_actor, the
 phases that ran) and then, all ranks at once, times a square matmul on the same threads
-(flops/matmul_rate: the median FLOP/s; flops/matmul_rate_best). The probe runs outside the step's
-timers. The bench divides each phase's FLOPs by its timing_s/<phase>: flops.floor_table.
+(flops/matmul_rate: the median FLOP/s; flops/matmul_rate_best) and the model's own decode-step
+matmuls at the step's mean decode batch (flops/decode_matmul_rate, flops.decode_matmul_rate: what
+generation's skinny products reach). The probes run outside the step's timers. The bench divides each phase's FLOPs by its timing_s/<phase>: flops.floor_table.
 Under Ulysses each rank counts 1/sp of its group's tokens; generation is counted for single-turn
 rollouts only (a multi-turn one re-prefills its turns) and for the samples kept (dynamic sampling's
 discarded groups are not counted).
@@ -45,6 +46,13 @@ def phase_flops(run: train_ppo.Run, batch: train_ppo.Batch) -> dict[str, float]:
     return {f"flops/{name}": f.total / run.dims.sp for name, f in phases.items()}
 
 
+def decode_batch(batch: train_ppo.Batch) -> int:
+    """The mean number of sequences in this rank's decode steps: its generated tokens over its longest
+    response (the engine decodes them together, each until its own end)."""
+    lens = batch["response_mask"].sum(-1)
+    return max(1, round(lens.sum().item() / max(lens.max().item(), 1)))
+
+
 def main(argv: list[str]) -> None:
     step_metrics = train_ppo.step_metrics
 
@@ -57,6 +65,9 @@ def main(argv: list[str]) -> None:
         metrics["flops/matmul_threads"] = rate["threads"]
         if rate["cpu_share"] is not None:
             metrics["flops/matmul_cpu_share"] = rate["cpu_share"]
+        if "flops/gen" in metrics:  # the same threads' rate at the step's mean decode batch
+            decode = flops.decode_matmul_rate(flops.decoder_shape(run.actor.config), decode_batch(batch), run.env.device)
+            metrics["flops/decode_matmul_rate"] = decode["rate"]
         return metrics
 
     train_ppo.step_metrics = with_flops

@@ -164,6 +164,10 @@ def test_bench_step_smoke(tiny_assets, tmp_path):
         assert row["seconds"] == pytest.approx(base["phases_s"][phase])
         assert row["gflop_per_s"] == pytest.approx(row["gflop"] / row["seconds"])
         assert row["vs_matmul"] == pytest.approx(row["gflop_per_s"] / floor["matmul_gflop_per_s"])
+    # generation also against the model's own decode-step matmuls at its decode batch (a skinny product)
+    gen = floor["phases"]["gen"]
+    assert_positive(gen, "decode_matmul_gflop_per_s", "vs_decode_matmul")
+    assert gen["vs_decode_matmul"] == pytest.approx(gen["gflop_per_s"] / gen["decode_matmul_gflop_per_s"])
     lp = floor["phases"]
     assert lp["update_actor"]["gflop"] == pytest.approx(3 * lp["ref"]["gflop"])  # forward + backward, one epoch
     assert lp["update_critic"]["gflop"] == pytest.approx(3 * lp["values"]["gflop"])

@@ -77,3 +77,13 @@ def test_matmul_rate():
     assert math.isfinite(rate["median"]) and 0 < rate["median"] <= rate["best"]
     assert (rate["size"], rate["dtype"], rate["threads"]) == (128, "float32", torch.get_num_threads())
     assert 0 < rate["cpu_share"] <= 1.05  # CPU seconds per wall second per thread
+
+
+def test_decode_matmul_rate():
+    """The decode-step probe times every weight of the shape once per step: its bytes over its time."""
+    shape = flops.decoder_shape(TINY)
+    probe = flops.decode_matmul_rate(shape, 4, torch.device("cpu"), seconds=0.02)
+    assert probe["batch"] == 4 and math.isfinite(probe["rate"]) and probe["rate"] > 0
+    work = 2 * 4 * (shape.body_params + shape.hidden * shape.vocab)
+    weight_bytes = 4 * (shape.body_params + shape.hidden * shape.vocab)
+    assert probe["weight_gb_per_s"] == pytest.approx(probe["rate"] / work * weight_bytes / 1e9)
