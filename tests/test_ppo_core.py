@@ -1181,7 +1181,7 @@ def best_equal_split(lens, k):
             best = max(loads)
             return
         for j in range(k):
-            if counts[j] < size:
+            if counts[j] < size and (counts[j] or j == counts.index(0)):  # of the empty parts, the first only
                 loads[j] += lens[i]
                 counts[j] += 1
                 place(i + 1, loads, counts)
