@@ -175,6 +175,17 @@ def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Ten
     return token_level_scores  # (B, R)
 
 
+def check_generated_layout(prompt_index: torch.Tensor, samples_per_prompt: int, dp_group: dist.ProcessGroup) -> None:
+    """The layout generation promises, checked on the step's whole batch before balance_batch deals it anew:
+    prompt-major, each prompt's rollout.n samples one run (all made by one rollout group, whose sample
+    indices 0 .. n-1 seed them apart: rollout.sample_seed). Collective."""
+    all_index = gather_rows(prompt_index, dp_group)  # (B * dp,), dp rank order
+    runs = all_index.view(-1, samples_per_prompt) if len(all_index) % samples_per_prompt == 0 else None
+    if runs is None or not bool((runs == runs[:, :1]).all()) or len(set(all_index.tolist())) != len(runs):
+        raise RuntimeError(f"generation must give the step's samples in prompt-major order, rollout.n="
+                           f"{samples_per_prompt} per prompt; got prompt indices {all_index.tolist()[:24]}...")
+
+
 def balance_batch(batch: Batch, reward_extras: list[dict[str, float]], dp_group: dist.ProcessGroup
                   ) -> tuple[Batch, list[dict[str, float]], dict[str, float]]:
     """verl's trainer.balance_batch: the step's samples dealt anew over the ranks of dp_group, as many per
@@ -228,7 +239,7 @@ def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLCont
     if estimator.compares_group:
         all_rewards, all_mask = gather_rows(rewards, dp_group), gather_rows(mask, dp_group)  # (B * dp, R)
         all_index = gather_rows(batch["prompt_index"], dp_group)  # (B * dp,), dp rank order
-        # what generation promises, checked: a baseline from part of a group is silently wrong
+        # a baseline from part of a group is silently wrong (check_generated_layout saw the order)
         prompts, group_sizes = torch.unique(all_index, return_counts=True)  # (G,) each
         if not bool((group_sizes == samples_per_prompt).all()):
             wrong = group_sizes != samples_per_prompt
@@ -908,6 +919,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     if run.sp_group is not None:  # Ulysses: every rank of an sp group trains on the group's slices
         batch = ulysses.gather_rows(batch, run.sp_group)
         reward_extras = gather_items(reward_extras, run.sp_group)  # the extras stay beside their rows
+    check_generated_layout(batch["prompt_index"], plan.n, run.dp_group)
     if cfg.trainer.balance_batch:  # verl's: as many tokens on every dp rank, for the forwards and the update
         with timed(metrics, "balance_batch"):
             batch, reward_extras, balance_metrics = balance_batch(batch, reward_extras, run.dp_group)

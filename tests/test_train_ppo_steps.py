@@ -5,6 +5,7 @@
                        whole group, GAE's and REINFORCE++'s whitening spans every rank's share, ReMax uses
                        each sample's baseline; the same after balance_batch has dealt the rows anew
   balance_batch        each rank keeps the rows the partition plans for it, whole, with their reward extras
+                       (check_generated_layout accepts the generated order and refuses the dealt one)
   dynamic_sampling     DAPO's filter keeps the first train_batch_size prompts whose groups differ, over
                        several generation batches, the same on every rank, each rank getting its slice
                        of them in prompt-major order (against a plain loop over the whole data)
@@ -69,6 +70,11 @@ def _advantages_worker(rank: int, init_file: str, out: str) -> None:
         extras = [{"row": float(i)} for i in mine["row"].tolist()]
         balanced, result["extras"], result["metrics"] = train_ppo.balance_batch(mine, extras, dist.group.WORLD)
         result["rows"] = balanced
+        train_ppo.check_generated_layout(mine["prompt_index"], 2, dist.group.WORLD)  # as generated: passes
+        try:  # balanced: no longer prompt-major
+            train_ppo.check_generated_layout(balanced["prompt_index"], 2, dist.group.WORLD)
+        except RuntimeError as e:
+            result["layout_error"] = str(e)
         for estimator in ESTIMATORS:
             cfg = config.load_config(None, [f"algorithm.adv_estimator={estimator}", "algorithm.lam=0.95"])
             for layout, rows in (("prompt_major", mine), ("balanced", balanced)):
@@ -121,6 +127,8 @@ def test_balance_batch_deals_the_rows_by_tokens_and_the_advantages_follow_them(a
         for key, want in group.items():
             torch.testing.assert_close(rows[key], want[plan[rank]], rtol=0, atol=0, msg=key)
         assert [e["row"] for e in got["extras"]] == [float(i) for i in plan[rank]]
+        assert got["layout_error"] == ("generation must give the step's samples in prompt-major order, rollout.n=2 per "
+                                       "prompt; got prompt indices [7, 3, 9, 7, 3, 9]...")
         assert got["metrics"] == {"global_seqlen/min": 6, "global_seqlen/max": 27, "global_seqlen/minmax_diff": 21,
                                   "global_seqlen/balanced_min": 15, "global_seqlen/balanced_max": 18,
                                   "global_seqlen/mean": 16.5}
