@@ -311,6 +311,10 @@ SCHEMA: dict[str, Any] = {
         # the actor is not updated while the step (1, 2, ...) is below this: critic_warmup=N gives the
         # critic N - 1 steps alone, as verl's `critic_warmup <= global_steps` (GAE only)
         "critic_warmup": (int, 0),
+        # reorder each step's samples over the data-parallel ranks so that each holds about as many tokens
+        # (Karmarkar-Karp over attention_mask.sum(-1), as many samples each): the update's all-reduces wait
+        # for the rank with the most tokens (train_ppo.balance_batch)
+        "balance_batch": (bool, True),
         "resume_mode": (str, "auto"),  # auto | disable | resume_path
         "resume_from_path": (_STR_OR_NONE, None),
         "max_actor_ckpt_to_keep": (_INT_OR_NONE, None),

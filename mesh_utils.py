@@ -624,6 +624,16 @@ def gather_rows(x: Any, group: Any) -> Any:
     return gather_in_group(x.flatten(), group).view(-1, *x.shape[1:])
 
 
+def gather_items(items: list[Any], group: Any) -> list[Any]:
+    """Every rank's list, concatenated in group-rank order: gather_rows for per-row Python objects (each
+    sample's reward extras), so that they stay beside their rows. Collective."""
+    import torch.distributed as dist
+
+    every_rank: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every_rank, items, group=group)
+    return [item for rank_items in every_rank for item in rank_items]
+
+
 @contextlib.contextmanager
 def failing_together(error_type: type[Exception], device: Any) -> Iterator[None]:
     """Collective: run the block on every rank, then raise on every rank if it raised error_type on any

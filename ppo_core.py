@@ -31,6 +31,7 @@ get the mini-batch loss. Without global counts (dp_size must then be 1) agg_loss
 micro-batch alone, verl's legacy behaviour: tokens in short micro-batches then weigh more.
 """
 
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -1178,3 +1179,34 @@ def token_budget_partitions(seq_lens: Sequence[int], max_token_len: int, min_par
         else:
             return [sorted(p) for p in parts]
         num_parts += 1
+
+
+def balanced_partitions(seq_lens: Sequence[int], k: int) -> list[list[int]]:
+    """Row indices of k parts of equal size (len(seq_lens) / k rows each) whose token sums are as even as
+    the Karmarkar-Karp differencing method makes them (verl's get_seqlen_balanced_partitions with
+    equal_size=True, which trainer.balance_batch uses to give each data-parallel rank as many tokens).
+
+    Longest first, the rows are cut into runs of k, each run a k-part partial solution with one row per
+    part. The two partial solutions whose sums spread most are merged, the heaviest part of one with the
+    lightest of the other, until one is left. A merge never spreads more than the wider of its two, so the
+    heaviest part is at most the lightest plus (longest - shortest row). Deterministic: ties go by row,
+    then by the order the partial solutions were made. Each part's rows are in batch order.
+    """
+    if k < 1 or len(seq_lens) % k:
+        raise ValueError(f"{len(seq_lens)} rows cannot be cut into {k} parts of equal size")
+    order = sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i))
+    # a partial solution: its parts as (tokens, rows), heaviest first
+    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []  # (-spread, made, parts)
+    for made, start in enumerate(range(0, len(order), k)):
+        parts = [(seq_lens[i], [i]) for i in order[start:start + k]]  # already heaviest first
+        heap.append((parts[-1][0] - parts[0][0], made, parts))
+    heapq.heapify(heap)
+    made = len(heap)
+    while len(heap) > 1:
+        _, _, wide = heapq.heappop(heap)
+        _, _, other = heapq.heappop(heap)
+        merged = [(a[0] + b[0], a[1] + b[1]) for a, b in zip(wide, reversed(other), strict=True)]
+        merged.sort(key=lambda part: (-part[0], min(part[1])))
+        heapq.heappush(heap, (merged[-1][0] - merged[0][0], made, merged))
+        made += 1
+    return [sorted(rows) for _, rows in heap[0][2]] if heap else [[] for _ in range(k)]

@@ -27,6 +27,8 @@ rank, P = max_prompt_length, R = max_response_length):
 attention_mask marks every real token; response_mask (the loss mask) the tokens the policy sampled.
 With Ulysses (actor.ulysses_sequence_parallel_size = sp > 1) the sp ranks of a group hold the same
 samples, and sums over the step's batch run over the train dp group, so no sample counts twice.
+Before step 4, trainer.balance_batch deals the step's samples anew over that group, as many tokens on
+each rank (balance_batch): rows are then in no particular order, and everything keys on prompt_index.
 
 Scores come from a rule function or, with reward_model.enable, a learned reward model (reward_model.py);
 validation always scores with the rule function, as verl does.
@@ -82,6 +84,7 @@ from mesh_utils import (
     check_validation_share,
     describe,
     failing_together,
+    gather_items,
     gather_rows,
     init_distributed,
     my_rows,
@@ -172,15 +175,52 @@ def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Ten
     return token_level_scores  # (B, R)
 
 
+def check_generated_layout(prompt_index: torch.Tensor, samples_per_prompt: int, dp_group: dist.ProcessGroup) -> None:
+    """The layout generation promises, checked on the step's whole batch before balance_batch deals it anew:
+    prompt-major, each prompt's rollout.n samples one run (all made by one rollout group, whose sample
+    indices 0 .. n-1 seed them apart: rollout.sample_seed). Collective."""
+    all_index = gather_rows(prompt_index, dp_group)  # (B * dp,), dp rank order
+    runs = all_index.view(-1, samples_per_prompt) if len(all_index) % samples_per_prompt == 0 else None
+    if runs is None or not bool((runs == runs[:, :1]).all()) or len(set(all_index.tolist())) != len(runs):
+        raise RuntimeError(f"generation must give the step's samples in prompt-major order, rollout.n="
+                           f"{samples_per_prompt} per prompt; got prompt indices {all_index.tolist()[:24]}...")
+
+
+def balance_batch(batch: Batch, reward_extras: list[dict[str, float]], dp_group: dist.ProcessGroup
+                  ) -> tuple[Batch, list[dict[str, float]], dict[str, float]]:
+    """verl's trainer.balance_batch: the step's samples dealt anew over the ranks of dp_group, as many per
+    rank as before, so that each rank holds about as many tokens (ppo_core.balanced_partitions over
+    attention_mask.sum(-1)); every all-reduce of the forwards and the update waits for the rank with the
+    most. Every rank gathers every row, computes the same partition and keeps its part, in batch order,
+    with its rows' reward extras (the sp ranks of a group hold the same rows and keep the same part).
+    The update's gradient is the same sum, in another float order; the estimators group samples by
+    prompt_index, not by place. Returns (this rank's rows, their extras, verl's global_seqlen/* metrics:
+    the ranks' token sums before (min, max, minmax_diff) and after (balanced_min, balanced_max), and
+    their mean). Collective."""
+    lengths = gather_rows(batch["attention_mask"].sum(-1), dp_group).tolist()  # (B * dp,) dp rank order
+    dp, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    parts = core.balanced_partitions(lengths, dp)
+    mine = torch.tensor(parts[rank], device=batch["attention_mask"].device)  # (B,) rows of the gathered batch
+    balanced = {key: gather_rows(rows, dp_group)[mine] for key, rows in batch.items()}
+    extras = gather_items(reward_extras, dp_group)
+    per_rank = len(lengths) // dp
+    before = [sum(lengths[r * per_rank:(r + 1) * per_rank]) for r in range(dp)]
+    after = [sum(lengths[i] for i in part) for part in parts]
+    metrics = {"global_seqlen/min": min(before), "global_seqlen/max": max(before),
+               "global_seqlen/minmax_diff": max(before) - min(before), "global_seqlen/balanced_min": min(after),
+               "global_seqlen/balanced_max": max(after), "global_seqlen/mean": sum(after) / dp}
+    return balanced, [extras[i] for i in parts[rank]], metrics
+
+
 def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLController,
                        dp_group: dist.ProcessGroup, total_samples: int, samples_per_prompt: int) -> dict[str, float]:
     """Token-level rewards, advantages and returns of this rank's samples, written into `batch`.
 
-    The ranks of dp_group hold the step's samples between them, each once, in prompt-major order (a
-    prompt's samples may span neighbouring ranks). Estimators that compare a prompt's samples gather
-    the step's whole batch, compute on it as verl's driver does, and keep this rank's rows; the others
-    work per sample (GAE and REINFORCE++ whiten over dp_group). The adaptive KL controller sees the
-    whole batch's KL."""
+    The ranks of dp_group hold the step's samples between them, each once: prompt-major as generated (a
+    prompt's samples may span neighbouring ranks), or in any order after balance_batch. Estimators that
+    compare a prompt's samples gather the step's whole batch, compute on it as verl's driver does (by
+    prompt_index, whatever the order), and keep this rank's rows; the others work per sample (GAE and
+    REINFORCE++ whiten over dp_group). The adaptive KL controller sees the whole batch's KL."""
     mask = batch["response_mask"].float()  # (B, R)
     metrics: dict[str, float] = {}
     rewards = batch["token_level_scores"]  # (B, R)
@@ -199,11 +239,13 @@ def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLCont
     if estimator.compares_group:
         all_rewards, all_mask = gather_rows(rewards, dp_group), gather_rows(mask, dp_group)  # (B * dp, R)
         all_index = gather_rows(batch["prompt_index"], dp_group)  # (B * dp,), dp rank order
-        # the layout generation promises, checked: a baseline from part of a group is silently wrong
-        runs = all_index.view(-1, samples_per_prompt) if len(all_index) % samples_per_prompt == 0 else None
-        if runs is None or not bool((runs == runs[:, :1]).all()) or len(set(all_index.tolist())) != len(runs):
-            raise RuntimeError(f"{estimator.name} needs the step's samples in prompt-major order, rollout.n="
-                               f"{samples_per_prompt} per prompt; got prompt indices {all_index.tolist()[:24]}...")
+        # a baseline from part of a group is silently wrong (check_generated_layout saw the order)
+        prompts, group_sizes = torch.unique(all_index, return_counts=True)  # (G,) each
+        if not bool((group_sizes == samples_per_prompt).all()):
+            wrong = group_sizes != samples_per_prompt
+            got = list(zip(prompts[wrong].tolist(), group_sizes[wrong].tolist(), strict=True))
+            raise RuntimeError(f"{estimator.name} needs all rollout.n={samples_per_prompt} samples of each prompt in "
+                               f"the step's batch; got (prompt index, samples) {got[:12]}")
         # the old policy's per-token statistics, when asked for (the optimal token baseline reads them)
         per_token = {k: gather_rows(batch[k], dp_group) for k in ("old_log_probs", "sum_pi_squared")
                      if "sum_pi_squared" in batch}  # (B * dp, R) each
@@ -876,6 +918,12 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     batch = {k: v.to(run.env.device) for k, v in rows.items()}
     if run.sp_group is not None:  # Ulysses: every rank of an sp group trains on the group's slices
         batch = ulysses.gather_rows(batch, run.sp_group)
+        reward_extras = gather_items(reward_extras, run.sp_group)  # the extras stay beside their rows
+    check_generated_layout(batch["prompt_index"], plan.n, run.dp_group)
+    if cfg.trainer.balance_batch:  # verl's: as many tokens on every dp rank, for the forwards and the update
+        with timed(metrics, "balance_batch"):
+            batch, reward_extras, balance_metrics = balance_batch(batch, reward_extras, run.dp_group)
+        metrics.update(balance_metrics)
     batch["token_level_scores"] = place_scores(batch.pop("scores"), batch["response_mask"])  # (B, R)
 
     # 4. old log-probs (run.old_log_probs_from), reference log-probs, values: no-grad forwards
@@ -969,12 +1017,8 @@ def dump_rollouts(run: Run, step: int, batch: Batch, reward_extras: list[dict[st
     and per token the advantage and, when the old log-probs are the actor's, the engine's log-prob minus
     the actor's under the same top-k / top-p cut). Each rank builds its rows' records (the decoding is
     spread over the ranks) and rank 0 gathers and writes them: one file per step, as verl's, on any file
-    system. The ranks of rank 0's train dp group hold every sample once; under Ulysses the sp ranks share
-    rows, whose reward extras each rank gathers from its group first. Collective."""
-    if run.sp_group is not None:  # the rows of the whole sp group (ulysses.gather_rows' order)
-        every_rank: list[Any] = [None] * dist.get_world_size(run.sp_group)
-        dist.all_gather_object(every_rank, reward_extras, group=run.sp_group)
-        reward_extras = [extra for rank_extras in every_rank for extra in rank_extras]
+    system. The ranks of rank 0's train dp group hold every sample once (under Ulysses the sp ranks share
+    rows); reward_extras are this rank's rows' own, in their order. Collective."""
     if 0 not in dist.get_process_group_ranks(run.dp_group):
         return  # an sp rank whose rows rank 0's group already holds
     response_tokens = batch["attention_mask"][:, -batch["responses"].shape[1]:].bool()  # (B, R) the real ones

@@ -50,11 +50,13 @@ MUTATIONS = (
         ('all_rewards, all_mask = gather_rows(rewards, dp_group), gather_rows(mask, dp_group)',
          'all_rewards, all_mask = rewards, mask'),
         ('all_index = gather_rows(batch["prompt_index"], dp_group)', 'all_index = batch["prompt_index"]'),
-        ('if runs is None or not bool((runs == runs[:, :1]).all()) or len(set(all_index.tolist())) != len(runs):',
-         'if False:'),
+        ('if not bool((group_sizes == samples_per_prompt).all()):', 'if False:'),
         ('batch["advantages"] = batch["returns"] = my_rows(all_adv, dp_group)',
          'batch["advantages"] = batch["returns"] = all_adv')),
         "tests/test_train_ppo_steps.py::test_advantages_use_the_whole_rollout_group"),
+    Mutation("balance_batch's partition pairs the heaviest parts together", "ppo_core.py", ((
+        "zip(wide, reversed(other), strict=True)", "zip(wide, other, strict=True)"),),
+        "tests/test_ppo_core.py::test_balanced_partitions_against_every_equal_split"),
     Mutation("dynamic sampling decides from each rank's own samples", "train_ppo.py", ((
         'dist.all_gather_object(every_rank, (rows["prompt_index"].tolist(), values.tolist()))',
         'every_rank = [(rows["prompt_index"].tolist(), values.tolist())] * world'),),

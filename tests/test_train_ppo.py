@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 from short_runs import VERL_CASES
 
 import config
+import ppo_core
 from mesh_utils import plan_device_map, validate
 from tracking import read_metrics
 
@@ -440,7 +441,8 @@ def test_rollout_dumps_hold_each_sample_once_with_its_advantage_and_gap(multi_tu
     """trainer.rollout_data_dir: <step>.jsonl with every sample of the step once (the two TP ranks train on
     different halves of their group's samples), verl's fields, GRPO's advantage recomputed here from the
     dumped scores, the tokens decoding to the output, and the per-token engine-vs-actor gap, whose largest value
-    on each rank is what that rank reported as rollout/logprob_diff_max."""
+    on each rank is what that rank reported as rollout/logprob_diff_max; each rank's tokens as balance_batch
+    planned them."""
     from transformers import AutoTokenizer
 
     out, _ = multi_turn_run
@@ -474,6 +476,15 @@ def test_rollout_dumps_hold_each_sample_once_with_its_advantage_and_gap(multi_tu
         largest = [max(abs(g) for r in half for g in r["logprob_gap"] if g is not None)
                    for half in (records[:128], records[128:])]
         assert sum(largest) / 2 == pytest.approx(metrics[step]["rollout/logprob_diff_max"], rel=1e-3)
+        # trainer.balance_batch (on by default): each rank's tokens (prompt, response and the user's replies)
+        # are those the partition of the step's samples plans, and fewer on the busier rank than generated
+        tokens = [len(tokenizer(r["input"], add_special_tokens=False)["input_ids"]) + len(r["tokens"]) for r in records]
+        planned = sorted(sum(tokens[i] for i in part) for part in ppo_core.balanced_partitions(tokens, 2))
+        m = metrics[step]
+        assert sorted([sum(tokens[:128]), sum(tokens[128:])]) == planned == [m["global_seqlen/balanced_min"],
+                                                                             m["global_seqlen/balanced_max"]]
+        assert m["global_seqlen/mean"] == sum(tokens) / 2 and m["global_seqlen/balanced_max"] <= m["global_seqlen/max"]
+        assert m["global_seqlen/balanced_max"] - m["global_seqlen/balanced_min"] <= max(tokens) - min(tokens)
 
 
 @pytest.mark.slow

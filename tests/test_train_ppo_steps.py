@@ -3,7 +3,9 @@
   compute_advantages   every registered estimator, when a prompt's samples sit on both ranks, equals the
                        estimator run on all samples in one process: the group ones (GRPO, RLOO, ...) see the
                        whole group, GAE's and REINFORCE++'s whitening spans every rank's share, ReMax uses
-                       each sample's baseline
+                       each sample's baseline; the same after balance_batch has dealt the rows anew
+  balance_batch        each rank keeps the rows the partition plans for it, whole, with their reward extras
+                       (check_generated_layout accepts the generated order and refuses the dealt one)
   dynamic_sampling     DAPO's filter keeps the first train_batch_size prompts whose groups differ, over
                        several generation batches, the same on every rank, each rank getting its slice
                        of them in prompt-major order (against a plain loop over the whole data)
@@ -50,37 +52,90 @@ def _group_batch(seed: int) -> dict[str, torch.Tensor]:
 ESTIMATORS = tuple(ppo_core.ADV_ESTIMATORS)  # a new estimator is checked here with no edit
 
 
+# tokens per sample (attention_mask.sum(-1)): prompt-major, rank 0 holds 27 and rank 1 6; balanced, 18 and 15
+# (Karmarkar-Karp: rows 1, 2, 5 and 0, 3, 4; no split of 3 and 3 does better)
+SAMPLE_TOKENS = [10, 9, 8, 2, 3, 1]
+
+
 def _advantages_worker(rank: int, init_file: str, out: str) -> None:
     import train_ppo
 
     _init(rank, init_file)
     try:
-        result = {}
+        result: dict = {"prompt_major": {}, "balanced": {}}
+        group = _group_batch(seed=0)
+        group["attention_mask"] = (torch.arange(12)[None, :] < torch.tensor(SAMPLE_TOKENS)[:, None]).long()  # (6, 12)
+        group["row"] = torch.arange(6)
+        mine = {k: v[rank * 3:(rank + 1) * 3] for k, v in group.items()}  # split_for_training's slice
+        extras = [{"row": float(i)} for i in mine["row"].tolist()]
+        balanced, result["extras"], result["metrics"] = train_ppo.balance_batch(mine, extras, dist.group.WORLD)
+        result["rows"] = balanced
+        train_ppo.check_generated_layout(mine["prompt_index"], 2, dist.group.WORLD)  # as generated: passes
+        try:  # balanced: no longer prompt-major
+            train_ppo.check_generated_layout(balanced["prompt_index"], 2, dist.group.WORLD)
+        except RuntimeError as e:
+            result["layout_error"] = str(e)
         for estimator in ESTIMATORS:
             cfg = config.load_config(None, [f"algorithm.adv_estimator={estimator}", "algorithm.lam=0.95"])
-            group = _group_batch(seed=0)
-            mine = {k: v[rank * 3:(rank + 1) * 3] for k, v in group.items()}  # split_for_training's slice
-            train_ppo.compute_advantages(mine, cfg.algorithm, ppo_core.FixedKLController(0.0), dist.group.WORLD, 6, 2)
-            result[estimator] = mine["advantages"]
+            for layout, rows in (("prompt_major", mine), ("balanced", balanced)):
+                rows = dict(rows)
+                train_ppo.compute_advantages(rows, cfg.algorithm, ppo_core.FixedKLController(0.0), dist.group.WORLD, 6, 2)
+                result[layout][estimator] = rows["advantages"]
         torch.save(result, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-def test_advantages_use_the_whole_rollout_group(tmp_path):
-    run_gloo(_advantages_worker, WORLD, str(tmp_path / "pg"), str(tmp_path / "adv"), timeout_s=120)
-    ranks = [torch.load(tmp_path / f"adv.{r}") for r in range(WORLD)]
+@pytest.fixture(scope="module")
+def advantage_ranks(tmp_path_factory) -> list[dict]:
+    """Each rank's advantages of _group_batch's samples, prompt-major and after balance_batch, and what
+    balance_batch returned."""
+    tmp = tmp_path_factory.mktemp("advantages")
+    run_gloo(_advantages_worker, WORLD, str(tmp / "pg"), str(tmp / "adv"), timeout_s=120)
+    return [torch.load(tmp / f"adv.{r}") for r in range(WORLD)]
+
+
+def _reference_advantages() -> dict[str, torch.Tensor]:
     group = _group_batch(seed=0)
     mask = group["response_mask"].float()
-    reference = {name: ppo_core.compute_advantage(
+    return {name: ppo_core.compute_advantage(
         name, token_level_rewards=group["token_level_scores"], response_mask=mask, index=group["prompt_index"],
         values=group["values"], gamma=1.0, lam=0.95, reward_baselines=group["reward_baselines"],
         old_log_probs=group["old_log_probs"], sum_pi_squared=group["sum_pi_squared"])[0]
         for name in ESTIMATORS}
-    for estimator, want in reference.items():
-        got = torch.cat([ranks[r][estimator] for r in range(WORLD)])
+
+
+def test_advantages_use_the_whole_rollout_group(advantage_ranks):
+    for estimator, want in _reference_advantages().items():
+        got = torch.cat([advantage_ranks[r]["prompt_major"][estimator] for r in range(WORLD)])
         assert got[2:4].abs().sum() > 0, f"{estimator}: the split prompt's advantages are all 0"
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=estimator)
+
+
+def test_balance_batch_deals_the_rows_by_tokens_and_the_advantages_follow_them(advantage_ranks):
+    """balance_batch: each rank ends with the rows ppo_core.balanced_partitions plans for it (tokens 18 and
+    15, where the generated layout had 27 and 6), each row whole and with its own reward extras, verl's
+    global_seqlen metrics the same on both ranks; every estimator, on rows in that order, gives each row
+    the advantage it has in one process."""
+    group = _group_batch(seed=0)
+    group["attention_mask"] = (torch.arange(12)[None, :] < torch.tensor(SAMPLE_TOKENS)[:, None]).long()
+    plan = ppo_core.balanced_partitions(SAMPLE_TOKENS, WORLD)
+    assert plan == [[1, 2, 5], [0, 3, 4]]
+    for rank, got in enumerate(advantage_ranks):
+        rows = got["rows"]
+        assert rows["row"].tolist() == plan[rank]
+        for key, want in group.items():
+            torch.testing.assert_close(rows[key], want[plan[rank]], rtol=0, atol=0, msg=key)
+        assert [e["row"] for e in got["extras"]] == [float(i) for i in plan[rank]]
+        assert got["layout_error"] == ("generation must give the step's samples in prompt-major order, rollout.n=2 per "
+                                       "prompt; got prompt indices [7, 3, 9, 7, 3, 9]...")
+        assert got["metrics"] == {"global_seqlen/min": 6, "global_seqlen/max": 27, "global_seqlen/minmax_diff": 21,
+                                  "global_seqlen/balanced_min": 15, "global_seqlen/balanced_max": 18,
+                                  "global_seqlen/mean": 16.5}
+    for estimator, want in _reference_advantages().items():
+        for rank, got in enumerate(advantage_ranks):
+            torch.testing.assert_close(got["balanced"][estimator], want[plan[rank]], rtol=1e-5, atol=1e-6,
+                                       msg=estimator)
 
 
 # Two generation batches of 4 prompts x n=2, each sample's metric; uniform groups: 0, 2 and 10.
