@@ -451,8 +451,7 @@ def init_distributed(timeout_s: int = 1800) -> DistEnv:
     timeout_s (actor_rollout_ref.nccl_timeout) bounds how long any collective waits for a rank.
 
     On CUDA the group gets NCCL for GPU tensors and gloo for CPU tensors (object collectives,
-    CPU-offloaded state); on CPU it is gloo alone, and the process keeps the memory it frees
-    (hold_freed_host_memory). Idempotent.
+    CPU-offloaded state); on CPU it is gloo alone. Idempotent.
     """
     import torch
     import torch.distributed as dist
@@ -473,37 +472,12 @@ def init_distributed(timeout_s: int = 1800) -> DistEnv:
         device = torch.device("cuda", local_rank)
     else:
         device_type, backend, device = "cpu", "gloo", torch.device("cpu")
-        hold_freed_host_memory()
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         store = _attempt_store(rank, world, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return DistEnv(rank, local_rank, world, device_type, device,
                    local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-
-
-# glibc's mallopt parameters (malloc.h) and the largest mmap threshold it accepts on 64-bit hosts
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX = -1, -3, 32 << 20
-TRIM_THRESHOLD = 2**31 - 1  # an int's largest: free memory at the heap's top is never given back
-
-
-def hold_freed_host_memory() -> bool:
-    """Have glibc's malloc keep the memory a CPU step frees, for the next step to reuse. By default a
-    block of more than 128 KiB is mapped on its own and unmapped when freed (the threshold rises to the
-    largest block freed, but a block of exactly that size is still mapped: glibc's >=), and the heap's
-    free top is given back: then every step's activations and gradients are new pages, and the kernel
-    zeroes each one on first touch. On the 25M Llama update (2 CPU ranks, ~2,900 tokens each) that
-    was 45k-190k page faults and about 10% of the update (bench/RESULTS.md). Blocks up to 32 MiB now
-    come from the heap, which keeps what is freed: the process's resident memory stays at its peak,
-    which is what it needs each step anyway. Returns whether both settings took (False off glibc)."""
-    import ctypes
-    import platform
-
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL("libc.so.6")
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(libc.mallopt(M_TRIM_THRESHOLD,
-                                                                                           TRIM_THRESHOLD))
 
 
 def _attempt_store(rank: int, world: int, timeout: timedelta) -> Any:

@@ -295,31 +295,3 @@ def test_every_rollout_group_needs_a_validation_prompt():
                                           r"groups; use at least 2 \(data.max_val_samples >= 2\)"):
         check_validation_share(1, dims, 1)
 
-
-FAULTS_PER_STEP = """
-import resource, sys, torch
-import mesh_utils
-if sys.argv[1] == "hold":
-    assert mesh_utils.hold_freed_host_memory()
-counts = []
-for step in range(4):  # as a training step: 24 blocks of ~8 MiB (a few KiB smaller each step), then all freed
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    blocks = [torch.ones((8 << 20) // 4 - 1024 * step) for _ in range(24)]  # every page touched
-    del blocks
-    counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(max(counts[1:]))
-"""
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
-def test_freed_host_memory_is_reused():
-    """After the first step a step's blocks come back without new pages. With glibc's defaults the
-    heap's freed top is given back after each step, and the kernel zeroes each page again on its
-    first touch in the next (24 x 2,048 pages here)."""
-    def faults(mode: str) -> int:
-        out = subprocess.run([sys.executable, "-c", FAULTS_PER_STEP, mode], cwd=ROOT, capture_output=True,
-                             text=True, check=True)
-        return int(out.stdout.split()[-1])
-
-    assert faults("default") > 24 * 2048 * 0.9  # the cost it takes away, measured the same way
-    assert faults("hold") < 500
