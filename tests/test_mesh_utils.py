@@ -294,4 +294,3 @@ def test_every_rollout_group_needs_a_validation_prompt():
     with pytest.raises(ConfigError, match=r"1 validation prompt\(s\) \(data.max_val_samples=1\) .* 2 rollout dp "
                                           r"groups; use at least 2 \(data.max_val_samples >= 2\)"):
         check_validation_share(1, dims, 1)
-
