@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,31 +209,33 @@ def matmul_rate(device: torch.device, dtype: torch.dtype | None = None, size: in
             "cpu_share": cpu_share if device.type == "cpu" else None, "dtype": str(dtype).removeprefix("torch.")}
 
 
+Linear = Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]  # weight (out, in) -> (x -> x @ weight.T)
+
+
 def decode_matmul_rate(shape: DecoderShape, batch: int, device: torch.device, dtype: torch.dtype | None = None,
-                       seconds: float = 0.25) -> dict[str, float]:
+                       seconds: float = 0.25, linear: Linear | None = None) -> dict[str, float]:
     """FLOP/s of one decode step's matmuls at `batch` sequences: every block's fused q/k/v, o, fused
     gate/up and down projections and the LM head, as a KV-cache engine runs them (vLLM fuses q/k/v and
     gate/up), each block with weights of its own so that, as in the engine, every step reads them all
-    from memory. A decode step is a (batch x hidden) product per weight: at a small batch it reads far
-    more bytes per FLOP than the square probe (matmul_rate), and the kernels reach a fraction of its
-    rate. Holds one copy of the weights: for the bench's small models. Returns {"rate": FLOP/s
-    (median of 5 timed runs), "batch", "weight_gb_per_s": the weights' bytes per second}."""
+    from memory. `linear` builds each layer's product from its weight (default torch's linear; the bench
+    passes rollout.engine_linear, the CPU engine's own oneDNN kernel on pre-packed weights, which is
+    faster than torch's at a few rows). A decode step is a (batch x hidden) product per weight: at a
+    small batch it reads far more bytes per FLOP than the square probe (matmul_rate), and the kernels
+    reach a fraction of its rate. Holds one copy of the weights: for the bench's small models. Returns
+    {"rate": FLOP/s (median of 5 timed runs), "batch", "weight_gb_per_s": the weights' bytes per second}."""
     dtype = dtype or default_dtypes(device.type)[0]
+    linear = linear or (lambda weight: lambda x: torch.nn.functional.linear(x, weight))
     h, i, d_attn = shape.hidden, shape.intermediate, shape.attn_width
     qkv = d_attn + 2 * shape.kv_heads * shape.head_dim
-    gate_up = (shape.mlp_matrices - 1) * i
-    dims = [(h, qkv), (d_attn, h), (h, gate_up), (i, h)]
-    weights = [[torch.randn(k, n, device=device, dtype=dtype) for k, n in dims] for _ in range(shape.layers)]
-    head = torch.randn(h, shape.vocab, device=device, dtype=dtype)
+    dims = [(h, qkv), (d_attn, h), (h, (shape.mlp_matrices - 1) * i), (i, h)] * shape.layers + [(h, shape.vocab)]
+    products = [(k, linear(torch.randn(n, k, device=device, dtype=dtype))) for k, n in dims]
     inputs = {k: torch.randn(batch, k, device=device, dtype=dtype) for k in {h, d_attn, i}}
-    work = 2.0 * batch * (shape.body_params + h * shape.vocab)
-    weight_bytes = (shape.body_params + h * shape.vocab) * head.element_size()
+    params = shape.body_params + h * shape.vocab
+    work, weight_bytes = 2.0 * batch * params, params * torch.finfo(dtype).bits // 8
 
     def one_step() -> None:
-        for block in weights:
-            for w in block:
-                inputs[w.shape[0]] @ w
-        inputs[h] @ head
+        for k, product in products:
+            product(inputs[k])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
