@@ -403,6 +403,10 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915 - one linear s
     ok = torch.tensor(float(all(checks.values()) and all(r["ok"] for r in vocab_rows)))
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank's checks
     params_m = sum(p.numel() for p in actor.parameters()) / 1e6
+    # every rank idle before any tears the groups down (as tests/fault_ckpt_job.py): a rank that left while
+    # the other was still inside the all-reduce once ended in gloo's "terminate called without an active
+    # exception" (exit -6) at its teardown
+    dist.barrier()
     dist.destroy_process_group()
     if env.rank != 0:
         sys.exit(0 if ok.item() else 1)

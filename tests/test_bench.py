@@ -157,7 +157,7 @@ def test_bench_step_smoke(tiny_assets, tmp_path):
     # matmul probe of the same threads
     floor = base["floor"]
     assert_positive(floor, "matmul_gflop_per_s", "matmul_best_gflop_per_s", "matmul_threads")
-    assert floor["matmul_gflop_per_s"] <= floor["matmul_best_gflop_per_s"] and 0 < floor["matmul_cpu_share"] <= 1.05
+    assert floor["matmul_gflop_per_s"] <= floor["matmul_best_gflop_per_s"] and 0 < floor["matmul_cpu_share"] <= 1.1
     assert set(floor["phases"]) == {"gen", "ref", "values", "update_critic", "update_actor"}  # no old_log_prob
     for phase, row in floor["phases"].items():
         assert_positive(row, "gflop", "seconds", "gflop_per_s", "vs_matmul")
