@@ -169,6 +169,29 @@ def step_flops(actor: DecoderShape, prompt_lens: Sequence[int], response_lens: S
 # The rate those FLOPs are held against
 
 
+def _timed_rates(run: Callable[[], None], work: float, device: torch.device, seconds: float,
+                 reps: int) -> tuple[list[float], float]:
+    """FLOP/s of `reps` timed runs of `run` (which does `work` FLOPs), about seconds / reps each, after one
+    warm-up (thread pool, kernel choice); and the process's CPU seconds per wall second per thread over
+    them: near 1 on free cores, lower while other jobs hold them (then the phases, longer than the
+    probe, are likely slowed more than it is)."""
+    def timed_once() -> float:
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    timed_once()  # warm-up
+    per_rep = max(1, round(seconds / reps / max(timed_once(), 1e-9)))  # runs per timed rep
+    rates = []
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
+    for _ in range(reps):
+        rates.append(per_rep * work / sum(timed_once() for _ in range(per_rep)))
+    cpu_share = (time.process_time() - cpu_start) / (time.perf_counter() - wall_start) / torch.get_num_threads()
+    return rates, cpu_share
+
+
 def matmul_rate(device: torch.device, dtype: torch.dtype | None = None, size: int | None = None,
                 seconds: float = 0.25, reps: int = 5) -> dict[str, float]:
     """FLOP/s of a square (size x size) matmul on these threads, now: `reps` timed runs of about
@@ -182,30 +205,11 @@ def matmul_rate(device: torch.device, dtype: torch.dtype | None = None, size: in
     out = torch.empty(size, size, device=device, dtype=dtype)
     work = 2.0 * size**3
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    def product() -> None:
+        torch.mm(a, b, out=out)
 
-    torch.mm(a, b, out=out)  # warm-up: thread pool, kernel choice
-    sync()
-    start = time.perf_counter()
-    torch.mm(a, b, out=out)
-    sync()
-    once = max(time.perf_counter() - start, 1e-9)
-    per_rep = max(1, round(seconds / reps / once))  # products per timed run
-    rates = []
-    cpu_start, wall_start = time.process_time(), time.perf_counter()
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(per_rep):
-            torch.mm(a, b, out=out)
-        sync()
-        rates.append(per_rep * work / (time.perf_counter() - start))
-    # the process's CPU seconds per wall second per thread: near 1 on free cores, lower while other jobs
-    # hold them (then the phases, longer than the probe, are likely slowed more than it is)
-    threads = torch.get_num_threads()
-    cpu_share = (time.process_time() - cpu_start) / (time.perf_counter() - wall_start) / threads
-    return {"median": statistics.median(rates), "best": max(rates), "size": size, "threads": threads,
+    rates, cpu_share = _timed_rates(product, work, device, seconds, reps)
+    return {"median": statistics.median(rates), "best": max(rates), "size": size, "threads": torch.get_num_threads(),
             "cpu_share": cpu_share if device.type == "cpu" else None, "dtype": str(dtype).removeprefix("torch.")}
 
 
@@ -236,20 +240,8 @@ def decode_matmul_rate(shape: DecoderShape, batch: int, device: torch.device, dt
     def one_step() -> None:
         for k, product in products:
             product(inputs[k])
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
-    one_step()  # warm-up: kernel choice
-    start = time.perf_counter()
-    one_step()
-    per_rep = max(1, round(seconds / 5 / max(time.perf_counter() - start, 1e-9)))
-    rates = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(per_rep):
-            one_step()
-        rates.append(per_rep * work / (time.perf_counter() - start))
-    rate = statistics.median(rates)
+    rate = statistics.median(_timed_rates(one_step, work, device, seconds, reps=5)[0])
     return {"rate": rate, "batch": batch, "weight_gb_per_s": rate / work * weight_bytes / 1e9}
 
 
@@ -263,9 +255,9 @@ def floor_table(rows: Sequence[dict[str, float]]) -> dict:
     """From train_ppo metrics rows (each with timing_s/<phase> and flops/<phase>, per rank, reduced as
     means over ranks) the mean of each phase that ran: {phase: {gflop, seconds, gflop_per_s,
     vs_matmul}} per rank, with vs_matmul the achieved rate over flops/matmul_rate (the same threads'
-    square-matmul rate, probed at the end of each step), and for gen also decode_matmul_gflop_per_s and
-    vs_decode_matmul (against flops/decode_matmul_rate, when the run has it); and that rate's mean, "matmul_gflop_per_s",
-    and the probe's CPU share (matmul_rate's cpu_share: below 1, other jobs held the cores)."""
+    square-matmul rate, probed at the end of each step), and for gen also decode_matmul_gflop_per_s
+    and vs_decode_matmul (against flops/decode_matmul_rate, when the run has it); and that rate's
+    mean, "matmul_gflop_per_s", and the probe's CPU share (matmul_rate's cpu_share: below 1, other jobs held the cores)."""
     def mean(key: str) -> float:
         return sum(r.get(key, 0.0) for r in rows) / len(rows)
 

@@ -9,11 +9,12 @@ before the metrics are reduced over ranks) every rank counts the FLOPs of its ow
 phases that ran) and then, all ranks at once, times a square matmul on the same threads
 (flops/matmul_rate: the median FLOP/s; flops/matmul_rate_best) and the model's own decode-step
 matmuls at the step's mean decode batch with the engine's kernel (flops/decode_matmul_rate,
-flops.decode_matmul_rate with rollout.engine_linear: what generation's skinny products reach). The probes run outside the step's timers. The bench divides each phase's FLOPs by its timing_s/<phase>: flops.floor_table.
-With trainer.balance_batch a rank's rows after the deal are not all the ones its engine generated: its
-gen count (and decode batch) is then of the rows it trains on, and only the mean over ranks, which the
-bench reads, is the generation's. Under Ulysses each rank counts 1/sp of its group's tokens; generation is counted for single-turn
-rollouts only (a multi-turn one re-prefills its turns) and for the samples kept (dynamic sampling's
+flops.decode_matmul_rate with rollout.engine_linear: what generation's skinny products reach). The
+probes run outside the step's timers. The bench divides each phase's FLOPs by its timing_s/<phase>:
+flops.floor_table. With trainer.balance_batch a rank's rows after the deal are not all the ones its
+engine generated: its gen count (and decode batch) is then of the rows it trains on, and only the mean
+over ranks, which the bench reads, is the generation's. Under Ulysses each rank counts 1/sp of its
+group's tokens; generation is counted for single-turn rollouts only (a multi-turn one re-prefills its turns) and for the samples kept (dynamic sampling's
 discarded groups are not counted).
 """
 
