@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: setup setup-gpu demo demo-tools test test-slurm lint plan clean chromium traces
+.PHONY: setup setup-gpu demo demo-tools test test-slurm lint plan clean chromium traces learning-caps
 
 # Idempotent: reinstalls only when requirements-cpu.txt changes (seconds when done).
 $(STAMP): requirements-cpu.txt
@@ -76,6 +76,14 @@ chromium:
 		echo "installing chromium"; export DEBIAN_FRONTEND=noninteractive; \
 		apt-get install -y -q --no-install-recommends chromium >/dev/null || \
 		{ apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium >/dev/null; }; }
+
+# The learning tests and both demos under CPU kernels other than this machine's own (tests/kernel_caps.sh):
+# ATen, MKL and oneDNN pick kernels by instruction set, so the same seeds sample differently on another CPU,
+# and a learning test must hold on each. Each test logs its effect in standard errors (tests/noise.py); one
+# table at the end (outputs/kernel_caps/). About 45 minutes on 2 cores; CAPS="avx2" runs one cap, DEMOS=0
+# skips the demos.
+learning-caps: setup
+	PY=$(PY) bash tests/kernel_caps.sh
 
 # The sbatch wrappers under a real SLURM started on this machine (launch/slurm_local.sh): one node x 2
 # ranks and two nodes x 1 rank train 2 steps each, and a config the planner refuses fails its job

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -96,19 +97,20 @@ def scores_of(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     return model.score(hidden[torch.arange(len(hidden)), inputs["last"]])[:, 0]  # (N,)
 
 
-def pair_accuracy(scores: torch.Tensor, samples: list[Sample]) -> float:
-    """Over every (correct, wrong) pair of answers to the same prompt, the fraction the scores order right
-    (ties count half): how well they rank a GRPO group."""
-    right, pairs = 0.0, 0
+def pair_accuracy(scores: torch.Tensor, samples: list[Sample]) -> dict[tuple[int, int], float]:
+    """For each prompt with both a correct and a wrong answer, the fraction of its (correct, wrong) pairs
+    that the scores order right (ties count half): how well they rank a GRPO group. The prompts are the
+    units of its noise (tests/noise.py): a prompt's pairs share its answers."""
     by_prompt: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for (a, b, _, label), score in zip(samples, scores.tolist(), strict=True):
         by_prompt.setdefault((a, b), []).append((score, label))
-    for group in by_prompt.values():
-        for good, _ in (s for s in group if s[1] == 1):
-            for bad, _ in (s for s in group if s[1] == 0):
-                right += 1.0 if good > bad else 0.5 if good == bad else 0.0
-                pairs += 1
-    return right / pairs
+    accuracy = {}
+    for prompt, group in by_prompt.items():
+        good, bad = [s for s, label in group if label == 1], [s for s, label in group if label == 0]
+        if good and bad:
+            accuracy[prompt] = sum(1.0 if g > w else 0.5 if g == w else 0.0 for g in good for w in bad) / (
+                len(good) * len(bad))
+    return accuracy
 
 
 def build(sft_model: Path, out: Path, steps: int = 400, seed: int = 0) -> Path:
@@ -149,7 +151,8 @@ def main() -> None:
     held_out = policy_samples(args.sft, n=8, seed=1) + written_answers(tokenizer, wrong_per_prompt=18, seed=1)
     with torch.no_grad():
         scores = scores_of(model, batch(tokenizer, held_out))
-    print(f"held-out pair accuracy {pair_accuracy(scores, held_out):.3f} over {len(held_out)} answers")
+    accuracy = pair_accuracy(scores, held_out)
+    print(f"held-out pair accuracy {statistics.fmean(accuracy.values()):.3f} over {len(accuracy)} prompts")
 
 
 if __name__ == "__main__":

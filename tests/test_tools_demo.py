@@ -5,6 +5,7 @@ it to call it and copy the answer. One SFT pass and one 2-rank launch with the r
 import json
 import sys
 
+import noise
 import pytest
 from conftest import run, torchrun
 
@@ -40,11 +41,18 @@ def test_grpo_teaches_the_tiny_model_to_use_the_calculator(tiny_assets, tmp_path
     logged = read_metrics(out / "metrics.jsonl")
     val = [r["val/score"] for r in logged if "val/score" in r]
     steps = [r for r in logged if r["step"] > 0]
-    assert len(val) == 2 and val[1] >= val[0] + 0.2, val
+    assert len(val) == 2, val
     # the HF simulation of the loop in sft_warmup.py and the engine's loop agree on the warmed model
     assert abs(before["greedy"]["score"] - val[0]) <= 0.05, (before, val)
-    calls = [r["tools/call_frequency"] for r in steps]
-    assert calls[-1] > calls[0] + 0.2, calls
+    # learning, by 4 standard errors of its noise (tests/noise.py): each held-out prompt's greedy answer
+    # before and after, paired, is right more often and calls the tool more often. Measured on an AMD EPYC
+    # (Zen 4): score 0.0 -> 0.97 (63 standard errors); the sampled call frequency 0.29 -> 0.98 over the steps
+    greedy = [[{**r, "called": float(any(t["role"] == "tool" for t in r["turns"]))}
+               for r in map(json.loads, (out / "val_generations" / f"{step}.jsonl").read_text().splitlines())]
+              for step in (0, 20)]
+    for field in ("score", "called"):
+        before, after = (noise.by_unit(records, "input", field) for records in greedy)
+        noise.assert_above(*noise.paired_shift(before, after), 0.0, f"the greedy validation {field}'s rise")
     for r in steps:
         # the engine's log-probs of every sampled token equal the actor's, tool replies in between
         assert r["rollout/logprob_diff_max"] < 1e-4, r

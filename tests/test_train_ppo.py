@@ -25,10 +25,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import noise
 import pytest
 from conftest import run, short_run, torchrun
 from safetensors.torch import load_file
-from short_runs import VERL_CASES
+from short_runs import LEARN_STEPS, VERL_CASES
 
 import config
 import ppo_core
@@ -243,17 +244,18 @@ def test_seed_six_rank_job(tiny_assets, tmp_path):
 @pytest.mark.slow
 @pytest.mark.short_run("learn")
 def test_score_improves(short_runs):
-    """The demo's task, shortened: over 40 GRPO steps the training score (256 samples a step) rises
-    clearly, the last 10 steps' mean against the first 10's, and the greedy validation score with it.
-    (A margin on the greedy score alone is noise-bound on 64 held-out prompts, about 0.06 for the
-    difference: one run on 2026-12-02 went 0.11 -> 0.20, while its 10-step means went 0.16 -> 0.26.)"""
+    """The demo's task, shortened: over LEARN_STEPS GRPO steps the training score (256 samples a step)
+    rises, by its least-squares trend over the steps (tests/noise.py), at least 4 standard errors of that
+    trend above no change. Noise: the per-step score moves by ~0.05 around its trend (which 32 of the 100
+    prompts a step draws, and its samples), so the trend's standard error is ~0.02. Measured rise over 80
+    steps: 0.27 (13 standard errors) on an AMD EPYC (Zen 4). The greedy validation score on 128 held-out
+    rows is logged but not asserted: its paired standard error is ~0.045, as large as 40 steps' rise."""
     out = short_run(short_runs, "learn")
     rows = read_metrics(out / "metrics.jsonl")
-    val = [r["val/score"] for r in rows if "val/score" in r]
-    assert len(val) == 2 and val[1] > val[0], val
-    score = {r["step"]: r["critic/score/mean"] for r in rows if r["step"] > 0}
-    first, last = (sum(score[s] for s in steps) / 10 for steps in (range(1, 11), range(31, 41)))
-    assert last >= first + 0.05, (first, last, score)
+    assert len([r for r in rows if "val/score" in r]) == 2
+    score = [r["critic/score/mean"] for r in rows if r["step"] > 0]
+    assert len(score) == LEARN_STEPS
+    noise.assert_above(*noise.trend(score), 0.0, "the training score's rise")
 
 
 BAD_INPUT_CASES = ["missing_file", "empty_data", "reward_name", "too_long", "layout", "timeout", "temperature", "logger",

@@ -5,8 +5,8 @@ forwards in test_models_distillation.py."""
 
 import json
 import math
-import statistics
 
+import noise
 import pytest
 from conftest import short_run
 from short_runs import DISTILL_STEPS
@@ -21,15 +21,17 @@ DISTILL_CASES = ("distill", "distill_pg", "distill_topk")
 @pytest.mark.short_run("distill")
 def test_a_student_distilled_from_the_demo_model_moves_toward_it(short_runs):
     """Distillation alone, verl's default k3 back-propagated: the student's KL to the teacher, estimated on
-    its own fresh samples each step, falls clearly within DISTILL_STEPS steps (the task's loss is left out:
-    use_task_rewards=false)."""
+    its own fresh samples each step, falls within DISTILL_STEPS steps (the task's loss is left out:
+    use_task_rewards=false), by its least-squares trend at least 4 standard errors (tests/noise.py) below
+    no change. Measured: 0.81 -> 0.33 over 10 steps, a trend of -0.44 with a standard error of 0.03 (15)
+    on an AMD EPYC (Zen 4)."""
     rows = step_rows(short_run(short_runs, "distill"))
     assert_common(rows, prompts=32, samples=256)
     assert len(rows) == DISTILL_STEPS
     kl = [r["distillation/loss"] for r in rows]
     assert all(math.isfinite(v) and v > 0 for v in kl), kl
-    first, last = statistics.fmean(kl[:3]), statistics.fmean(kl[-3:])
-    assert last < 0.85 * first, kl
+    fall, se = noise.trend(kl)
+    noise.assert_above(-fall, se, 0.0, "the fall of the KL to the teacher")
     assert all(r["actor/on_policy_shortcut"] == 1.0 and r["timing_s/teacher"] > 0 for r in rows)
     assert all(r["distillation/abs_loss"] == pytest.approx(r["distillation/loss"], rel=1e-4) for r in rows)  # k3 >= 0
 
