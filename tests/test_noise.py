@@ -46,3 +46,4 @@ def test_no_spread_passes_only_a_real_effect():
     for effect in (0.0, -1.0):
         with pytest.raises(AssertionError):
             noise.assert_above(effect, 0.0, 0.0, "nothing moved")
+
