@@ -14,13 +14,14 @@
 #   bash tests/kernel_caps.sh                 # all three caps (~45 minutes on 2 cores)
 #   CAPS="avx2" bash tests/kernel_caps.sh     # one of them
 #   DEMOS=0 bash tests/kernel_caps.sh         # the tests only
+#   TESTS="tests/test_lora.py" DEMOS=0 bash tests/kernel_caps.sh   # other tests (pytest's arguments)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-outputs/kernel_caps}
 CAPS=${CAPS:-native avx2 default}
 DEMOS=${DEMOS:-1}
-TESTS=(
+DEFAULT_TESTS=(
   "tests/test_train_ppo.py::test_score_improves"
   "tests/test_lora.py::test_lora_grpo_learns_and_exports"
   "tests/test_reward_model.py::test_the_learned_reward_model_ranks_the_policys_answers"
@@ -28,6 +29,7 @@ TESTS=(
   "tests/test_train_ppo_distillation.py::test_a_student_distilled_from_the_demo_model_moves_toward_it"
   "tests/test_tools_demo.py::test_grpo_teaches_the_tiny_model_to_use_the_calculator"
 )
+if [ -n "${TESTS:-}" ]; then read -r -a TESTS <<< "$TESTS"; else TESTS=("${DEFAULT_TESTS[@]}"); fi
 
 cap_env() {
   case $1 in

@@ -29,7 +29,7 @@ RC = "algorithm.rollout_correction"
 # noise on every CPU (tests/noise.py; each test's docstring has the numbers). A step of the demo's config
 # takes about a second here: the launch's start-up, not the steps, is most of a short run's time.
 LEARN_STEPS = 80
-LORA_STEPS = 120
+LORA_STEPS = 160
 LEARN_RM_STEPS = 60
 RESUME = ["trainer.total_training_steps=6", "trainer.save_freq=3", "trainer.val_before_train=false",
           "trainer.test_freq=6", "data.max_val_samples=32"]
@@ -45,7 +45,7 @@ RC_DECOUPLED = [
     f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=2.0", f"{RC}.rollout_is_batch_normalize=true",
     # a band of 0.1% around ratio 1: exactness rejects nothing, the full-vocabulary comparison half
     f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=0.999_1.001"]
-DISTILL_STEPS = 10
+DISTILL_STEPS = 20
 
 CASES: dict[str, tuple[str, list[str]]] = {
     # --- tests/test_train_ppo_algorithms.py: the recipes as shipped, and each estimator and loss mode once
