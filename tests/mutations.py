@@ -185,8 +185,9 @@ def copy_repo(dest: Path) -> None:
 
 
 def run_one(mutation: Mutation) -> tuple[str, float, str]:
-    """'caught', 'SURVIVED' or 'stale', the seconds the test took, and how it failed (the first
-    error line pytest printed), so a failure for an unrelated reason is visible in the table."""
+    """'caught', 'SURVIVED', 'stale' or 'ERROR' (a fixture broke), the seconds the test took, and how
+    it failed (the first error line pytest printed), so a failure for an unrelated reason is visible in
+    the table."""
     with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
         repo = Path(tmp)
         copy_repo(repo)
@@ -202,11 +203,14 @@ def run_one(mutation: Mutation) -> tuple[str, float, str]:
         start = time.perf_counter()
         proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=1800)
         seconds = time.perf_counter() - start
+        errors = [line[1:].strip() for line in proc.stdout.splitlines() if line.startswith("E ")]
+        summary = (proc.stdout.strip().splitlines() or [""])[-1]
+        how = errors[0] if errors else summary
+        if " error" in summary and " failed" not in summary and " passed" not in summary:
+            return "ERROR", seconds, how[:90].replace("|", "/")  # a fixture broke: neither caught nor survived
         if "no tests ran" in proc.stdout or " deselected" in proc.stdout and " passed" not in proc.stdout \
                 and " failed" not in proc.stdout:
             return "stale", seconds, "the test id selects nothing"
-        errors = [line[1:].strip() for line in proc.stdout.splitlines() if line.startswith("E ")]
-        how = errors[0] if errors else (proc.stdout.strip().splitlines() or [""])[-1]
         return ("caught" if proc.returncode != 0 else "SURVIVED"), seconds, how[:90].replace("|", "/")
 
 
