@@ -252,12 +252,13 @@ def test_lora_grpo_learns_and_exports(sft_model, short_runs, tmp_path):
     peft adapter that transformers, peft and vLLM all read back to the run's own validation answers.
 
     Noise (tests/noise.py): the training score's trend over LORA_STEPS steps has a standard error of ~0.02
-    (the per-step score moves by ~0.05 around it); measured rise 0.14 over 80 steps (7.7 standard errors)
-    on an AMD EPYC (Zen 4), hence 120 steps. The reference: actor/reward_kl_penalty is the KL of the policy
+    (the per-step score moves by ~0.05 around it); measured on an AMD EPYC (Zen 4) over 160 steps: 0.15
+    (13.0 standard errors), 0.10 (8.2), 0.14 (9.6) (make learning-caps: the EPYC's own kernels, ATen at AVX2, ATen's default with MKL and oneDNN at AVX2). The reference: actor/reward_kl_penalty is the KL of the policy
     before each update to the reference. With the adapter disabled it grows as the adapter trains (0.01-0.1
     from step 10 on); were the reference the actor itself (the adapter left on), it would be 0 up to float
     rounding (< 1e-6) at every step. Asserted: its mean over the second half of the run, 4 standard errors
-    (over those steps) above 1e-3."""
+    (over those steps) above 1e-3; measured 0.036 (20 standard errors), 0.041 (15), 0.053 (29) under the
+    same three kernels, and exactly 0 under the mutation (tests/mutations.py) under each."""
     out, steps = short_run(short_runs, "lora"), LORA_STEPS
     from tracking import read_metrics
 

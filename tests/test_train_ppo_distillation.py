@@ -23,8 +23,8 @@ def test_a_student_distilled_from_the_demo_model_moves_toward_it(short_runs):
     """Distillation alone, verl's default k3 back-propagated: the student's KL to the teacher, estimated on
     its own fresh samples each step, falls within DISTILL_STEPS steps (the task's loss is left out:
     use_task_rewards=false), by its least-squares trend at least 4 standard errors (tests/noise.py) below
-    no change. Measured: 0.81 -> 0.33 over 10 steps, a trend of -0.44 with a standard error of 0.03 (15)
-    on an AMD EPYC (Zen 4)."""
+    no change. Measured fall over 20 steps on an AMD EPYC (Zen 4): 0.56 (13.7 standard errors), 0.46
+    (9.7), 0.44 (8.9) (make learning-caps: the EPYC's own kernels, ATen at AVX2, ATen's default with MKL and oneDNN at AVX2)."""
     rows = step_rows(short_run(short_runs, "distill"))
     assert_common(rows, prompts=32, samples=256)
     assert len(rows) == DISTILL_STEPS
