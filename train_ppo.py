@@ -473,17 +473,17 @@ def _actor_micro_batch(actor: torch.nn.Module, loss: ActorLoss, loss_agg_mode: s
     dp_group, sp_group = groups
     own_old = forwards is not None
     topk_ids = mb.get("teacher_topk_ids")  # (b, R, k): forward_kl_topk reads the student's log-probs there
-    log_prob, entropy, *truncated = compute_log_probs(
+    out = compute_log_probs(
         actor, mb, loss.temperature, len(mb["responses"]), loss.entropy_coeff != 0 or own_old,
         use_remove_padding=use_remove_padding, sp_group=sp_group,
-        truncation=loss.truncation if own_old else None, topk_ids=topk_ids)  # (b, R) each, one forward
-    student_topk = truncated.pop() if topk_ids is not None else None  # (b, R, k)
+        truncation=loss.truncation if own_old else None, topk_ids=topk_ids)  # one forward
+    log_prob, entropy = out.log_probs, out.entropy  # (b, R) each
     if own_old:
         mb = dict(mb, old_log_probs=log_prob.detach())
-        sampling_log_prob = truncated[0] if truncated else log_prob  # (b, R) under the engine's cut, if any
+        sampling_log_prob = log_prob if out.truncated is None else out.truncated  # (b, R) under the engine's cut, if any
         forwards.append((mb["row_index"], log_prob.detach(), entropy.detach(), sampling_log_prob.detach()))
     return actor_loss(mb, log_prob, entropy, loss, loss_agg_mode, dict(scale, loss_scale_factor=loss.loss_scale_factor),
-                      generator, dp_group, student_topk=student_topk)
+                      generator, dp_group, student_topk=out.gathered)
 
 
 def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss: ActorLoss,
@@ -764,7 +764,7 @@ def sync_weights(run: Run) -> float:
     run.synced_once = True
     run.actor.eval()
     with torch.no_grad():
-        actor_log_probs, _ = compute_log_probs(run.actor, run.actor_probe, 1.0, 1)  # (1, 4)
+        actor_log_probs = compute_log_probs(run.actor, run.actor_probe, 1.0, 1).log_probs  # (1, 4)
     run.stale_check.check(rollout.engine_fingerprint(run.llm, run.probe), actor_log_probs.double().cpu())
     return seconds
 
@@ -941,9 +941,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     if run.ref is not None:
         spec = plan.ref_log_prob
         with timed(metrics, "ref"), torch.no_grad(), run.reference_mode():
-            batch["ref_log_probs"], _ = compute_log_probs(
+            batch["ref_log_probs"] = compute_log_probs(
                 run.ref, batch, run.actor_loss.temperature, spec.micro_batch_size, max_token_len=spec.max_token_len,
-                use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group)
+                use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group).log_probs
     if run.teacher is not None:
         with timed(metrics, "teacher"):
             batch.update(teacher_log_probs(run, batch))
@@ -1038,13 +1038,13 @@ def teacher_log_probs(run: Run, batch: Batch) -> Batch:
     verl's teacher (an engine's prompt log-probs) gives them, whatever the rollout's temperature."""
     spec, topk = run.plan.teacher_log_prob, run.actor_loss.distillation.topk
     with torch.no_grad():
-        log_probs, _, *top = compute_log_probs(
+        out = compute_log_probs(
             run.teacher, batch, 1.0, spec.micro_batch_size, max_token_len=spec.max_token_len,
             use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group,
             topk=(topk, run.teacher_vocab_limit) if topk is not None else None)
     if topk is None:
-        return {"teacher_log_probs": log_probs}
-    return {"teacher_topk_log_probs": top[0], "teacher_topk_ids": top[1]}
+        return {"teacher_log_probs": out.log_probs}
+    return {"teacher_topk_log_probs": out.topk_values, "teacher_topk_ids": out.topk_ids}
 
 
 def old_policy_forward(run: Run, batch: Batch) -> PolicyForward:
@@ -1053,13 +1053,12 @@ def old_policy_forward(run: Run, batch: Batch) -> PolicyForward:
     spec, truncation = run.plan.old_log_prob, run.actor_loss.truncation
     run.actor.eval()
     with torch.no_grad():
-        with_sum_sq = run.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
-        log_probs, entropy, *more = compute_log_probs(
+        out = compute_log_probs(
             run.actor, batch, run.actor_loss.temperature, spec.micro_batch_size, calc_entropy=True,
             max_token_len=spec.max_token_len, use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group,
-            truncation=truncation, calc_sum_pi_squared=with_sum_sq)
-    return PolicyForward(log_probs, entropy, more[0] if truncation is not None else log_probs,
-                         more[-1] if with_sum_sq else None)
+            truncation=truncation, calc_sum_pi_squared=run.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
+    return PolicyForward(out.log_probs, out.entropy, out.log_probs if out.truncated is None else out.truncated,
+                         out.sum_pi_squared)
 
 
 def step_metrics(run: Run, batch: Batch, step_seconds: float) -> dict[str, float]:

@@ -142,7 +142,7 @@ def train_step(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     mask = micro_batch["response_mask"].float()  # (b, R)
 
     def step() -> None:
-        log_probs, _ = compute_log_probs(actor, micro_batch, temperature=1.0, micro_batch_size=8)  # (b, R)
+        log_probs = compute_log_probs(actor, micro_batch, temperature=1.0, micro_batch_size=8).log_probs  # (b, R)
         loss = -(log_probs * mask).sum() / mask.sum().clamp(min=1)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(actor.parameters(), 1.0)

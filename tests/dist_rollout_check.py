@@ -94,7 +94,7 @@ def sample_and_check(llm, actor, prompts, indices, eos, pad, step) -> tuple[dict
                              step=step, prompt_indices=indices)
     gen_s = time.perf_counter() - start
     with torch.no_grad():
-        actor_lp, _ = models.compute_log_probs(actor, vars(batch), temperature=1.0, micro_batch_size=8)
+        actor_lp = models.compute_log_probs(actor, vars(batch), temperature=1.0, micro_batch_size=8).log_probs
     return {
         "samples": sample_record(batch),
         "shape_ok": [list(batch.prompts.shape), list(batch.responses.shape), list(batch.input_ids.shape)],
@@ -123,7 +123,7 @@ def train_towards_eos(actor: torch.nn.Module, batch: rollout.RolloutBatch, eos: 
     attention_mask[:, : batch.prompts.shape[1]] = batch.attention_mask[:, : batch.prompts.shape[1]]
     eos_batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": batch.position_ids,
                  "responses": input_ids[:, -MAX_TOKENS:]}
-    log_probs, _ = models.compute_log_probs(actor, eos_batch, temperature=1.0, micro_batch_size=len(batch))
+    log_probs = models.compute_log_probs(actor, eos_batch, temperature=1.0, micro_batch_size=len(batch)).log_probs
     loss = -log_probs.mean()
     loss.backward()
     optimizer.step()
@@ -182,7 +182,7 @@ def main() -> None:
 
     def actor_probe() -> torch.Tensor:
         with torch.no_grad():
-            return models.compute_log_probs(actor, probe_batch, 1.0, 1)[0].double()
+            return models.compute_log_probs(actor, probe_batch, 1.0, 1).log_probs.double()
 
     check = rollout.StaleWeightsCheck(rollout.STALE_TOLERANCE["float32"])
     dummy = rollout.engine_fingerprint(llm, probe)

@@ -93,8 +93,8 @@ def test_truncation_mask_equals_vllms_sampler():
 
 
 def test_compute_log_probs_truncation_equals_a_plain_forward(tiny_assets):
-    """models.compute_log_probs' third output, padded and packed, against the HF model's logits cut by
-    the reference loop; the first output is unchanged by asking for it."""
+    """models.compute_log_probs' truncated output, padded and packed, against the HF model's logits cut by
+    the reference loop; the log-probs are unchanged by asking for it."""
     from transformers import AutoModelForCausalLM
 
     import models
@@ -111,10 +111,11 @@ def test_compute_log_probs_truncation_equals_a_plain_forward(tiny_assets):
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=attention, position_ids=batch["position_ids"]).logits
         logits = logits[:, -6:-1].double() / temperature  # (3, 5, V) the positions predicting the response
-        full, _ = models.compute_log_probs(model, batch, temperature, 2)
+        full = models.compute_log_probs(model, batch, temperature, 2).log_probs
         for packed in (False, True):
-            again, _, cut = models.compute_log_probs(model, batch, temperature, 2, use_remove_padding=packed,
-                                                     truncation=(top_k, top_p))
+            forward = models.compute_log_probs(model, batch, temperature, 2, use_remove_padding=packed,
+                                               truncation=(top_k, top_p))
+            again, cut = forward.log_probs, forward.truncated
             valid = attention[:, -5:].bool()
             assert torch.allclose(again[valid], full[valid], atol=1e-5)
             for i in range(3):
