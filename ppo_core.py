@@ -32,6 +32,7 @@ micro-batch alone, verl's legacy behaviour: tokens in short micro-batches then w
 """
 
 import heapq
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+LOG_RATIO_BOUND = 20.0  # log-ratios are clamped to +-this before exp (e^20 ~ 5e8), as verl does
 
 # --- masked statistics ---------------------------------------------------------------------------
 
@@ -100,8 +103,9 @@ def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True,
 
 
 # --- advantage estimators ------------------------------------------------------------------------
-# algorithm.adv_estimator -> implementation and traits. Every estimator takes keyword arguments and
-# ignores the ones it does not use, so the trainer calls them all alike. To add one: write it below
+# algorithm.adv_estimator -> implementation and traits. Every estimator names the keyword arguments it
+# reads; compute_advantage passes each the ones it names, so the trainer calls them all alike, and refuses a
+# keyword no estimator names (a misspelling is an error, not ignored). To add one: write it below
 # under @register_adv_estimator("name", ...) with literal arguments (config.py reads them from this
 # file's text, so the planner knows the names and traits without importing torch), and test it.
 
@@ -136,7 +140,7 @@ def register_adv_estimator(name: str, *, needs_critic: bool = False, compares_gr
 @torch.no_grad()
 def compute_gae_advantage_return(
     token_level_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam: float,
-    whiten_group: dist.ProcessGroup | None = None, **_: Any,
+    whiten_group: dist.ProcessGroup | None = None,
 ) -> tuple[Tensor, Tensor]:
     """GAE (Schulman et al. 2016). Returns (advantages whitened over the mask, returns = adv + V).
     With whiten_group, the whitening statistics span the batch all of the group's ranks hold.
@@ -186,7 +190,6 @@ def compute_grpo_outcome_advantage(
     index: Sequence[Any] | Tensor,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
-    **_: Any,
 ) -> tuple[Tensor, Tensor]:
     """GRPO: (outcome - group mean) / (group std + eps), broadcast over the response tokens.
 
@@ -207,7 +210,7 @@ def compute_grpo_outcome_advantage(
 @register_adv_estimator("rloo", compares_group=True)
 @torch.no_grad()
 def compute_rloo_outcome_advantage(
-    token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor, **_: Any
+    token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor
 ) -> tuple[Tensor, Tensor]:
     """RLOO (Ahmadian et al. 2024): outcome minus the mean outcome of the OTHER samples of its group.
 
@@ -226,7 +229,6 @@ def compute_rloo_outcome_advantage(
 @torch.no_grad()
 def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: Tensor, response_mask: Tensor, gamma: float, whiten_group: dist.ProcessGroup | None = None,
-    **_: Any,
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025): discounted return-to-go per token, whitened over the whole batch
     (over every rank's share with whiten_group)."""
@@ -247,7 +249,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
     token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor,
-    whiten_group: dist.ProcessGroup | None = None, **_: Any,
+    whiten_group: dist.ProcessGroup | None = None,
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++-baseline (Hu 2025): outcome minus its group's mean, broadcast over the response and
     whitened over every token of the batch (so longer responses weigh more in the statistics).
@@ -264,7 +266,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
 @register_adv_estimator("opo", compares_group=True)
 @torch.no_grad()
 def compute_opo_outcome_advantage(
-    token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor, **_: Any
+    token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor
 ) -> tuple[Tensor, Tensor]:
     """OPO (Hao et al. 2025): outcome minus the length-weighted mean outcome of its group,
     sum(len_j * s_j) / sum(len_j), the baseline that minimises the gradient's variance for equal-length
@@ -285,7 +287,6 @@ def compute_opo_outcome_advantage(
 @torch.no_grad()
 def compute_gpg_outcome_advantage(
     token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor, f_norm: float = 1.0,
-    **_: Any,
 ) -> tuple[Tensor, Tensor]:
     """GPG (Chu et al. 2025): alpha * (outcome - group mean) / f_norm, where alpha = B / (samples with a
     non-zero outcome) rescales for the batch's samples that carry no signal. A size-1 group has mean 0,
@@ -302,7 +303,7 @@ def compute_gpg_outcome_advantage(
 @torch.no_grad()
 def compute_grpo_passk_outcome_advantage(
     token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor, epsilon: float = 1e-6,
-    norm_adv_by_std_in_grpo: bool = True, **_: Any,
+    norm_adv_by_std_in_grpo: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Pass@k training (Chen et al. 2025): only the best sample of each group learns, with advantage
     best outcome - second best (divided by the group's std + eps with norm_adv_by_std_in_grpo); every
@@ -327,7 +328,7 @@ def compute_grpo_passk_outcome_advantage(
 def compute_optimal_token_baseline_advantage(
     token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor, old_log_probs: Tensor,
     sum_pi_squared: Tensor, rollout_is_weights: Tensor | None = None, handle_zero_tail: bool = True,
-    epsilon: float = 1e-8, **_: Any,
+    epsilon: float = 1e-8,
 ) -> tuple[Tensor, Tensor]:
     """Optimal token baseline (verl 0.9.1): a baseline per prompt group and position t, the group's
     returns-to-go G_t weighted by each sample's cumulative score-norm proxy W_t = sum_{j<=t} w_j, with
@@ -365,7 +366,7 @@ def compute_optimal_token_baseline_advantage(
 @register_adv_estimator("remax", baseline_rollout="greedy")
 @torch.no_grad()
 def compute_remax_outcome_advantage(
-    token_level_rewards: Tensor, response_mask: Tensor, reward_baselines: Tensor, **_: Any
+    token_level_rewards: Tensor, response_mask: Tensor, reward_baselines: Tensor
 ) -> tuple[Tensor, Tensor]:
     """ReMax (Li et al. 2023): the return-to-go minus the reward of the greedy response to the same
     prompt (reward_baselines, (B,)). Returns (advantages, returns); not whitened, as in verl."""
@@ -375,14 +376,24 @@ def compute_remax_outcome_advantage(
     return advantages, returns
 
 
+def _parameters(fn: Callable[..., Any]) -> set[str]:
+    return set(inspect.signature(fn).parameters)
+
+
 def compute_advantage(adv_estimator: str, **kwargs: Any) -> tuple[Tensor, Tensor]:
     """Dispatch on algorithm.adv_estimator. kwargs: token_level_rewards, response_mask and whatever
-    any estimator needs (values, index, gamma, lam, norm_adv_by_std_in_grpo, whiten_group, reward_baselines)."""
+    any estimator needs (values, index, gamma, lam, norm_adv_by_std_in_grpo, whiten_group, reward_baselines,
+    ...); each estimator gets the ones it names. A keyword no estimator names is an error (a misspelling)."""
     if adv_estimator not in ADV_ESTIMATORS:
         raise ValueError(
             f"unknown algorithm.adv_estimator={adv_estimator!r}; valid: {', '.join(ADV_ESTIMATORS)}"
         )
-    return ADV_ESTIMATORS[adv_estimator].fn(**kwargs)
+    unknown = set(kwargs) - set().union(*(_parameters(e.fn) for e in ADV_ESTIMATORS.values()))
+    if unknown:
+        raise TypeError(f"compute_advantage: no advantage estimator takes {sorted(unknown)}")
+    fn = ADV_ESTIMATORS[adv_estimator].fn
+    named = _parameters(fn)
+    return fn(**{key: value for key, value in kwargs.items() if key in named})
 
 
 # --- DAPO: overlong reward shaping, dynamic sampling ---------------------------------------------
@@ -508,7 +519,7 @@ def compute_policy_loss(
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1.0 for dual-clip, got {clip_ratio_c}")
-    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T) clamp so exp cannot overflow
+    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T) clamp so exp cannot overflow
     ratio = log_ratio.exp()  # (B, T) pi / pi_old
     ppo_kl = masked_mean(-log_ratio, response_mask)  # () k1 estimate of KL(pi_old || pi)
     loss_unclipped = -advantages * ratio  # (B, T)
@@ -615,7 +626,7 @@ def policy_loss_cispo(
     -sg[clip(r, 1 - low, 1 + high)] * A * log pi. Unlike PPO no token's gradient is dropped: a clipped
     ratio only caps its weight."""
     mask = response_mask.bool()  # (B, T)
-    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T)
+    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
     ratio = log_ratio.exp()  # (B, T)
     weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high).detach()  # (B, T)
     pg_losses = -weight * advantages * log_prob  # (B, T)
@@ -642,7 +653,7 @@ def policy_loss_clip_cov(
     whose covariance term lies in (clip_cov_lb, clip_cov_ub). Per micro batch, as in verl.
     pg_clipfrac is the fraction cut."""
     mask = response_mask.bool()  # (B, T)
-    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T)
+    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
     ratio = log_ratio.exp()  # (B, T)
     loss_unclipped = -advantages * ratio  # (B, T)
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)  # (B, T)
@@ -668,7 +679,7 @@ def policy_loss_kl_cov(
     max(1, kl_cov_ratio x valid tokens) tokens with the largest covariance term. Per micro batch, as in
     verl; actor/ppo_kl is the mean |log r|."""
     mask = response_mask.bool()  # (B, T)
-    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T)
+    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
     pg_losses = -advantages * log_ratio.exp()  # (B, T)
     # rank the valid tokens alone, in their flat order, on the CPU, as verl does: among equal covariances
     # torch.topk's pick depends on the list it ranks, so ranking the padded grid chose other tokens
@@ -707,7 +718,7 @@ def policy_loss_sapo(
     PPO's; it fades as r leaves 1 rather than dropping to 0. The paper (and verl) aggregate with
     seq-mean-token-mean."""
     mask = response_mask.bool()  # (B, T)
-    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T)
+    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
     tau = torch.where(advantages > 0, tau_pos, tau_neg).to(log_ratio.dtype)  # (B, T)
     gate = torch.sigmoid(tau * (log_ratio.exp() - 1.0)) * (4.0 / tau)  # (B, T)
     return _agg(-gate * advantages, mask, loss_agg_mode, kwargs), {"actor/ppo_kl": masked_mean(-log_ratio, mask)}
@@ -724,7 +735,7 @@ def policy_loss_geo_mean(
     batch's sequences whatever loss_agg_mode says (as verl; the mode still aggregates the entropy and
     KL terms). Rollout-correction weights enter as their geometric mean over the sequence."""
     mask = response_mask.bool()  # (B, T)
-    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T)
+    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
     sign = torch.sign(advantages)  # (B, T)
     clipped_log_ratio = log_ratio.clamp(-clip_ratio_low, clip_ratio_high)  # (B, T)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped_log_ratio)  # (B, T)
@@ -750,7 +761,7 @@ def _dppo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_m
     the tokens inside it, no gradient outside. pg_clipfrac: the share outside; pg_clipfrac_lower: the
     share inside whose ratio the truncation at clip_ratio_c cut."""
     mask = response_mask.bool()  # (B, T)
-    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T)
+    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
     ratio = log_ratio.exp()  # (B, T)
     weight = ratio.clamp(max=clip_ratio_c).detach()  # (B, T) truncated IS ratio
     inside = trusted.detach().to(ratio.dtype)  # (B, T)
@@ -841,7 +852,7 @@ def _kl_k2(log_ratio: Tensor) -> Tensor:
 
 def _kl_k3(log_ratio: Tensor) -> Tensor:
     # k3 = r - log r - 1 with r = pi_ref / pi: unbiased and >= 0; clamps guard exp blow-ups
-    log_r = (-log_ratio).clamp(-20.0, 20.0)  # (B, T)
+    log_r = (-log_ratio).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
     return (log_r.exp() - log_r - 1.0).clamp(-10.0, 10.0)
 
 

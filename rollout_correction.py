@@ -35,10 +35,7 @@ from torch import Tensor
 
 from config import parse_is_threshold, parse_rs_thresholds
 from mesh_utils import gather_rows, my_rows
-from ppo_core import agg_loss, masked_mean, masked_sum
-
-SAFETY_BOUND = 20.0  # log-ratios are clamped to +-20 before exp (e^20 ~ 5e8), as verl does
-
+from ppo_core import LOG_RATIO_BOUND, agg_loss, masked_mean, masked_sum
 
 # --- importance weights --------------------------------------------------------------------------
 
@@ -72,10 +69,10 @@ def is_weights(log_ratio: Tensor, mask: Tensor, level: str, threshold: float | s
     mask_f = mask.to(log_ratio.dtype)  # (B, T)
     if level == "token":
         log_w = log_ratio  # (B, T)
-        raw = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp() * mask_f  # (B, T)
+        raw = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp() * mask_f  # (B, T)
     elif level == "sequence":
         log_w = masked_sum(log_ratio, mask, axis=-1)[:, None]  # (B, 1) log of the product over the sequence
-        raw = log_w.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp() * mask_f  # (B, T) broadcast over the tokens
+        raw = log_w.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp() * mask_f  # (B, T) broadcast over the tokens
     else:
         raise ValueError(f"rollout_is={level!r}; valid: token, sequence")
     if lower is None:
@@ -106,7 +103,7 @@ def is_metrics(weights: Tensor, raw: Tensor, log_w: Tensor, mask: Tensor, level:
     lower = 1.0 / upper if lower is None else lower
     out: dict[str, float] = {"rollout_is_mean": masked_mean(weights, mask).item()}
     if level == "sequence":
-        out["rollout_is_max"] = math.exp(min(log_w.max().item(), SAFETY_BOUND))
+        out["rollout_is_max"] = math.exp(min(log_w.max().item(), LOG_RATIO_BOUND))
         out["rollout_is_min"] = math.exp(log_w.min().item())
         out["rollout_is_ratio_fraction_high"] = (log_w > math.log(upper)).float().mean().item()
         out["rollout_is_ratio_fraction_low"] = (log_w < math.log(lower)).float().mean().item()
@@ -145,7 +142,7 @@ def rejection_mask(log_ratio: Tensor, mask: Tensor, options: str, thresholds: fl
     if log_ratio.shape[0] == 0:
         return mask, {}
     bounds = parse_rs_thresholds(options, thresholds)
-    log_r = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B, T)
+    log_r = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
     per_token = {"k1": -log_r, "k2": 0.5 * log_r.square(), "k3": log_r.exp() - 1.0 - log_r}  # (B, T) each
     valid_token, valid_seq = mask.bool(), mask.sum(-1) > 0  # (B, T), (B,)
     keep_all = torch.ones_like(valid_token)  # (B, T)
@@ -223,7 +220,7 @@ def offpolicy_metrics(actor_log_probs: Tensor, rollout_log_probs: Tensor, mask: 
     rollout_mean = masked_mean(rollout_log_probs, mask, axis=-1)  # (B,)
     log_ratio = actor_log_probs - rollout_log_probs  # (B, T)
     log_ppl_diff = rollout_mean - actor_mean  # (B,) log(actor ppl / engine ppl)
-    seq_log_ratio = masked_sum(log_ratio, mask, axis=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B,)
+    seq_log_ratio = masked_sum(log_ratio, mask, axis=-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B,)
     return {
         "training_ppl": (-actor_mean).exp().mean().item(),
         "training_log_ppl": (-actor_mean).mean().item(),
@@ -236,7 +233,7 @@ def offpolicy_metrics(actor_log_probs: Tensor, rollout_log_probs: Tensor, mask: 
         "log_ppl_diff_max": log_ppl_diff.max().item(),
         "log_ppl_diff_min": log_ppl_diff.min().item(),
         "ppl_ratio": log_ppl_diff.exp().mean().item(),
-        "chi2_token": (masked_mean(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp().square(), mask) - 1.0).item(),
+        "chi2_token": (masked_mean(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp().square(), mask) - 1.0).item(),
         "chi2_seq": ((2.0 * seq_log_ratio).exp().mean() - 1.0).item(),
     }
 
