@@ -55,9 +55,11 @@ import torch.distributed as dist
 import eval_metrics
 import ppo_core as core
 import reward_remote
+import rollout
 import rollout_correction
 import ulysses
 import watchdog
+from agent_loop import MultiTurnStats, TurnLimits, generate_multi_turn
 from checkpoint import find_resume_path, load_checkpoint, save_checkpoint, step_seed
 from config import (
     Config,
@@ -143,9 +145,6 @@ from tracking import (
 
 if TYPE_CHECKING:
     from vllm import LLM
-
-    from agent_loop import MultiTurnStats
-    from rollout import RolloutBatch
 
 Batch = dict[str, torch.Tensor]
 
@@ -308,7 +307,7 @@ class ActorLoss:
 
     @classmethod
     def from_config(cls, cfg: Config) -> ActorLoss:
-        actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+        actor, rollout_cfg = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
         mode = actor.policy_loss.loss_mode
         low, high = (actor.clip_ratio if c is None else c for c in (actor.clip_ratio_low, actor.clip_ratio_high))
         params = dict(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=actor.clip_ratio_c,
@@ -316,9 +315,9 @@ class ActorLoss:
                          for key in core.POLICY_LOSSES[mode].keys})
         rc_cfg = cfg.algorithm.rollout_correction
         return cls(mode, params, actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None,
-                   actor.kl_loss_type, rollout.temperature, cfg.data.max_response_length,
+                   actor.kl_loss_type, rollout_cfg.temperature, cfg.data.max_response_length,
                    rc_cfg if rc_cfg.bypass_mode else None,
-                   (rollout.top_k, rollout.top_p) if sampling_truncates(rollout) else None,
+                   (rollout_cfg.top_k, rollout_cfg.top_p) if sampling_truncates(rollout_cfg) else None,
                    DistillationLoss.from_config(cfg))
 
 
@@ -569,10 +568,8 @@ def check_old_policy(batch: Batch, old: PolicyForward, rc_cfg: Config, loss_agg_
     """After the old log-probs, wherever they came from: the sync check (the engine's log-probs of its
     samples against the actor's under the same cut), the old policy's entropy, and decoupled rollout
     correction over the whole step batch (IS weights and rejections into `batch`, its diagnostics)."""
-    from rollout import logprob_diff
-
     mask = batch["response_mask"]  # (B, R)
-    diff = logprob_diff(batch["rollout_log_probs"], old.sampling_log_probs, mask)
+    diff = rollout.logprob_diff(batch["rollout_log_probs"], old.sampling_log_probs, mask)
     metrics = {"rollout/logprob_diff_mean": diff["logprob_diff_mean"],
                "rollout/logprob_diff_max": diff["logprob_diff_max"],
                "actor/entropy": core.agg_loss(old.entropy, mask.float(), loss_agg_mode).item()}
@@ -649,6 +646,7 @@ class MultiTurn:
     schemas: list[dict[str, Any]]  # the tools' schemas, rendered into every prompt
     renderer: Any  # agent.ObservationRenderer: a reply -> the ids that follow the assistant's turn
     stop_token_ids: list[int]  # what ends an assistant turn
+    limits: TurnLimits  # multi_turn.max_assistant_turns, max_user_turns
     environment_class: type | None = None  # multi_turn.environment; None: agent.ToolEnvironment
 
     def environment(self, row: Prompt) -> Any:
@@ -676,7 +674,8 @@ def load_multi_turn(cfg: Config, tokenizer: Any) -> MultiTurn | None:
     schemas = agent.tool_schemas(tools)
     environment_class = agent.load_environment_class(section.environment) if section.environment else None
     return MultiTurn(section, tools, schemas, agent.ObservationRenderer(tokenizer, schemas or None),
-                     agent.end_of_turn_ids(tokenizer), environment_class)
+                     agent.end_of_turn_ids(tokenizer), TurnLimits(section.max_assistant_turns, section.max_user_turns),
+                     environment_class)
 
 
 @dataclass
@@ -716,8 +715,8 @@ class Run:
     start_step: int = 0
     llm: LLM | None = None
     engine_settings: dict[str, Any] = field(default_factory=dict)  # what the engine was built with
-    train_sampling: dict[str, Any] = field(default_factory=dict)
-    val_sampling: dict[str, Any] = field(default_factory=dict)
+    train_sampling: rollout.Sampling | None = None
+    val_sampling: rollout.Sampling | None = None
     probe: list[int] = field(default_factory=list)  # a prompt whose greedy log-probs fingerprint the engine
     actor_probe: Batch = field(default_factory=dict)  # its last tokens, for the actor's side of that check
     stale_check: Any = None  # rollout.StaleWeightsCheck
@@ -741,8 +740,6 @@ class Run:
 
 def move_to(run: Run, phase: str) -> None:
     """Place models, optimizer states and engine for `phase` (memory_plan.placement, from the offload flags)."""
-    import rollout
-
     # LoRA's syncs after the first send only the modules it changes: the engine keeps its other weights
     level = rollout.sleep_level(partial_sync=bool(run.lora_spec))
     apply_moves(plan_moves(run.offload, run.placement, phase), {"actor": run.actor, "critic": run.critic},
@@ -754,8 +751,6 @@ def move_to(run: Run, phase: str) -> None:
 def sync_weights(run: Run) -> float:
     """Actor -> engine, then check that it landed (rollout.StaleWeightsCheck); the sync's seconds.
     With LoRA the first sync sends every weight (merged), later ones only the modules LoRA changes."""
-    import rollout
-
     if run.lora_spec:
         weights = iter_sync_params(run.actor, run.param_dtype, run.lora_modules if run.synced_once else None)
     else:
@@ -770,25 +765,16 @@ def sync_weights(run: Run) -> float:
 
 
 def generate(run: Run, prompts: list[Prompt], prompt_indices: list[int], step: int,
-             sampling: dict[str, Any]) -> tuple[RolloutBatch, MultiTurnStats | None]:
+             sampling: rollout.Sampling) -> tuple[rollout.RolloutBatch, MultiTurnStats | None]:
     """The rollout seam, for training, ReMax's baseline and validation: this rollout dp group's prompts,
-    sampling["n"] responses each, prompt-major; every rank of the TP group makes the same call. With
+    sampling.n responses each, prompt-major; every rank of the TP group makes the same call. With
     multi_turn.enable the policy and its tools take turns (agent_loop.py), and per-sample stats come too."""
-    import rollout
-
     if run.multi_turn is None:
-        return rollout.generate(run.llm, [p.token_ids for p in prompts], step=step, prompt_indices=prompt_indices,
-                                **sampling), None
-    from agent_loop import MultiTurnSettings, generate_multi_turn
-
-    section = run.multi_turn.section
-    settings = MultiTurnSettings(
-        n=sampling["n"], temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=sampling["top_k"],
-        max_response_length=sampling["max_tokens"], max_prompt_length=sampling["max_prompt_length"],
-        pad_token_id=sampling["pad_token_id"], stop_token_ids=run.multi_turn.stop_token_ids, seed=sampling["seed"],
-        max_assistant_turns=section.max_assistant_turns, max_user_turns=section.max_user_turns)
-    return generate_multi_turn(run.llm, prompts, prompt_indices, settings, step=step,
-                               make_env=run.multi_turn.environment, renderer=run.multi_turn.renderer,
+        return rollout.generate(run.llm, [p.token_ids for p in prompts], sampling, step=step,
+                                prompt_indices=prompt_indices), None
+    return generate_multi_turn(functools.partial(rollout.sample_turns, run.llm, sampling), prompts, prompt_indices,
+                               sampling, run.multi_turn.limits, step=step, make_env=run.multi_turn.environment,
+                               renderer=run.multi_turn.renderer,
                                decode=functools.partial(run.tokenizer.decode, skip_special_tokens=True),
                                tp_group=run.meshes.rollout.get_group("infer_tp"))
 
@@ -798,10 +784,8 @@ def rollout_step(run: Run, step: int, gen_batch: int,
     """One generation batch for this rank, on the host: its rollout dp group's prompts, n samples each,
     TP rank r's slice r of them, scored (`scores`, (B,)); for ReMax also `reward_baselines`, the score
     of each prompt's greedy response."""
-    import rollout
-
     cfg, rollout_mesh = run.cfg, run.meshes.rollout
-    sampling = dict(run.train_sampling, seed=run.train_sampling["seed"] + 1_000_003 * gen_batch)  # fresh per batch
+    sampling = run.train_sampling.for_batch(gen_batch)  # fresh seeds per generation batch
     baseline_rollout = core.ADV_ESTIMATORS[cfg.algorithm.adv_estimator].baseline_rollout
     with timed(metrics, "gen"):
         prompt_indices = run.sampler.next_batch()  # the same on every rank
@@ -809,7 +793,7 @@ def rollout_step(run: Run, step: int, gen_batch: int,
         group_prompts = [run.train_prompts[i] for i in group_indices]
         generated, turn_stats = generate(run, group_prompts, group_indices, step, sampling)  # prompt-major
         if baseline_rollout == "greedy":
-            greedy, greedy_stats = generate(run, group_prompts, group_indices, step, dict(sampling, n=1, temperature=0.0))
+            greedy, greedy_stats = generate(run, group_prompts, group_indices, step, sampling.greedy())
     tp_rows = rollout.training_rows(len(generated), rollout_mesh.get_local_rank("infer_tp"), run.dims.infer_tp)
     rows = dict(vars(generated.rows(tp_rows)))
     score = functools.partial(score_samples, run.reward_fn, run.tokenizer, prompts=run.train_prompts,
@@ -1272,8 +1256,6 @@ def build_engine(run: Run, engine_of: Run | None = None) -> None:
     """One vLLM shard per rank, TP over the rows of the rollout mesh, after the models are placed (or the
     engine of `engine_of`, when it was built with the same settings); the sampling settings of training
     and validation; the probes of the stale-weights check."""
-    import rollout  # imported here: vLLM takes seconds to import, and config errors should not wait
-
     cfg, tokenizer = run.cfg, run.tokenizer
     data_cfg, rollout_cfg, model_cfg = cfg.data, cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
     max_model_len = data_cfg.max_prompt_length + data_cfg.max_response_length
@@ -1306,15 +1288,18 @@ def build_engine(run: Run, engine_of: Run | None = None) -> None:
                               + f" (the engine serves a run whose {' and '.join(at_most)} are at most its own)")
         move_to(engine_of, "generate")  # the engine awake, as a new run (placed LOADED) assumes
         run.llm, run.engine_settings = engine_of.llm, engine_of.engine_settings
+    # a response ends at the EOS id; a multi-turn assistant turn at the chat template's end of turn
+    stop = run.multi_turn.stop_token_ids if run.multi_turn is not None else [tokenizer.eos_token_id]
     limits = dict(max_tokens=data_cfg.max_response_length, max_prompt_length=data_cfg.max_prompt_length,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                  stop_token_ids=tuple(stop), pad_token_id=tokenizer.pad_token_id)
     seed = cfg.trainer.seed
-    run.train_sampling = dict(n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
-                              top_k=rollout_cfg.top_k, seed=seed, **limits)
+    run.train_sampling = rollout.Sampling(n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
+                                          top_k=rollout_cfg.top_k, seed=seed, **limits)
     val = rollout_cfg.val_kwargs
     val_temperature = val.temperature
-    run.val_sampling = dict(n=val.n, temperature=val_temperature if val.do_sample else 0.0, top_p=val.top_p,
-                            top_k=val.top_k, seed=seed + 7919, **limits)
+    run.val_sampling = rollout.Sampling(n=val.n, temperature=val_temperature if val.do_sample else 0.0,
+                                        top_p=val.top_p, top_k=val.top_k,
+                                        seed=seed + rollout.VALIDATION_SEED_OFFSET, **limits)
     # A fixed prompt whose greedy log-probs fingerprint the engine's weights, and a fixed sequence (the
     # prompt's first tokens and its last few) whose log-probs under the actor say whether the actor moved.
     run.probe = run.train_prompts[0].token_ids
@@ -1403,8 +1388,6 @@ def main(argv: list[str] | None = None) -> None:
     train(run)
     run.progress.stop()
     finish(run)
-    import rollout  # loaded by now
-
     rollout.shutdown(run.llm)  # stops the engine, then the process group, in the order vLLM needs
 
 

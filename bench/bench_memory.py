@@ -87,8 +87,9 @@ def one_step(llm: LLM, actor: torch.nn.Module, ref: torch.nn.Module, optimizer: 
         if offload:
             models.offload_fsdp_model_to_cpu(actor)
             models.offload_optimizer(optimizer)
-        return ro.generate(llm, prompts, n=args.n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.max_tokens,
-                           eos_token_id=bc.EOS_TOKEN_ID, pad_token_id=bc.PAD_TOKEN_ID, seed=0, step=1)
+        return ro.generate(llm, prompts, ro.Sampling(n=args.n, temperature=1.0, max_tokens=args.max_tokens,
+                                                     stop_token_ids=(bc.EOS_TOKEN_ID,), pad_token_id=bc.PAD_TOKEN_ID),
+                           step=1)
 
     def log_probs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.no_grad():

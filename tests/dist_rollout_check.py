@@ -89,9 +89,9 @@ def sample_record(batch: rollout.RolloutBatch) -> list[dict]:
 
 def sample_and_check(llm, actor, prompts, indices, eos, pad, step) -> tuple[dict, rollout.RolloutBatch]:
     start = time.perf_counter()
-    batch = rollout.generate(llm, prompts, n=N_SAMPLES, temperature=1.0, top_p=1.0, top_k=-1,
-                             max_tokens=MAX_TOKENS, eos_token_id=eos, pad_token_id=pad, seed=SAMPLE_SEED,
-                             step=step, prompt_indices=indices)
+    sampling = rollout.Sampling(n=N_SAMPLES, temperature=1.0, max_tokens=MAX_TOKENS, stop_token_ids=(eos,),
+                                pad_token_id=pad, seed=SAMPLE_SEED)
+    batch = rollout.generate(llm, prompts, sampling, step=step, prompt_indices=indices)
     gen_s = time.perf_counter() - start
     with torch.no_grad():
         actor_lp = models.compute_log_probs(actor, vars(batch), temperature=1.0, micro_batch_size=8).log_probs
@@ -107,8 +107,8 @@ def sample_and_check(llm, actor, prompts, indices, eos, pad, step) -> tuple[dict
 
 
 def greedy_check(llm, actor, prompts, eos, pad) -> dict:
-    batch = rollout.generate(llm, prompts, n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=MAX_TOKENS,
-                             eos_token_id=eos, pad_token_id=pad, seed=0)
+    batch = rollout.generate(llm, prompts, rollout.Sampling(n=1, temperature=0.0, max_tokens=MAX_TOKENS,
+                                                            stop_token_ids=(eos,), pad_token_id=pad))
     vllm_tokens = [batch.responses[r, : int(batch.response_mask[r].sum())].tolist() for r in range(len(batch))]
     return {"vllm": vllm_tokens, "actor": actor_greedy(actor, prompts, MAX_TOKENS, eos)}
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import rollout  # noqa: E402
 import train_ppo  # noqa: E402
 from config import check_supported, load_config  # noqa: E402
 from mesh_utils import init_distributed  # noqa: E402
@@ -47,8 +48,6 @@ def main() -> None:
             print(f"case {name} stopped, as expected: {type(e).__name__}", flush=True)
         else:
             raise SystemExit(f"case {name} was expected to stop with an error, and it ran to the end")
-    import rollout
-
     rollout.shutdown(previous.llm)
 
 
