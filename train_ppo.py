@@ -45,7 +45,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -301,9 +301,11 @@ class ActorLoss:
     kl_loss_type: str
     temperature: float  # rollout.temperature: the log-probs are of logits / temperature
     loss_scale_factor: int  # data.max_response_length, for seq-mean-token-sum-norm
-    bypass: Config | None = None  # algorithm.rollout_correction in bypass mode: pi_theta against the engine
+    bypass: bool = False  # algorithm.rollout_correction.bypass_mode: the correction runs here, pi_theta against the engine
     truncation: tuple[int, float] | None = None  # the engine's (top_k, top_p) cut, when it samples from one
     distillation: DistillationLoss | None = None  # distillation.enabled: the teacher's term
+    # algorithm.rollout_correction, parsed: in bypass mode the loss's, else check_old_policy's (decoupled mode)
+    correction: rollout_correction.Correction = field(default_factory=rollout_correction.Correction)
 
     @classmethod
     def from_config(cls, cfg: Config) -> ActorLoss:
@@ -316,43 +318,43 @@ class ActorLoss:
         rc_cfg = cfg.algorithm.rollout_correction
         return cls(mode, params, actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None,
                    actor.kl_loss_type, rollout_cfg.temperature, cfg.data.max_response_length,
-                   rc_cfg if rc_cfg.bypass_mode else None,
+                   rc_cfg.bypass_mode,
                    (rollout_cfg.top_k, rollout_cfg.top_p) if sampling_truncates(rollout_cfg) else None,
-                   DistillationLoss.from_config(cfg))
+                   DistillationLoss.from_config(cfg), rollout_correction.Correction.from_config(rc_cfg))
 
 
 def actor_loss(mb: Batch, log_prob: torch.Tensor, entropy: torch.Tensor | None, loss: ActorLoss, loss_agg_mode: str,
-               scale: dict[str, Any], generator: torch.Generator,
+               scale: core.LossScale, generator: torch.Generator,
                dp_group: dist.ProcessGroup | None = None, *,
                student_topk: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro batch's policy loss (actor.policy_loss.loss_mode), minus the entropy bonus, plus the KL
-    loss to the reference model; `scale` goes to ppo_core's losses (its docstring). log_prob,
+    loss to the reference model, each aggregated under `scale` (ppo_core's docstring). log_prob,
     entropy: (b, R) of this forward. In bypass mode the correction runs here, pi_theta against the engine.
     With distillation, its term (distillation_term) is added, or with use_task_rewards=false replaces the rest;
     student_topk (b, R, k): this forward's log-probs of the teacher's top-k tokens (forward_kl_topk)."""
     mask = mb["response_mask"]  # (b, R)
     pg_mask, is_weights, terms = mask, mb.get("rollout_is_weights"), {}  # (b, R) each
-    bypass = loss.bypass
+    bypass = loss.correction if loss.bypass else None
     if bypass is not None:  # old_log_probs are the engine's: weights and rejection of pi_theta against them
         is_weights, pg_mask, terms = rollout_correction.correct_micro_batch(log_prob, mb["old_log_probs"], mask,
                                                                             bypass, dp_group)
     if bypass is not None and bypass.loss_type == "reinforce":  # no clipping: the weights do the correcting
         pg_loss, ppo_kl = rollout_correction.reinforce_policy_loss(mb["old_log_probs"], log_prob, mb["advantages"],
-                                                                   pg_mask, is_weights, loss_agg_mode, **scale)
+                                                                   pg_mask, is_weights, loss_agg_mode, scale)
         terms.update({"actor/pg_loss": pg_loss, "actor/ppo_kl": ppo_kl})
     else:  # in bypass mode the ratio already is pi_theta / pi_engine: no weights on top (verl's ppo_clip)
         pg_loss, pg_metrics = core.policy_loss(
             loss.loss_mode, mb["old_log_probs"], log_prob, mb["advantages"], pg_mask, loss_agg_mode,
-            **loss.loss_params, generator=generator, **scale,
+            **loss.loss_params, generator=generator, scale=scale,
             rollout_is_weights=None if bypass is not None else is_weights)
         terms.update({"actor/pg_loss": pg_loss, **pg_metrics})
     total = pg_loss
     if entropy is not None and loss.entropy_coeff != 0:
-        terms["actor/entropy_loss"] = core.agg_loss(entropy, mask, loss_agg_mode, **scale)
+        terms["actor/entropy_loss"] = scale.agg(entropy, mask, loss_agg_mode)
         total = total - loss.entropy_coeff * terms["actor/entropy_loss"]
     if loss.kl_loss_coef is not None:
         kl = core.kl_penalty(log_prob, mb["ref_log_probs"], loss.kl_loss_type)  # (b, R)
-        terms["actor/kl_loss"] = core.agg_loss(kl, mask, loss_agg_mode, **scale)
+        terms["actor/kl_loss"] = scale.agg(kl, mask, loss_agg_mode)
         total = total + loss.kl_loss_coef * terms["actor/kl_loss"]
     distill = loss.distillation
     if distill is not None:
@@ -363,7 +365,7 @@ def actor_loss(mb: Batch, log_prob: torch.Tensor, entropy: torch.Tensor | None, 
 
 
 def distillation_term(mb: Batch, log_prob: torch.Tensor, student_topk: torch.Tensor | None, distill: DistillationLoss,
-                      loss_agg_mode: str, scale: dict[str, Any], is_weights: torch.Tensor | None,
+                      loss_agg_mode: str, scale: core.LossScale, is_weights: torch.Tensor | None,
                       terms: dict[str, torch.Tensor]) -> torch.Tensor:
     """On-policy distillation's share of the micro batch's loss (ppo_core.distillation_loss), its metrics
     into `terms` (verl's distillation/* names): the student's log-probs (b, R), or of the teacher's top-k
@@ -375,7 +377,7 @@ def distillation_term(mb: Batch, log_prob: torch.Tensor, student_topk: torch.Ten
         tokens, mb["old_log_probs"], log_prob, mb["response_mask"], loss_agg_mode,
         use_policy_gradient=distill.use_policy_gradient, loss_max_clamp=distill.loss_max_clamp,
         clip_ratio_low=distill.clip_ratio_low, clip_ratio_high=distill.clip_ratio_high,
-        rollout_is_weights=is_weights, **scale)
+        rollout_is_weights=is_weights, scale=scale)
     terms.update(metrics, **{"distillation/loss": term})
     return term
 
@@ -414,7 +416,7 @@ def set_gradient_reduction(model: torch.nn.Module, last_micro_batch: bool, accum
         model.set_requires_all_reduce(last_micro_batch)
 
 
-LossFn = Callable[[Batch, dict[str, Any]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+LossFn = Callable[[Batch, core.LossScale], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss_fn: LossFn,
@@ -422,8 +424,8 @@ def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
                 prefix: str) -> dict[str, float]:
     """One optimizer step per mini batch (mini_batches), gradients accumulated over its micro batches.
 
-    loss_fn(micro_batch, scale) -> (loss, terms), where scale holds the mini batch's token and sequence
-    counts over dp_group (the ranks holding distinct samples; all ranks when None) and its size, so the
+    loss_fn(micro_batch, scale) -> (loss, terms), where scale (a ppo_core.LossScale) holds the mini batch's
+    token and sequence counts over dp_group (the ranks holding distinct samples; all ranks when None) and its size, so the
     gradient does not depend on the cut (ppo_core's docstring). Terms named `*_loss` are shares of the
     mini batch's loss, summed over micro batches; others are averaged; then all over optimizer steps
     (`*/loss` too: distillation/loss)."""
@@ -435,7 +437,7 @@ def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
     for micro_batches in mini_batches(batch, spec, generator):
         num_tokens, num_seqs = core.global_num_tokens_and_seqs([mb["response_mask"] for mb in micro_batches],
                                                                  group=dp_group)
-        scale = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, dp_size=dp_size)
+        scale = core.LossScale(num_tokens, num_seqs, dp_size)
         for i, mb in enumerate(micro_batches):
             set_gradient_reduction(model, last_micro_batch=i == len(micro_batches) - 1,
                                    accumulate_unsharded=spec.accumulate_unsharded_grads)
@@ -465,7 +467,7 @@ class PolicyForward:
 def _actor_micro_batch(actor: torch.nn.Module, loss: ActorLoss, loss_agg_mode: str, use_remove_padding: bool,
                        groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None], generator: torch.Generator,
                        forwards: list[tuple[torch.Tensor, ...]] | None, mb: Batch,
-                       scale: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                       scale: core.LossScale) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's forward and loss on one micro batch (run_updates' loss_fn, through functools.partial).
     With `forwards` (a list) this forward is the old policy's: its log-probs, detached, are the old ones,
     and (rows, log-probs, entropy, cut log-probs) are appended for the caller."""
@@ -481,7 +483,7 @@ def _actor_micro_batch(actor: torch.nn.Module, loss: ActorLoss, loss_agg_mode: s
         mb = dict(mb, old_log_probs=log_prob.detach())
         sampling_log_prob = log_prob if out.truncated is None else out.truncated  # (b, R) under the engine's cut, if any
         forwards.append((mb["row_index"], log_prob.detach(), entropy.detach(), sampling_log_prob.detach()))
-    return actor_loss(mb, log_prob, entropy, loss, loss_agg_mode, dict(scale, loss_scale_factor=loss.loss_scale_factor),
+    return actor_loss(mb, log_prob, entropy, loss, loss_agg_mode, replace(scale, scale_factor=loss.loss_scale_factor),
                       generator, dp_group, student_topk=out.gathered)
 
 
@@ -512,13 +514,13 @@ def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
 
 def _critic_micro_batch(critic: torch.nn.Module, spec: UpdateSpec, cliprange_value: float, loss_scale_factor: int,
                         sp_group: dist.ProcessGroup | None, mb: Batch,
-                        scale: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                        scale: core.LossScale) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The critic's forward and clipped value loss against the returns on one micro batch."""
     vpreds = compute_values(critic, mb, len(mb["responses"]), use_remove_padding=spec.use_remove_padding,
                             sp_group=sp_group)  # (b, R)
     vf_loss, vf_clipfrac = core.compute_value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
                                                    cliprange_value, spec.loss_agg_mode,
-                                                   **scale, loss_scale_factor=loss_scale_factor)
+                                                   **replace(scale, scale_factor=loss_scale_factor).counts())
     return vf_loss, {"critic/vf_loss": vf_loss, "critic/vf_clipfrac": vf_clipfrac}
 
 
@@ -563,7 +565,7 @@ def old_log_prob_source(actor: torch.nn.Module, algo_cfg: Config, spec: UpdateSp
     return "update", "one epoch of one mini batch: the actor update's own forward"
 
 
-def check_old_policy(batch: Batch, old: PolicyForward, rc_cfg: Config, loss_agg_mode: str,
+def check_old_policy(batch: Batch, old: PolicyForward, correction: rollout_correction.Correction, loss_agg_mode: str,
                      dp_group: dist.ProcessGroup) -> dict[str, float]:
     """After the old log-probs, wherever they came from: the sync check (the engine's log-probs of its
     samples against the actor's under the same cut), the old policy's entropy, and decoupled rollout
@@ -575,7 +577,7 @@ def check_old_policy(batch: Batch, old: PolicyForward, rc_cfg: Config, loss_agg_
                "actor/entropy": core.agg_loss(old.entropy, mask.float(), loss_agg_mode).item()}
     with timed(metrics, "rollout_corr"):
         is_weights, batch["response_mask"], rc_metrics = rollout_correction.correct_batch(
-            old.sampling_log_probs, batch["rollout_log_probs"], mask, rc_cfg, dp_group)
+            old.sampling_log_probs, batch["rollout_log_probs"], mask, correction, dp_group)
     metrics.update(rc_metrics)
     if is_weights is not None:
         batch["rollout_is_weights"] = is_weights  # (B, R)
@@ -945,7 +947,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     # 5b. the sync check, and rollout correction (decoupled mode): the old actor against the engine over
     # the whole step batch; IS weights for the policy loss, rejected tokens out of every loss
     if old is not None:
-        metrics.update(check_old_policy(batch, old, algo_cfg.rollout_correction, actor_cfg.loss_agg_mode,
+        metrics.update(check_old_policy(batch, old, run.actor_loss.correction, actor_cfg.loss_agg_mode,
                                         run.dp_group))
 
     # 6. updates: critic first (verl's order), then the actor; Adam's moments may live on the host between
@@ -965,7 +967,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         if update_old is not None:  # 5b's checks, from the update's forward
             old = update_old
             batch["old_log_probs"] = old.old_log_probs
-            metrics.update(check_old_policy(batch, old, algo_cfg.rollout_correction, actor_cfg.loss_agg_mode,
+            metrics.update(check_old_policy(batch, old, run.actor_loss.correction, actor_cfg.loss_agg_mode,
                                             run.dp_group))
         metrics["actor/on_policy_shortcut"] = float(run.old_log_probs_from == "update")
         metrics.update(actor_metrics)

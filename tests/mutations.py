@@ -73,7 +73,7 @@ MUTATIONS = (
         "tests/test_checkpoint.py::test_killed_rank_resumes_and_reproduces"),
     Mutation("micro-batch loss scaled by the micro batch's own token count", "train_ppo.py", ((
         'loss, terms = loss_fn(mb, scale)',
-        'loss, terms = loss_fn(mb, {**scale, "global_num_tokens": mb["response_mask"].sum() * dp_size})'),),
+        'loss, terms = loss_fn(mb, core.LossScale(mb["response_mask"].sum() * dp_size, num_seqs, dp_size))'),),
         "tests/test_train_ppo_steps.py::test_micro_batch_cut_does_not_change_the_update[token-mean]"),
     Mutation("the reference model is the actor (updated with it)", "train_ppo.py", ((
         'cpu_offload=cfg.actor_rollout_ref.ref.fsdp_config.param_offload, **fsdp_kwargs).eval()\n',
