@@ -15,7 +15,10 @@ call `generate` with the same prompts and parameters, and they get the same samp
     my_share = split_for_training(batch, infer_tp_rank, infer_tp_size)
     shutdown(llm)                                       # instead of dist.destroy_process_group()
 
-Every access to vLLM internals goes through `_vllm_internals`; the rest uses vLLM's public API.
+vLLM is imported inside the functions that need it (it takes seconds), so importing this module is cheap.
+Every access to vLLM's engine internals goes through `_vllm_internals`, except three: wake_up asks
+`llm.llm_engine.is_sleeping()`, `engine_linear` (a bench probe) calls the CPU backend's oneDNN kernel, and
+the sync filters name vLLM's loggers. The rest uses vLLM's public API.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ from config import (
 )
 from data import Prompt, PromptSampler, load_prompts
 from lora import LoraSpec, iter_sync_params, lora_config, sync_modules
-from memory_plan import LOADED, OffloadFlags, plan_moves
+from memory_plan import LOADED, PHASES, OffloadFlags, plan_moves
 from mesh_utils import (
     BatchPlan,
     DistEnv,
@@ -740,6 +740,14 @@ class Run:
         return models
 
 
+def enter(run: Run, step: int, phase: str) -> None:
+    """A phase boundary, in one verb: the rank's progress line (the watchdog names a hung rank and its phase)
+    and, for a memory phase (memory_plan.PHASES), the placement of models, optimizer states and engine."""
+    run.progress.enter(step, phase)
+    if phase in PHASES:
+        move_to(run, phase)
+
+
 def move_to(run: Run, phase: str) -> None:
     """Place models, optimizer states and engine for `phase` (memory_plan.placement, from the offload flags)."""
     # LoRA's syncs after the first send only the modules it changes: the engine keeps its other weights
@@ -883,10 +891,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     generator = torch.Generator().manual_seed(step_seed(cfg.trainer.seed, step, dist.get_rank(run.dp_group)))
 
     # 1. weight sync: the engine samples from the current actor; check the update reached it
-    run.progress.enter(step, "sync")  # every rank records its phases: a hang names the rank behind
+    enter(run, step, "sync")  # every rank records its phases: a hang names the rank behind
     metrics["timing_s/sync_weights"] = sync_weights(run)
-    run.progress.enter(step, "generate")
-    move_to(run, "generate")  # param_offload: the actor's (and critic's) shards to the host for the engine
+    enter(run, step, "generate")  # param_offload: the actor's (and critic's) shards to the host for the engine
 
     # 2-3. generate and score: each rollout dp group samples n responses for its prompts, each rank
     # keeps its slice and scores it. With algorithm.filter_groups (DAPO's dynamic sampling) generation
@@ -898,8 +905,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         metrics.update(sampling_metrics)
     else:
         rows, reward_extras = rollout_step(run, step, 0, metrics)
-    run.progress.enter(step, "log_prob")
-    move_to(run, "log_prob")  # free_cache_engine: the engine sleeps; param_offload: the shards come back
+    enter(run, step, "log_prob")  # free_cache_engine: the engine sleeps; param_offload: the shards come back
     rows.pop("fn_scores")  # dynamic sampling's `score` metric has been read
     batch = {k: v.to(run.env.device) for k, v in rows.items()}
     if run.sp_group is not None:  # Ulysses: every rank of an sp group trains on the group's slices
@@ -951,8 +957,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
                                         run.dp_group))
 
     # 6. updates: critic first (verl's order), then the actor; Adam's moments may live on the host between
-    run.progress.enter(step, "update")
-    move_to(run, "update")  # optimizer_offload: Adam's state to the device for the steps
+    enter(run, step, "update")  # optimizer_offload: Adam's state to the device for the steps
     if run.critic is not None:
         with timed(metrics, "update_critic"):
             metrics.update(update_critic(run.critic, run.critic_optim, batch, plan.critic_update, generator,
@@ -1360,7 +1365,7 @@ def train(run: Run) -> None:
     and a checkpoint when they are due (8)."""
     tc = run.cfg.trainer  # build_run placed the models for the first sync
     if tc.val_before_train and run.val_prompts and run.start_step < run.total_steps:  # on resume, too
-        run.progress.enter(run.start_step, "validate")
+        enter(run, run.start_step, "validate")
         sync_weights(run)
         val_metrics = run_validation(run, run.start_step)
         print0(f"validation before training: val/score {val_metrics['val/score']:.3f}")
@@ -1369,13 +1374,13 @@ def train(run: Run) -> None:
         metrics = train_step(run, step)
         last = step == run.total_steps
         if run.val_prompts and tc.test_freq > 0 and (step % tc.test_freq == 0 or last):
-            run.progress.enter(step, "validate")
+            enter(run, step, "validate")
             sync_weights(run)  # validate the weights just trained, not the ones this step sampled from
             with timed(metrics, "testing"):
                 metrics.update(run_validation(run, step))
         run.tracker.log(step, metrics)
         if tc.save_freq > 0 and (step % tc.save_freq == 0 or last):
-            run.progress.enter(step, "save")
+            enter(run, step, "save")
             save(run, step)
 
 
