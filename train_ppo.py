@@ -12,8 +12,8 @@ The device map is verl's (`python mesh_utils.py --config X`; with memory: `pytho
     # 2 nodes (SLURM): sbatch launch/slurm_multinode.sbatch configs/gsm8k_grpo_2node_6gpu.yaml
     # any key can be overridden: ... actor_rollout_ref.rollout.n=8 trainer.total_training_steps=100
 
-Reading order: `main` (the loop) -> `train_step` (steps 1-8) -> the functions each step calls.
-`build_run` makes the `Run`, every piece of state a run holds, listed once.
+Reading order: `train` (the loop) -> `train_step` (steps 1-8) -> the functions each step calls.
+`build_run` makes the `Run` whole, every piece of state a run holds, listed once (the engine's in `Engine`).
 
 The step's batch is a dict of tensors, one row per sample this rank trains on (B samples on this
 rank, P = max_prompt_length, R = max_response_length):
@@ -681,8 +681,23 @@ def load_multi_turn(cfg: Config, tokenizer: Any) -> MultiTurn | None:
 
 
 @dataclass
+class Engine:
+    """The rollout engine and what talks to it, built whole by build_engine."""
+
+    llm: LLM
+    settings: dict[str, Any]  # what the engine was built with (engine_settings)
+    train_sampling: rollout.Sampling
+    val_sampling: rollout.Sampling
+    probe: list[int]  # a prompt whose greedy log-probs fingerprint the engine
+    actor_probe: Batch  # its last tokens, for the actor's side of that check
+    stale_check: rollout.StaleWeightsCheck
+    lora_modules: set[str] | None  # with LoRA: what syncs after the first (full) sync
+    synced_once: bool = False
+
+
+@dataclass
 class Run:
-    """Everything a run holds between steps; build_run makes it, train_step and main use it."""
+    """Everything a run holds between steps; build_run makes it whole, train_step and train use it."""
 
     cfg: Config
     env: DistEnv
@@ -714,30 +729,28 @@ class Run:
     old_log_probs_from: str  # "engine" | "update" | "forward" (old_log_prob_source)
     rollout_data_dir: Path | None  # trainer.rollout_data_dir: each step's samples; None: not written
     validation_data_dir: Path  # trainer.validation_data_dir (null: <out_dir>/val_generations)
-    start_step: int = 0
-    llm: LLM | None = None
-    engine_settings: dict[str, Any] = field(default_factory=dict)  # what the engine was built with
-    train_sampling: rollout.Sampling | None = None
-    val_sampling: rollout.Sampling | None = None
-    probe: list[int] = field(default_factory=list)  # a prompt whose greedy log-probs fingerprint the engine
-    actor_probe: Batch = field(default_factory=dict)  # its last tokens, for the actor's side of that check
-    stale_check: Any = None  # rollout.StaleWeightsCheck
-    lora_modules: set[str] | None = None  # with LoRA: what syncs after the first (full) sync
+    start_step: int  # the checkpoint's step (resume), else 0
+    engine: Engine
+    tracker: Tracker
+    progress: watchdog.Progress  # off (watchdog.Progress(None)) unless build_run(watch=True)
+    placement: str  # the memory phase the models and engine are placed for (memory_plan.placement)
     multi_turn: MultiTurn | None = None  # actor_rollout_ref.rollout.multi_turn.enable: tools and their replies
     reward_model: RewardModel | None = None  # reward_model.enable: it scores the training samples
     teacher: torch.nn.Module | None = None  # distillation.enabled: the frozen teacher, beside the reference
     teacher_vocab_limit: int | None = None  # the ids its top-k may name: the tokenizer's (models.check_teacher)
-    tracker: Tracker | None = None
-    progress: watchdog.Progress = field(default_factory=lambda: watchdog.Progress(None))  # off until started
-    placement: str = LOADED  # the memory phase the models and engine are placed for (memory_plan.placement)
-    synced_once: bool = False
     consecutive_skips: int = 0
 
     def checkpointed(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]]:
-        models = {"actor": (self.actor, self.actor_optim, self.actor_sched)}
-        if self.critic is not None:
-            models["critic"] = (self.critic, self.critic_optim, self.critic_sched)
-        return models
+        return checkpointed(vars(self))
+
+
+def checkpointed(models: dict[str, Any]) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]]:
+    """What a checkpoint holds of `models` (load_models' names): the actor's and the critic's model, optimizer
+    and schedule."""
+    out = {"actor": (models["actor"], models["actor_optim"], models["actor_sched"])}
+    if models["critic"] is not None:
+        out["critic"] = (models["critic"], models["critic_optim"], models["critic_sched"])
+    return out
 
 
 def enter(run: Run, step: int, phase: str) -> None:
@@ -750,27 +763,35 @@ def enter(run: Run, step: int, phase: str) -> None:
 
 def move_to(run: Run, phase: str) -> None:
     """Place models, optimizer states and engine for `phase` (memory_plan.placement, from the offload flags)."""
-    # LoRA's syncs after the first send only the modules it changes: the engine keeps its other weights
-    level = rollout.sleep_level(partial_sync=bool(run.lora_spec))
-    apply_moves(plan_moves(run.offload, run.placement, phase), {"actor": run.actor, "critic": run.critic},
-                {"actor": run.actor_optim, "critic": run.critic_optim}, run.env.device,
-                sleep_engine=functools.partial(rollout.sleep, run.llm, level))
+    place(vars(run), run.offload, run.placement, phase, run.env.device, run.engine.llm)
     run.placement = phase
+
+
+def place(models: dict[str, Any], offload: OffloadFlags, src: str, dst: str, device: torch.device,
+          llm: LLM | None) -> None:
+    """The moves from placement `src` to `dst` (memory_plan.plan_moves) of `models` (load_models' names)
+    and of the engine, if there is one yet."""
+    # LoRA's syncs after the first send only the modules it changes: the engine keeps its other weights
+    level = rollout.sleep_level(partial_sync=bool(models["lora_spec"]))
+    apply_moves(plan_moves(offload, src, dst), {"actor": models["actor"], "critic": models["critic"]},
+                {"actor": models["actor_optim"], "critic": models["critic_optim"]}, device,
+                sleep_engine=functools.partial(rollout.sleep, llm, level) if llm is not None else None)
 
 
 def sync_weights(run: Run) -> float:
     """Actor -> engine, then check that it landed (rollout.StaleWeightsCheck); the sync's seconds.
     With LoRA the first sync sends every weight (merged), later ones only the modules LoRA changes."""
+    engine = run.engine
     if run.lora_spec:
-        weights = iter_sync_params(run.actor, run.param_dtype, run.lora_modules if run.synced_once else None)
+        weights = iter_sync_params(run.actor, run.param_dtype, engine.lora_modules if engine.synced_once else None)
     else:
         weights = iter_full_params(run.actor, dtype=run.param_dtype)
-    seconds = rollout.sync_weights(run.llm, weights, partial=bool(run.lora_spec) and run.synced_once)
-    run.synced_once = True
+    seconds = rollout.sync_weights(engine.llm, weights, partial=bool(run.lora_spec) and engine.synced_once)
+    engine.synced_once = True
     run.actor.eval()
     with torch.no_grad():
-        actor_log_probs = compute_log_probs(run.actor, run.actor_probe, 1.0, 1).log_probs  # (1, 4)
-    run.stale_check.check(rollout.engine_fingerprint(run.llm, run.probe), actor_log_probs.double().cpu())
+        actor_log_probs = compute_log_probs(run.actor, engine.actor_probe, 1.0, 1).log_probs  # (1, 4)
+    engine.stale_check.check(rollout.engine_fingerprint(engine.llm, engine.probe), actor_log_probs.double().cpu())
     return seconds
 
 
@@ -780,9 +801,9 @@ def generate(run: Run, prompts: list[Prompt], prompt_indices: list[int], step: i
     sampling.n responses each, prompt-major; every rank of the TP group makes the same call. With
     multi_turn.enable the policy and its tools take turns (agent_loop.py), and per-sample stats come too."""
     if run.multi_turn is None:
-        return rollout.generate(run.llm, [p.token_ids for p in prompts], sampling, step=step,
+        return rollout.generate(run.engine.llm, [p.token_ids for p in prompts], sampling, step=step,
                                 prompt_indices=prompt_indices), None
-    return generate_multi_turn(functools.partial(rollout.sample_turns, run.llm, sampling), prompts, prompt_indices,
+    return generate_multi_turn(functools.partial(rollout.sample_turns, run.engine.llm, sampling), prompts, prompt_indices,
                                sampling, run.multi_turn.limits, step=step, make_env=run.multi_turn.environment,
                                renderer=run.multi_turn.renderer,
                                decode=functools.partial(run.tokenizer.decode, skip_special_tokens=True),
@@ -795,7 +816,7 @@ def rollout_step(run: Run, step: int, gen_batch: int,
     TP rank r's slice r of them, scored (`scores`, (B,)); for ReMax also `reward_baselines`, the score
     of each prompt's greedy response."""
     cfg, rollout_mesh = run.cfg, run.meshes.rollout
-    sampling = run.train_sampling.for_batch(gen_batch)  # fresh seeds per generation batch
+    sampling = run.engine.train_sampling.for_batch(gen_batch)  # fresh seeds per generation batch
     baseline_rollout = core.ADV_ESTIMATORS[cfg.algorithm.adv_estimator].baseline_rollout
     with timed(metrics, "gen"):
         prompt_indices = run.sampler.next_batch()  # the same on every rank
@@ -845,7 +866,7 @@ def run_validation(run: Run, step: int) -> dict[str, float]:
     rollout_mesh, prompts = run.meshes.rollout, run.val_prompts
     dp, dp_rank = rollout_mesh.size(0), rollout_mesh.get_local_rank("dp")
     indices = list(range(len(prompts) * dp_rank // dp, len(prompts) * (dp_rank + 1) // dp))
-    generated, turn_stats = generate(run, [prompts[i] for i in indices], indices, step, run.val_sampling)
+    generated, turn_stats = generate(run, [prompts[i] for i in indices], indices, step, run.engine.val_sampling)
     rows = [prompts[i] for i in generated.prompt_index.tolist()]
     response_tokens = generated.attention_mask[:, -generated.responses.shape[1]:]  # (B, R)
     with failing_together(RewardError, run.env.device):
@@ -880,7 +901,7 @@ def run_validation(run: Run, step: int) -> dict[str, float]:
 
 def train_step(run: Run, step: int) -> dict[str, float]:
     """Steps 1-7 of one PPO / GRPO iteration; returns its metrics, reduced over ranks (verl's names).
-    Validation and the checkpoint (8) follow in main."""
+    Validation and the checkpoint (8) follow in train."""
     cfg, plan = run.cfg, run.plan
     algo_cfg, actor_cfg = cfg.algorithm, cfg.actor_rollout_ref.actor
     metrics: dict[str, float] = {}
@@ -1074,10 +1095,11 @@ def step_metrics(run: Run, batch: Batch, step_seconds: float) -> dict[str, float
 # Set-up: config -> process group -> meshes -> data -> models -> resume -> engine
 
 
-def build_run(cfg: Config, env: DistEnv, engine_of: Run | None = None) -> Run:
-    """Everything a run needs, in order; config errors come before anything heavy. With `engine_of`, the
-    rollout engine of that earlier run in this process is reused (its settings must equal this config's):
-    several runs in one program pay one engine start-up."""
+def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch: bool = False) -> Run:
+    """Everything a run needs, in order; config errors come before anything heavy. With `engine`, an
+    earlier run's engine (in this process) serves this run too, its sampling and probes made for this
+    config: the caller checks that it can (tests/run_cases.py). watch: start the hang watchdog
+    (trainer.hang_timeout_s) once the run is built."""
     dims, plan = validate(cfg, env.world_size)
     check_launch(dims, env)
     tc = cfg.trainer
@@ -1107,24 +1129,29 @@ def build_run(cfg: Config, env: DistEnv, engine_of: Run | None = None) -> Run:
     source, why = old_log_prob_source(models["actor"], cfg.algorithm, plan.actor_update, plan.samples_per_rank,
                                       cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
     print0(f"old log-probs: {source} ({why})")
-    run = Run(cfg=cfg, env=env, dims=dims, plan=plan, meshes=meshes, dp_group=train_dp_group(meshes),
-              sp_group=meshes.sp.get_group("sp") if meshes.sp is not None else None, out_dir=out_dir,
-              tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts, reward_fn=reward_fn,
-              sampler=sampler, total_steps=total_steps, actor_loss=ActorLoss.from_config(cfg),
-              param_dtype=param_dtype, offload=OffloadFlags.from_config(cfg), old_log_probs_from=source,
-              rollout_data_dir=Path(tc.rollout_data_dir) if tc.rollout_data_dir is not None else None,
-              validation_data_dir=Path(tc.validation_data_dir or out_dir / "val_generations"),
-              multi_turn=multi_turn, teacher_vocab_limit=teacher_vocab_limit, **models)
-    resume(run)
+    start_step = resume(cfg, out_dir, env.rank, checkpointed(models), sampler, models["kl_ctrl"])
     # placed as for the first weight sync before the engine starts: vLLM sizes its KV cache from the
     # memory free then, so an offloaded critic must already be on the host
-    move_to(run, "sync")
-    build_engine(run, engine_of)
-    run.tracker = Tracker(out_dir, cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
-                          dict(cfg), total_steps, enabled=env.rank == 0)
+    offload = OffloadFlags.from_config(cfg)
+    place(models, offload, LOADED, "sync", env.device, None)
+    engine = build_engine(cfg, dims, env, meshes, tokenizer, train_prompts[0].token_ids, multi_turn, models,
+                          param_dtype, reuse=engine)
+    tracker = Tracker(out_dir, cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
+                      dict(cfg), total_steps, enabled=env.rank == 0)
     if env.rank == 0:
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
-    return run
+    # a rank that stops ends the job within trainer.hang_timeout_s, named, with every rank's stacks
+    progress = (watchdog.start(out_dir, env.rank, env.world_size, cfg.trainer.hang_timeout_s) if watch
+                else watchdog.Progress(None))
+    return Run(cfg=cfg, env=env, dims=dims, plan=plan, meshes=meshes, dp_group=train_dp_group(meshes),
+               sp_group=meshes.sp.get_group("sp") if meshes.sp is not None else None, out_dir=out_dir,
+               tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts, reward_fn=reward_fn,
+               sampler=sampler, total_steps=total_steps, actor_loss=ActorLoss.from_config(cfg),
+               param_dtype=param_dtype, offload=offload, old_log_probs_from=source,
+               rollout_data_dir=Path(tc.rollout_data_dir) if tc.rollout_data_dir is not None else None,
+               validation_data_dir=Path(tc.validation_data_dir or out_dir / "val_generations"),
+               start_step=start_step, engine=engine, tracker=tracker, progress=progress, placement="sync",
+               multi_turn=multi_turn, teacher_vocab_limit=teacher_vocab_limit, **models)
 
 
 def load_data(cfg: Config, dims: ParallelDims,
@@ -1245,87 +1272,71 @@ def load_learned_reward_model(cfg: Config, meshes: Meshes, env: DistEnv, tokeniz
     return rm
 
 
-def resume(run: Run) -> None:
-    """Load the latest complete checkpoint, if any (DCP reshards it to this world size)."""
-    tc = run.cfg.trainer
-    path = find_resume_path(tc.resume_mode, run.out_dir, tc.resume_from_path)
+def resume(cfg: Config, out_dir: Path, rank: int, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]],
+           sampler: PromptSampler, kl_ctrl: core.FixedKLController) -> int:
+    """Load the latest complete checkpoint, if any (DCP reshards it to this world size), into the models
+    (checkpointed), the prompt sampler and the KL controller; its step (0: none)."""
+    tc = cfg.trainer
+    path = find_resume_path(tc.resume_mode, out_dir, tc.resume_from_path)
+    start_step = 0
     if path is not None:
-        state = load_checkpoint(path, run.checkpointed())
-        run.start_step = state["step"]
-        run.sampler.load_state_dict(state["sampler"])
-        run.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        print0(f"resumed from {path} (step {run.start_step}, written by {state['world_size']} ranks)")
-    if run.env.rank == 0:
-        truncate_metrics(run.out_dir / "metrics.jsonl", run.start_step)
+        state = load_checkpoint(path, models)
+        start_step = state["step"]
+        sampler.load_state_dict(state["sampler"])
+        kl_ctrl.load_state_dict(state["kl_ctrl"])
+        print0(f"resumed from {path} (step {start_step}, written by {state['world_size']} ranks)")
+    if rank == 0:
+        truncate_metrics(out_dir / "metrics.jsonl", start_step)
+    return start_step
 
 
-def build_engine(run: Run, engine_of: Run | None = None) -> None:
-    """One vLLM shard per rank, TP over the rows of the rollout mesh, after the models are placed (or the
-    engine of `engine_of`, when it was built with the same settings); the sampling settings of training
-    and validation; the probes of the stale-weights check."""
-    cfg, tokenizer = run.cfg, run.tokenizer
+def engine_settings(cfg: Config, dims: ParallelDims, device_type: str) -> dict[str, Any]:
+    """What the rollout engine is built with (rollout.build_rollout_engine's arguments)."""
     data_cfg, rollout_cfg, model_cfg = cfg.data, cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
     max_model_len = data_cfg.max_prompt_length + data_cfg.max_response_length
-    run.engine_settings = dict(
-        model_path=model_cfg.path, tensor_model_parallel_size=run.dims.infer_tp, max_model_len=max_model_len,
+    return dict(
+        model_path=model_cfg.path, tensor_model_parallel_size=dims.infer_tp, max_model_len=max_model_len,
         gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
-        dtype="bfloat16" if run.env.device_type == "cuda" else "float32", enforce_eager=rollout_cfg.enforce_eager,
+        dtype="bfloat16" if device_type == "cuda" else "float32", enforce_eager=rollout_cfg.enforce_eager,
         cpu_kv_cache_gib=rollout_cfg.cpu_kv_cache_space_gb, max_num_seqs=rollout_cfg.max_num_seqs,
         max_num_batched_tokens=max(rollout_cfg.max_num_batched_tokens, max_model_len),
         trust_remote_code=model_cfg.trust_remote_code)
-    if engine_of is None:
-        settings = dict(run.engine_settings)
-        run.llm = rollout.build_rollout_engine(settings.pop("model_path"), run.meshes.rollout,
-                                               **{k: v for k, v in settings.items() if k != "tensor_model_parallel_size"})
+
+
+def build_engine(cfg: Config, dims: ParallelDims, env: DistEnv, meshes: Meshes, tokenizer: Any, probe: list[int],
+                 multi_turn: MultiTurn | None, models: dict[str, Any], param_dtype: torch.dtype,
+                 reuse: Engine | None = None) -> Engine:
+    """One vLLM shard per rank, TP over the rows of the rollout mesh, after the models are placed (or
+    `reuse`'s engine, when given); the sampling settings of training and validation; the probes of the
+    stale-weights check (`probe`: a training prompt's ids)."""
+    data_cfg, rollout_cfg = cfg.data, cfg.actor_rollout_ref.rollout
+    if reuse is None:
+        settings = engine_settings(cfg, dims, env.device_type)
+        built = dict(settings)
+        llm = rollout.build_rollout_engine(built.pop("model_path"), meshes.rollout,
+                                           **{k: v for k, v in built.items() if k != "tensor_model_parallel_size"})
     else:
-        # an engine built for longer sequences serves shorter ones, and another checkpoint of the same
-        # architecture is fine (the first sync replaces every weight); every other setting must be equal
-        at_most = ("max_model_len", "max_num_batched_tokens")
-
-        def serves(key: str, was: Any, now: Any) -> bool:
-            if key in at_most:
-                return now <= was
-            return now == was or (key == "model_path" and same_architecture(now, was, model_cfg.trust_remote_code))
-
-        differ = {k: (engine_of.engine_settings[k], v) for k, v in run.engine_settings.items()
-                  if not serves(k, engine_of.engine_settings[k], v)}
-        if differ:
-            raise ConfigError("cannot reuse the earlier run's rollout engine; these settings differ (then, now): "
-                              + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in differ.items())
-                              + f" (the engine serves a run whose {' and '.join(at_most)} are at most its own)")
-        move_to(engine_of, "generate")  # the engine awake, as a new run (placed LOADED) assumes
-        run.llm, run.engine_settings = engine_of.llm, engine_of.engine_settings
+        llm, settings = reuse.llm, reuse.settings
     # a response ends at the EOS id; a multi-turn assistant turn at the chat template's end of turn
-    stop = run.multi_turn.stop_token_ids if run.multi_turn is not None else [tokenizer.eos_token_id]
+    stop = multi_turn.stop_token_ids if multi_turn is not None else [tokenizer.eos_token_id]
     limits = dict(max_tokens=data_cfg.max_response_length, max_prompt_length=data_cfg.max_prompt_length,
                   stop_token_ids=tuple(stop), pad_token_id=tokenizer.pad_token_id)
     seed = cfg.trainer.seed
-    run.train_sampling = rollout.Sampling(n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
-                                          top_k=rollout_cfg.top_k, seed=seed, **limits)
+    train_sampling = rollout.Sampling(n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
+                                      top_k=rollout_cfg.top_k, seed=seed, **limits)
     val = rollout_cfg.val_kwargs
     val_temperature = val.temperature
-    run.val_sampling = rollout.Sampling(n=val.n, temperature=val_temperature if val.do_sample else 0.0,
-                                        top_p=val.top_p, top_k=val.top_k,
-                                        seed=seed + rollout.VALIDATION_SEED_OFFSET, **limits)
+    val_sampling = rollout.Sampling(n=val.n, temperature=val_temperature if val.do_sample else 0.0,
+                                    top_p=val.top_p, top_k=val.top_k, seed=seed + rollout.VALIDATION_SEED_OFFSET,
+                                    **limits)
     # A fixed prompt whose greedy log-probs fingerprint the engine's weights, and a fixed sequence (the
     # prompt's first tokens and its last few) whose log-probs under the actor say whether the actor moved.
-    run.probe = run.train_prompts[0].token_ids
-    tail = list(run.probe[-4:])
-    probe_batch = rollout.pad_rollout([run.probe], [tail], [[0.0] * len(tail)], [0], len(tail), tokenizer.pad_token_id)
-    run.actor_probe = {k: v.to(run.env.device) for k, v in vars(probe_batch).items()}
-    run.stale_check = rollout.StaleWeightsCheck(rollout.STALE_TOLERANCE[str(run.param_dtype).removeprefix("torch.")])
-    run.lora_modules = sync_modules(run.actor, rollout.packed_modules(run.llm)) if run.lora_spec else None
-
-
-def same_architecture(path: str, other: str, trust_remote_code: bool) -> bool:
-    """Whether two checkpoints' configs describe the same model (only weights may differ)."""
-    from transformers import AutoConfig
-
-    def shape(p: str) -> dict[str, Any]:
-        config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code).to_dict()
-        return {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version", "dtype")}
-
-    return shape(path) == shape(other)
+    tail = list(probe[-4:])
+    probe_batch = rollout.pad_rollout([probe], [tail], [[0.0] * len(tail)], [0], len(tail), tokenizer.pad_token_id)
+    actor_probe = {k: v.to(env.device) for k, v in vars(probe_batch).items()}
+    stale_check = rollout.StaleWeightsCheck(rollout.STALE_TOLERANCE[str(param_dtype).removeprefix("torch.")])
+    lora_modules = sync_modules(models["actor"], rollout.packed_modules(llm)) if models["lora_spec"] else None
+    return Engine(llm, settings, train_sampling, val_sampling, probe, actor_probe, stale_check, lora_modules)
 
 
 def save(run: Run, step: int) -> None:
@@ -1389,13 +1400,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(args.config, args.overrides)
     check_supported(cfg)  # the config-only checks (nccl_timeout among them) before the process group
     env = init_distributed(timeout_s=cfg.actor_rollout_ref.nccl_timeout)
-    run = build_run(cfg, env)
-    # a rank that stops ends the job within trainer.hang_timeout_s, named, with every rank's stacks
-    run.progress = watchdog.start(run.out_dir, env.rank, env.world_size, cfg.trainer.hang_timeout_s)
+    run = build_run(cfg, env, watch=True)
     train(run)
     run.progress.stop()
     finish(run)
-    rollout.shutdown(run.llm)  # stops the engine, then the process group, in the order vLLM needs
+    rollout.shutdown(run.engine.llm)  # stops the engine, then the process group, in the order vLLM needs
 
 
 if __name__ == "__main__":

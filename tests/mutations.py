@@ -86,8 +86,8 @@ MUTATIONS = (
     Mutation("rollout.n samples of a prompt split across rollout dp groups", "train_ppo.py", (
         ('group_indices = rollout.shard_for_dp(prompt_indices, rollout_mesh.get_local_rank("dp"), run.dims.rollout_dp)',
          'group_indices = prompt_indices'),
-        ('run.train_sampling = rollout.Sampling(n=rollout_cfg.n,',
-         'run.train_sampling = rollout.Sampling(n=rollout_cfg.n // run.dims.rollout_dp,')),
+        ('train_sampling = rollout.Sampling(n=rollout_cfg.n,',
+         'train_sampling = rollout.Sampling(n=rollout_cfg.n // dims.rollout_dp,')),
         "tests/test_train_ppo.py::test_seed_six_rank_job"),
     Mutation("multi-turn: the tool replies' tokens left in the loss", "agent_loop.py", ((
         '    t.add(ids, False)\n', '    t.add(ids, True)\n'),),
