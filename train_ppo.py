@@ -12,8 +12,9 @@ The device map is verl's (`python mesh_utils.py --config X`; with memory: `pytho
     # 2 nodes (SLURM): sbatch launch/slurm_multinode.sbatch configs/gsm8k_grpo_2node_6gpu.yaml
     # any key can be overridden: ... actor_rollout_ref.rollout.n=8 trainer.total_training_steps=100
 
-Reading order: `train` (the loop) -> `train_step` (steps 1-8) -> the functions each step calls.
-`build_run` makes the `Run` whole, every piece of state a run holds, listed once (the engine's in `Engine`).
+The file reads in execution order: `Run` (every piece of state a run holds, listed once; the engine's in
+`Engine`) -> `train_step` (steps 1-8) -> `train` (the loop) and `main` -> the functions the steps call, in
+step order -> set-up (`build_run` makes the `Run` whole).
 
 The step's batch is a dict of tensors, one row per sample this rank trains on (B samples on this
 rank, P = max_prompt_length, R = max_response_length):
@@ -161,523 +162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # -----------------------------------------------------------------------------
-# The algorithm of one step: pure functions of tensors, plus the collectives named in their arguments
-
-
-def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) scores -> (B, R) token-level scores: each at its response's last loss-mask token."""
-    length = response_mask.shape[-1]
-    last = length - 1 - response_mask.flip(-1).argmax(-1)  # (B,) the last 1 of each row
-    last = torch.where(response_mask.any(-1), last, 0)
-    token_level_scores = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
-    token_level_scores[torch.arange(len(scores)), last] = scores.to(token_level_scores)
-    return token_level_scores  # (B, R)
-
-
-def check_generated_layout(prompt_index: torch.Tensor, samples_per_prompt: int, dp_group: dist.ProcessGroup) -> None:
-    """The layout generation promises, checked on the step's whole batch before balance_batch deals it anew:
-    prompt-major, each prompt's rollout.n samples one run (all made by one rollout group, whose sample
-    indices 0 .. n-1 seed them apart: rollout.sample_seed). Collective."""
-    all_index = gather_rows(prompt_index, dp_group)  # (B * dp,), dp rank order
-    runs = all_index.view(-1, samples_per_prompt) if len(all_index) % samples_per_prompt == 0 else None
-    if runs is None or not bool((runs == runs[:, :1]).all()) or len(set(all_index.tolist())) != len(runs):
-        raise RuntimeError(f"generation must give the step's samples in prompt-major order, rollout.n="
-                           f"{samples_per_prompt} per prompt; got prompt indices {all_index.tolist()[:24]}...")
-
-
-def balance_batch(batch: Batch, reward_extras: list[dict[str, float]], dp_group: dist.ProcessGroup
-                  ) -> tuple[Batch, list[dict[str, float]], dict[str, float]]:
-    """verl's trainer.balance_batch: the step's samples dealt anew over the ranks of dp_group, as many per
-    rank as before, so that each rank holds about as many tokens (ppo_core.balanced_partitions over
-    attention_mask.sum(-1)); every all-reduce of the forwards and the update waits for the rank with the
-    most. Every rank gathers every row, computes the same partition and keeps its part, in batch order,
-    with its rows' reward extras (the sp ranks of a group hold the same rows and keep the same part).
-    The update's gradient is the same sum, in another float order; the estimators group samples by
-    prompt_index, not by place. Returns (this rank's rows, their extras, verl's global_seqlen/* metrics:
-    the ranks' token sums before (min, max, minmax_diff) and after (balanced_min, balanced_max), and
-    their mean). Collective."""
-    lengths = gather_rows(batch["attention_mask"].sum(-1), dp_group).tolist()  # (B * dp,) dp rank order
-    dp, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-    parts = core.balanced_partitions(lengths, dp)
-    mine = torch.tensor(parts[rank], device=batch["attention_mask"].device)  # (B,) rows of the gathered batch
-    balanced = {key: gather_rows(rows, dp_group)[mine] for key, rows in batch.items()}
-    extras = gather_items(reward_extras, dp_group)
-    per_rank = len(lengths) // dp
-    before = [sum(lengths[r * per_rank:(r + 1) * per_rank]) for r in range(dp)]
-    after = [sum(lengths[i] for i in part) for part in parts]
-    metrics = {"global_seqlen/min": min(before), "global_seqlen/max": max(before),
-               "global_seqlen/minmax_diff": max(before) - min(before), "global_seqlen/balanced_min": min(after),
-               "global_seqlen/balanced_max": max(after), "global_seqlen/mean": sum(after) / dp}
-    return balanced, [extras[i] for i in parts[rank]], metrics
-
-
-def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLController,
-                       dp_group: dist.ProcessGroup, total_samples: int, samples_per_prompt: int) -> dict[str, float]:
-    """Token-level rewards, advantages and returns of this rank's samples, written into `batch`.
-
-    The ranks of dp_group hold the step's samples between them, each once: prompt-major as generated (a
-    prompt's samples may span neighbouring ranks), or in any order after balance_batch. Estimators that
-    compare a prompt's samples gather the step's whole batch, compute on it as verl's driver does (by
-    prompt_index, whatever the order), and keep this rank's rows; the others work per sample (GAE and
-    REINFORCE++ whiten over dp_group). The adaptive KL controller sees the whole batch's KL."""
-    mask = batch["response_mask"].float()  # (B, R)
-    metrics: dict[str, float] = {}
-    rewards = batch["token_level_scores"]  # (B, R)
-    if algo_cfg.use_kl_in_reward:
-        rewards, current_kl = core.apply_kl_penalty(rewards, batch["old_log_probs"], batch["ref_log_probs"], mask,
-                                                    kl_ctrl.value, algo_cfg.kl_penalty)
-        # mean of the per-sequence KLs over every rank's share, or each rank's coefficient drifts its own way
-        kl_total = torch.tensor([current_kl * len(mask), len(mask)], dtype=torch.float64, device=mask.device)
-        dist.all_reduce(kl_total, group=dp_group)
-        current_kl = (kl_total[0] / kl_total[1]).item()
-        metrics["actor/reward_kl_penalty"], metrics["actor/reward_kl_penalty_coeff"] = current_kl, kl_ctrl.value
-        kl_ctrl.update(current_kl, n_steps=total_samples)  # the coefficient for the next batch
-    batch["token_level_rewards"] = rewards
-
-    estimator = core.ADV_ESTIMATORS[algo_cfg.adv_estimator]
-    if estimator.compares_group:
-        all_rewards, all_mask = gather_rows(rewards, dp_group), gather_rows(mask, dp_group)  # (B * dp, R)
-        all_index = gather_rows(batch["prompt_index"], dp_group)  # (B * dp,), dp rank order
-        # a baseline from part of a group is silently wrong (check_generated_layout saw the order)
-        prompts, group_sizes = torch.unique(all_index, return_counts=True)  # (G,) each
-        if not bool((group_sizes == samples_per_prompt).all()):
-            wrong = group_sizes != samples_per_prompt
-            got = list(zip(prompts[wrong].tolist(), group_sizes[wrong].tolist(), strict=True))
-            raise RuntimeError(f"{estimator.name} needs all rollout.n={samples_per_prompt} samples of each prompt in "
-                               f"the step's batch; got (prompt index, samples) {got[:12]}")
-        # the old policy's per-token statistics, when asked for (the optimal token baseline reads them)
-        per_token = {k: gather_rows(batch[k], dp_group) for k in ("old_log_probs", "sum_pi_squared")
-                     if "sum_pi_squared" in batch}  # (B * dp, R) each
-        all_adv, _ = core.compute_advantage(
-            estimator.name, token_level_rewards=all_rewards, response_mask=all_mask, index=all_index.tolist(),
-            norm_adv_by_std_in_grpo=algo_cfg.norm_adv_by_std_in_grpo, **per_token)  # (B * dp, R)
-        batch["advantages"] = batch["returns"] = my_rows(all_adv, dp_group)  # (B, R)
-    else:
-        batch["advantages"], batch["returns"] = core.compute_advantage(
-            estimator.name, token_level_rewards=rewards, response_mask=mask, values=batch.get("values"),
-            gamma=algo_cfg.gamma, lam=algo_cfg.lam, whiten_group=dp_group,
-            reward_baselines=batch.get("reward_baselines"))  # (B, R) each
-    return metrics
-
-
-@dataclass(frozen=True)
-class DistillationLoss:
-    """What on-policy distillation's term reads (distillation.distillation_loss), resolved once."""
-
-    loss_mode: str  # ppo_core.DISTILLATION_LOSS_MODES
-    topk: int | None  # forward_kl_topk: the teacher's k most likely tokens; None for the KL estimators
-    use_task_rewards: bool  # true: the task's loss + coef x this term; false: this term alone
-    coef: float  # distillation_loss_coef (with use_task_rewards)
-    loss_max_clamp: float | None
-    log_prob_min_clamp: float | None  # forward_kl_topk only
-    use_policy_gradient: bool
-    clip_ratio_low: float | None  # with use_policy_gradient
-    clip_ratio_high: float | None
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> DistillationLoss | None:
-        """None without distillation.enabled. Reads only the keys its mode uses (finish() names any other set)."""
-        if not cfg.distillation.enabled:
-            return None
-        d = cfg.distillation.distillation_loss
-        topk = d.loss_mode == "forward_kl_topk"
-        low = high = None
-        if d.use_policy_gradient:
-            _ = d.policy_loss_mode  # vanilla, the only one (config.CHOICES)
-            low, high = (d.clip_ratio if c is None else c for c in (d.clip_ratio_low, d.clip_ratio_high))
-        return cls(d.loss_mode, d.topk if topk else None, d.use_task_rewards,
-                   d.distillation_loss_coef if d.use_task_rewards else 1.0, d.loss_max_clamp,
-                   d.log_prob_min_clamp if topk else None, d.use_policy_gradient, low, high)
-
-
-@dataclass(frozen=True)
-class ActorLoss:
-    """What the actor's loss reads, resolved from the config once (ActorLoss.from_config)."""
-
-    loss_mode: str  # actor.policy_loss.loss_mode (ppo_core.POLICY_LOSSES)
-    loss_params: dict[str, Any]  # the clip ratios, and the keys of actor.policy_loss that loss_mode reads
-    entropy_coeff: float
-    kl_loss_coef: float | None  # None: no KL loss (actor.use_kl_loss=false)
-    kl_loss_type: str
-    temperature: float  # rollout.temperature: the log-probs are of logits / temperature
-    loss_scale_factor: int  # data.max_response_length, for seq-mean-token-sum-norm
-    bypass: bool = False  # algorithm.rollout_correction.bypass_mode: the correction runs here, pi_theta against the engine
-    truncation: tuple[int, float] | None = None  # the engine's (top_k, top_p) cut, when it samples from one
-    distillation: DistillationLoss | None = None  # distillation.enabled: the teacher's term
-    # algorithm.rollout_correction, parsed: in bypass mode the loss's, else check_old_policy's (decoupled mode)
-    correction: rollout_correction.Correction = field(default_factory=rollout_correction.Correction)
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> ActorLoss:
-        actor, rollout_cfg = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
-        mode = actor.policy_loss.loss_mode
-        low, high = (actor.clip_ratio if c is None else c for c in (actor.clip_ratio_low, actor.clip_ratio_high))
-        params = dict(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=actor.clip_ratio_c,
-                      **{key: functools.reduce(Config.__getitem__, policy_loss_key(key).split("."), cfg)
-                         for key in core.POLICY_LOSSES[mode].keys})
-        rc_cfg = cfg.algorithm.rollout_correction
-        return cls(mode, params, actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None,
-                   actor.kl_loss_type, rollout_cfg.temperature, cfg.data.max_response_length,
-                   rc_cfg.bypass_mode,
-                   (rollout_cfg.top_k, rollout_cfg.top_p) if sampling_truncates(rollout_cfg) else None,
-                   DistillationLoss.from_config(cfg), rollout_correction.Correction.from_config(rc_cfg))
-
-
-def actor_loss(mb: Batch, log_prob: torch.Tensor, entropy: torch.Tensor | None, loss: ActorLoss, loss_agg_mode: str,
-               scale: core.LossScale, generator: torch.Generator,
-               dp_group: dist.ProcessGroup | None = None, *,
-               student_topk: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One micro batch's policy loss (actor.policy_loss.loss_mode), minus the entropy bonus, plus the KL
-    loss to the reference model, each aggregated under `scale` (ppo_core's docstring). log_prob,
-    entropy: (b, R) of this forward. In bypass mode the correction runs here, pi_theta against the engine.
-    With distillation, its term (distillation_term) is added, or with use_task_rewards=false replaces the rest;
-    student_topk (b, R, k): this forward's log-probs of the teacher's top-k tokens (forward_kl_topk)."""
-    mask = mb["response_mask"]  # (b, R)
-    pg_mask, is_weights, terms = mask, mb.get("rollout_is_weights"), {}  # (b, R) each
-    bypass = loss.correction if loss.bypass else None
-    if bypass is not None:  # old_log_probs are the engine's: weights and rejection of pi_theta against them
-        is_weights, pg_mask, terms = rollout_correction.correct_micro_batch(log_prob, mb["old_log_probs"], mask,
-                                                                            bypass, dp_group)
-    if bypass is not None and bypass.loss_type == "reinforce":  # no clipping: the weights do the correcting
-        pg_loss, ppo_kl = rollout_correction.reinforce_policy_loss(mb["old_log_probs"], log_prob, mb["advantages"],
-                                                                   pg_mask, is_weights, loss_agg_mode, scale)
-        terms.update({"actor/pg_loss": pg_loss, "actor/ppo_kl": ppo_kl})
-    else:  # in bypass mode the ratio already is pi_theta / pi_engine: no weights on top (verl's ppo_clip)
-        pg_loss, pg_metrics = core.policy_loss(
-            loss.loss_mode, mb["old_log_probs"], log_prob, mb["advantages"], pg_mask, loss_agg_mode,
-            **loss.loss_params, generator=generator, scale=scale,
-            rollout_is_weights=None if bypass is not None else is_weights)
-        terms.update({"actor/pg_loss": pg_loss, **pg_metrics})
-    total = pg_loss
-    if entropy is not None and loss.entropy_coeff != 0:
-        terms["actor/entropy_loss"] = scale.agg(entropy, mask, loss_agg_mode)
-        total = total - loss.entropy_coeff * terms["actor/entropy_loss"]
-    if loss.kl_loss_coef is not None:
-        kl = core.kl_penalty(log_prob, mb["ref_log_probs"], loss.kl_loss_type)  # (b, R)
-        terms["actor/kl_loss"] = scale.agg(kl, mask, loss_agg_mode)
-        total = total + loss.kl_loss_coef * terms["actor/kl_loss"]
-    distill = loss.distillation
-    if distill is not None:
-        term = distillation_term(mb, log_prob, student_topk, distill, loss_agg_mode, scale, is_weights, terms)
-        # verl: use_task_rewards=false drops the task's loss (entropy and KL terms with it)
-        total = total + distill.coef * term if distill.use_task_rewards else term
-    return total, terms
-
-
-def distillation_term(mb: Batch, log_prob: torch.Tensor, student_topk: torch.Tensor | None, distill: DistillationLoss,
-                      loss_agg_mode: str, scale: core.LossScale, is_weights: torch.Tensor | None,
-                      terms: dict[str, torch.Tensor]) -> torch.Tensor:
-    """On-policy distillation's share of the micro batch's loss (ppo_core.distillation_loss), its metrics
-    into `terms` (verl's distillation/* names): the student's log-probs (b, R), or of the teacher's top-k
-    (b, R, k), against the teacher's from step 4."""
-    tokens = core.distillation_token_losses(
-        distill.loss_mode, log_prob, mb.get("teacher_log_probs"), student_topk_log_probs=student_topk,
-        teacher_topk_log_probs=mb.get("teacher_topk_log_probs"), log_prob_min_clamp=distill.log_prob_min_clamp)  # (b, R)
-    term, metrics = core.distillation_loss(
-        tokens, mb["old_log_probs"], log_prob, mb["response_mask"], loss_agg_mode,
-        use_policy_gradient=distill.use_policy_gradient, loss_max_clamp=distill.loss_max_clamp,
-        clip_ratio_low=distill.clip_ratio_low, clip_ratio_high=distill.clip_ratio_high,
-        rollout_is_weights=is_weights, scale=scale)
-    terms.update(metrics, **{"distillation/loss": term})
-    return term
-
-
-# -----------------------------------------------------------------------------
-# Updates: ppo_epochs x mini batches x micro batches, one loop for the actor and the critic
-
-
-def mini_batches(batch: Batch, spec: UpdateSpec, generator: torch.Generator) -> Iterator[list[Batch]]:
-    """Each optimizer step's mini batch as its list of micro batches: spec.epochs passes over this rank's
-    samples (a fresh order per pass when spec.shuffle), cut into runs of spec.micro_batch_size samples
-    or, with spec.max_token_len, balanced token budgets (as many on every rank; collective)."""
-    num_samples = batch["responses"].shape[0]
-    for _ in range(spec.epochs):
-        order = torch.randperm(num_samples, generator=generator) if spec.shuffle else torch.arange(num_samples)
-        for start in range(0, num_samples, spec.mini_batch_size):
-            rows = order[start:start + spec.mini_batch_size]
-            if spec.max_token_len is None:
-                size = spec.micro_batch_size
-                micro_rows = [rows[i:i + size] for i in range(0, len(rows), size)]
-            else:
-                micro_rows = [rows[part.cpu()] for part in token_budget_micro_batches(batch["attention_mask"][rows],
-                                                                                       spec.max_token_len)]
-            yield [{k: v[part] for k, v in batch.items()} for part in micro_rows]
-
-
-def set_gradient_reduction(model: torch.nn.Module, last_micro_batch: bool, accumulate_unsharded: bool) -> None:
-    """When this micro batch's backward reduces its gradients. By default (verl's way) every micro batch
-    reduce-scatters, so a rank only ever holds its gradient shard; under HSDP the all-reduce across
-    replicas still waits for the last one (FSDP2 sums the reduce-scattered shards meanwhile; a no-op
-    without HSDP). accumulate_unsharded (fsdp_config.accumulate_unsharded_grads): no reduction before
-    the last micro batch, the full unsharded fp32 gradient held on every rank until then."""
-    if accumulate_unsharded:
-        model.set_requires_gradient_sync(last_micro_batch)
-    else:
-        model.set_requires_all_reduce(last_micro_batch)
-
-
-LossFn = Callable[[Batch, core.LossScale], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss_fn: LossFn,
-                spec: UpdateSpec, generator: torch.Generator, dp_group: dist.ProcessGroup | None,
-                prefix: str) -> dict[str, float]:
-    """One optimizer step per mini batch (mini_batches), gradients accumulated over its micro batches.
-
-    loss_fn(micro_batch, scale) -> (loss, terms), where scale (a ppo_core.LossScale) holds the mini batch's
-    token and sequence counts over dp_group (the ranks holding distinct samples; all ranks when None) and its size, so the
-    gradient does not depend on the cut (ppo_core's docstring). Terms named `*_loss` are shares of the
-    mini batch's loss, summed over micro batches; others are averaged; then all over optimizer steps
-    (`*/loss` too: distillation/loss)."""
-    model.train()
-    dp_size = dist.get_world_size(dp_group)
-    metrics: dict[str, float] = {}
-    sums: dict[str, float] = {}
-    num_steps = 0
-    for micro_batches in mini_batches(batch, spec, generator):
-        num_tokens, num_seqs = core.global_num_tokens_and_seqs([mb["response_mask"] for mb in micro_batches],
-                                                                 group=dp_group)
-        scale = core.LossScale(num_tokens, num_seqs, dp_size)
-        for i, mb in enumerate(micro_batches):
-            set_gradient_reduction(model, last_micro_batch=i == len(micro_batches) - 1,
-                                   accumulate_unsharded=spec.accumulate_unsharded_grads)
-            loss, terms = loss_fn(mb, scale)
-            # A non-finite loss still goes through backward: its NaN reaches every rank's gradient
-            # through the reduce-scatter, so all ranks skip the step together (optimizer_step).
-            loss.backward()
-            for name, value in terms.items():
-                share = value.item() if name.endswith(("_loss", "/loss")) else value.item() / len(micro_batches)
-                sums[name] = sums.get(name, 0.0) + share
-        optimizer_step(model, optimizer, spec.grad_clip, prefix, metrics)
-        num_steps += 1
-    metrics.update({k: v / num_steps for k, v in sums.items()})
-    return metrics
-
-
-@dataclass
-class PolicyForward:
-    """The actor's outputs on the step's batch under the weights that sampled it, (B, R) each."""
-
-    old_log_probs: torch.Tensor
-    entropy: torch.Tensor
-    sampling_log_probs: torch.Tensor  # under the engine's top-k / top-p cut (old_log_probs without one)
-    sum_pi_squared: torch.Tensor | None = None  # sum_v pi(v)^2 per token, with actor.calculate_sum_pi_squared
-
-
-def _actor_micro_batch(actor: torch.nn.Module, loss: ActorLoss, loss_agg_mode: str, use_remove_padding: bool,
-                       groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None], generator: torch.Generator,
-                       forwards: list[tuple[torch.Tensor, ...]] | None, mb: Batch,
-                       scale: core.LossScale) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The actor's forward and loss on one micro batch (run_updates' loss_fn, through functools.partial).
-    With `forwards` (a list) this forward is the old policy's: its log-probs, detached, are the old ones,
-    and (rows, log-probs, entropy, cut log-probs) are appended for the caller."""
-    dp_group, sp_group = groups
-    own_old = forwards is not None
-    topk_ids = mb.get("teacher_topk_ids")  # (b, R, k): forward_kl_topk reads the student's log-probs there
-    out = compute_log_probs(
-        actor, mb, loss.temperature, len(mb["responses"]), loss.entropy_coeff != 0 or own_old,
-        use_remove_padding=use_remove_padding, sp_group=sp_group,
-        truncation=loss.truncation if own_old else None, topk_ids=topk_ids)  # one forward
-    log_prob, entropy = out.log_probs, out.entropy  # (b, R) each
-    if own_old:
-        mb = dict(mb, old_log_probs=log_prob.detach())
-        sampling_log_prob = log_prob if out.truncated is None else out.truncated  # (b, R) under the engine's cut, if any
-        forwards.append((mb["row_index"], log_prob.detach(), entropy.detach(), sampling_log_prob.detach()))
-    return actor_loss(mb, log_prob, entropy, loss, loss_agg_mode, replace(scale, scale_factor=loss.loss_scale_factor),
-                      generator, dp_group, student_topk=out.gathered)
-
-
-def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss: ActorLoss,
-                 spec: UpdateSpec, generator: torch.Generator, dp_group: dist.ProcessGroup | None = None,
-                 sp_group: dist.ProcessGroup | None = None,
-                 own_old_log_probs: bool = False) -> tuple[dict[str, float], PolicyForward | None]:
-    """The actor's update (run_updates over actor_loss). The batch's rollout_is_weights (decoupled rollout
-    correction) weigh the policy loss. With own_old_log_probs (one epoch of one mini batch: the forward
-    runs on the weights that sampled the batch) the old log-probs are the update forward's own, and its
-    outputs come back as a PolicyForward in batch order; else the batch must carry old_log_probs."""
-    num_samples = batch["responses"].shape[0]
-    if own_old_log_probs and (spec.epochs != 1 or num_samples > spec.mini_batch_size):
-        raise ValueError(f"update_actor(own_old_log_probs=True) needs one epoch of one mini batch; got "
-                         f"{spec.epochs} epochs, {num_samples} samples in mini batches of {spec.mini_batch_size}")
-    forwards: list[tuple[torch.Tensor, ...]] | None = [] if own_old_log_probs else None
-    if own_old_log_probs:
-        batch = dict(batch, row_index=torch.arange(num_samples, device=batch["responses"].device))  # (B,)
-    loss_fn = functools.partial(_actor_micro_batch, actor, loss, spec.loss_agg_mode, spec.use_remove_padding,
-                                (dp_group, sp_group), generator, forwards)
-    metrics = run_updates(actor, optimizer, batch, loss_fn, spec, generator, dp_group, "actor")
-    if forwards is None:
-        return metrics, None
-    order = torch.argsort(torch.cat([out[0] for out in forwards]))  # micro batch order -> batch order
-    outputs = [torch.cat([out[i] for out in forwards])[order] for i in (1, 2, 3)]  # (B, R) each
-    return metrics, PolicyForward(*outputs)
-
-
-def _critic_micro_batch(critic: torch.nn.Module, spec: UpdateSpec, cliprange_value: float, loss_scale_factor: int,
-                        sp_group: dist.ProcessGroup | None, mb: Batch,
-                        scale: core.LossScale) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The critic's forward and clipped value loss against the returns on one micro batch."""
-    vpreds = compute_values(critic, mb, len(mb["responses"]), use_remove_padding=spec.use_remove_padding,
-                            sp_group=sp_group)  # (b, R)
-    vf_loss, vf_clipfrac = core.compute_value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
-                                                   cliprange_value, spec.loss_agg_mode,
-                                                   **replace(scale, scale_factor=loss_scale_factor).counts())
-    return vf_loss, {"critic/vf_loss": vf_loss, "critic/vf_clipfrac": vf_clipfrac}
-
-
-def update_critic(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, spec: UpdateSpec,
-                  generator: torch.Generator, cliprange_value: float, loss_scale_factor: int,
-                  dp_group: dist.ProcessGroup | None = None,
-                  sp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """The critic's update: the clipped value loss (critic.cliprange_value), run_updates' loop."""
-    loss_fn = functools.partial(_critic_micro_batch, critic, spec, cliprange_value, loss_scale_factor, sp_group)
-    return run_updates(critic, optimizer, batch, loss_fn, spec, generator, dp_group, "critic")
-
-
-# -----------------------------------------------------------------------------
-# Where the old log-probs come from, decided once
-
-
-def old_log_prob_source(actor: torch.nn.Module, algo_cfg: Config, spec: UpdateSpec,
-                        samples_per_rank: int, calculate_sum_pi_squared: bool = False) -> tuple[str, str]:
-    """("engine" | "update" | "forward", why). engine: bypass mode, the engine's log-probs are the old
-    ones. update: one epoch of one mini batch, so the update's forward runs on the weights that sampled
-    the batch and its detached log-probs are the old ones (verl and TRL do the same; the ratio is 1).
-    forward: a separate no-grad forward, needed when something uses them before the update (KL in
-    reward, rollout correction's weights or rejections), or when training forwards differ (dropout)."""
-    rc_cfg = algo_cfg.rollout_correction
-    if rc_cfg.bypass_mode:
-        return "engine", "algorithm.rollout_correction.bypass_mode: the engine's log-probs are the old ones"
-    if calculate_sum_pi_squared:
-        return "forward", "actor.calculate_sum_pi_squared: the advantages need sum_v pi(v)^2 before the update"
-    if spec.epochs != 1:
-        return "forward", f"actor.ppo_epochs={spec.epochs}: later epochs train on updated weights"
-    if samples_per_rank > spec.mini_batch_size:
-        return "forward", (f"{samples_per_rank} samples per rank in mini batches of {spec.mini_batch_size} "
-                           f"(actor.ppo_mini_batch_size): later mini batches train on updated weights")
-    if algo_cfg.use_kl_in_reward:
-        return "forward", "algorithm.use_kl_in_reward: the advantages need the old log-probs before the update"
-    if rc_cfg.rollout_is is not None or rc_cfg.rollout_rs is not None:
-        return "forward", ("algorithm.rollout_correction.rollout_is / rollout_rs: the losses need the weights "
-                           "before the update")
-    dropout = [m.p for m in actor.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
-    if dropout or getattr(getattr(actor, "config", None), "attention_dropout", 0.0):
-        return "forward", "the actor has dropout: its training forward differs from a no-grad one"
-    return "update", "one epoch of one mini batch: the actor update's own forward"
-
-
-def check_old_policy(batch: Batch, old: PolicyForward, correction: rollout_correction.Correction, loss_agg_mode: str,
-                     dp_group: dist.ProcessGroup) -> dict[str, float]:
-    """After the old log-probs, wherever they came from: the sync check (the engine's log-probs of its
-    samples against the actor's under the same cut), the old policy's entropy, and decoupled rollout
-    correction over the whole step batch (IS weights and rejections into `batch`, its diagnostics)."""
-    mask = batch["response_mask"]  # (B, R)
-    diff = rollout.logprob_diff(batch["rollout_log_probs"], old.sampling_log_probs, mask)
-    metrics = {"rollout/logprob_diff_mean": diff["logprob_diff_mean"],
-               "rollout/logprob_diff_max": diff["logprob_diff_max"],
-               "actor/entropy": core.agg_loss(old.entropy, mask.float(), loss_agg_mode).item()}
-    with timed(metrics, "rollout_corr"):
-        is_weights, batch["response_mask"], rc_metrics = rollout_correction.correct_batch(
-            old.sampling_log_probs, batch["rollout_log_probs"], mask, correction, dp_group)
-    metrics.update(rc_metrics)
-    if is_weights is not None:
-        batch["rollout_is_weights"] = is_weights  # (B, R)
-    return metrics
-
-
-# -----------------------------------------------------------------------------
-# DAPO's dynamic sampling
-
-
-def dynamic_sampling(generate_and_score: Callable[[int], tuple[Batch, list[dict[str, float]]]], filter_cfg: Config,
-                     *, train_batch_size: int) -> tuple[Batch, list[dict[str, float]], dict[str, float]]:
-    """DAPO's dynamic sampling (algorithm.filter_groups): generation batches k = 0, 1, ...
-    (generate_and_score(k) returns this rank's rows, scored) until train_batch_size prompts have groups
-    whose metric differs (ppo_core.group_has_spread); at most max_num_gen_batches (<= 0: no limit).
-    Every rank sees every sample's metric, so all keep the same prompts, the first train_batch_size in
-    generation order; rank r then keeps slice r of their samples, prompt-major (as plain generation).
-    Returns (this rank's rows, their extras, train/num_gen_batches and train/uniform_group_fraction)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    taken: set[int] = set()  # prompts kept this step
-    kept: list[tuple[Batch, list[dict[str, float]]]] = []  # this rank's kept rows, per generation batch
-    num_groups = num_uniform = 0
-    for gen_batch in itertools.count():
-        if 0 < filter_cfg.max_num_gen_batches <= gen_batch:
-            raise RuntimeError(
-                f"dynamic sampling: {gen_batch} generation batches (algorithm.filter_groups.max_num_gen_batches) "
-                f"gave {len(taken)} of the data.train_batch_size={train_batch_size} prompts whose samples differ in "
-                f"{filter_cfg.metric}; {num_uniform} of {num_groups} groups were uniform. Raise max_num_gen_batches "
-                f"or data.gen_batch_size (0: no limit), or use data the policy sometimes solves.")
-        rows, extras = generate_and_score(gen_batch)
-        values = filter_metric(rows["scores"], rows["fn_scores"], extras, filter_cfg.metric)  # (B,)
-        every_rank: list[Any] = [None] * world
-        dist.all_gather_object(every_rank, (rows["prompt_index"].tolist(), values.tolist()))
-        index = [i for rank_index, _ in every_rank for i in rank_index]  # the generation batch, prompt-major
-        spread = core.group_has_spread(torch.tensor([v for _, vs in every_rank for v in vs], dtype=torch.float64),
-                                       index)
-        now: set[int] = set()
-        for prompt, has_spread in dict(zip(index, spread.tolist(), strict=True)).items():  # each prompt once
-            num_groups, num_uniform = num_groups + 1, num_uniform + (not has_spread)
-            if has_spread and prompt not in taken and len(taken) < train_batch_size:
-                taken.add(prompt)
-                now.add(prompt)
-        keep = [i for i, prompt in enumerate(rows["prompt_index"].tolist()) if prompt in now]
-        kept.append(({k: v[keep] for k, v in rows.items()}, [extras[i] for i in keep]))
-        if len(taken) == train_batch_size:
-            break
-    every_rank = [None] * world
-    dist.all_gather_object(every_rank, kept)
-    parts = [every_rank[r][k] for k in range(len(kept)) for r in range(world)]  # prompt-major: batch by batch
-    samples = {key: torch.cat([part[key] for part, _ in parts]) for key in kept[0][0]}
-    all_extras = [e for _, part_extras in parts for e in part_extras]
-    per_rank = len(all_extras) // world  # train_batch_size x n / world (mesh_utils.plan_batches)
-    my_slice = slice(rank * per_rank, (rank + 1) * per_rank)
-    metrics = {"train/num_gen_batches": gen_batch + 1, "train/uniform_group_fraction": num_uniform / num_groups}
-    return {k: v[my_slice] for k, v in samples.items()}, all_extras[my_slice], metrics
-
-
-# -----------------------------------------------------------------------------
-# The run: every piece of state, listed once, and the orchestration that takes it
-
-
-@dataclass
-class MultiTurn:
-    """What multi-turn rollouts need beside the engine (actor_rollout_ref.rollout.multi_turn)."""
-
-    section: Config
-    tools: dict[str, Any]  # name -> agent.BaseTool
-    schemas: list[dict[str, Any]]  # the tools' schemas, rendered into every prompt
-    renderer: Any  # agent.ObservationRenderer: a reply -> the ids that follow the assistant's turn
-    stop_token_ids: list[int]  # what ends an assistant turn
-    limits: TurnLimits  # multi_turn.max_assistant_turns, max_user_turns
-    environment_class: type | None = None  # multi_turn.environment; None: agent.ToolEnvironment
-
-    def environment(self, row: Prompt) -> Any:
-        """A fresh environment for one trajectory of `row`, reset."""
-        import agent
-
-        if self.environment_class is not None:
-            env = self.environment_class()
-        else:
-            env = agent.ToolEnvironment.from_config(self.section, self.tools)
-        env.reset(row)
-        return env
-
-
-def load_multi_turn(cfg: Config, tokenizer: Any) -> MultiTurn | None:
-    """The tools (verl's tool_config_path YAML, function_tool_path functions) and the chat template's
-    observation renderer, when multi-turn rollouts are on."""
-    section = cfg.actor_rollout_ref.rollout.multi_turn
-    if not section.enable:
-        return None
-    import agent
-
-    tools = (agent.load_tools(section.tool_config_path, section.function_tool_path)
-             if section.tool_config_path or section.function_tool_path else {})
-    schemas = agent.tool_schemas(tools)
-    environment_class = agent.load_environment_class(section.environment) if section.environment else None
-    return MultiTurn(section, tools, schemas, agent.ObservationRenderer(tokenizer, schemas or None),
-                     agent.end_of_turn_ids(tokenizer), TurnLimits(section.max_assistant_turns, section.max_user_turns),
-                     environment_class)
+# The run: every piece of state a run holds, listed once (build_run makes it whole)
 
 
 @dataclass
@@ -751,148 +236,6 @@ def checkpointed(models: dict[str, Any]) -> dict[str, tuple[torch.nn.Module, tor
     if models["critic"] is not None:
         out["critic"] = (models["critic"], models["critic_optim"], models["critic_sched"])
     return out
-
-
-def enter(run: Run, step: int, phase: str) -> None:
-    """A phase boundary, in one verb: the rank's progress line (the watchdog names a hung rank and its phase)
-    and, for a memory phase (memory_plan.PHASES), the placement of models, optimizer states and engine."""
-    run.progress.enter(step, phase)
-    if phase in PHASES:
-        move_to(run, phase)
-
-
-def move_to(run: Run, phase: str) -> None:
-    """Place models, optimizer states and engine for `phase` (memory_plan.placement, from the offload flags)."""
-    place(vars(run), run.offload, run.placement, phase, run.env.device, run.engine.llm)
-    run.placement = phase
-
-
-def place(models: dict[str, Any], offload: OffloadFlags, src: str, dst: str, device: torch.device,
-          llm: LLM | None) -> None:
-    """The moves from placement `src` to `dst` (memory_plan.plan_moves) of `models` (load_models' names)
-    and of the engine, if there is one yet."""
-    # LoRA's syncs after the first send only the modules it changes: the engine keeps its other weights
-    level = rollout.sleep_level(partial_sync=bool(models["lora_spec"]))
-    apply_moves(plan_moves(offload, src, dst), {"actor": models["actor"], "critic": models["critic"]},
-                {"actor": models["actor_optim"], "critic": models["critic_optim"]}, device,
-                sleep_engine=functools.partial(rollout.sleep, llm, level) if llm is not None else None)
-
-
-def sync_weights(run: Run) -> float:
-    """Actor -> engine, then check that it landed (rollout.StaleWeightsCheck); the sync's seconds.
-    With LoRA the first sync sends every weight (merged), later ones only the modules LoRA changes."""
-    engine = run.engine
-    if run.lora_spec:
-        weights = iter_sync_params(run.actor, run.param_dtype, engine.lora_modules if engine.synced_once else None)
-    else:
-        weights = iter_full_params(run.actor, dtype=run.param_dtype)
-    seconds = rollout.sync_weights(engine.llm, weights, partial=bool(run.lora_spec) and engine.synced_once)
-    engine.synced_once = True
-    run.actor.eval()
-    with torch.no_grad():
-        actor_log_probs = compute_log_probs(run.actor, engine.actor_probe, 1.0, 1).log_probs  # (1, 4)
-    engine.stale_check.check(rollout.engine_fingerprint(engine.llm, engine.probe), actor_log_probs.double().cpu())
-    return seconds
-
-
-def generate(run: Run, prompts: list[Prompt], prompt_indices: list[int], step: int,
-             sampling: rollout.Sampling) -> tuple[rollout.RolloutBatch, MultiTurnStats | None]:
-    """The rollout seam, for training, ReMax's baseline and validation: this rollout dp group's prompts,
-    sampling.n responses each, prompt-major; every rank of the TP group makes the same call. With
-    multi_turn.enable the policy and its tools take turns (agent_loop.py), and per-sample stats come too."""
-    if run.multi_turn is None:
-        return rollout.generate(run.engine.llm, [p.token_ids for p in prompts], sampling, step=step,
-                                prompt_indices=prompt_indices), None
-    return generate_multi_turn(functools.partial(rollout.sample_turns, run.engine.llm, sampling), prompts, prompt_indices,
-                               sampling, run.multi_turn.limits, step=step, make_env=run.multi_turn.environment,
-                               renderer=run.multi_turn.renderer,
-                               decode=functools.partial(run.tokenizer.decode, skip_special_tokens=True),
-                               tp_group=run.meshes.rollout.get_group("infer_tp"))
-
-
-def rollout_step(run: Run, step: int, gen_batch: int,
-                 metrics: dict[str, float]) -> tuple[Batch, list[dict[str, float]]]:
-    """One generation batch for this rank, on the host: its rollout dp group's prompts, n samples each,
-    TP rank r's slice r of them, scored (`scores`, (B,)); for ReMax also `reward_baselines`, the score
-    of each prompt's greedy response."""
-    cfg, rollout_mesh = run.cfg, run.meshes.rollout
-    sampling = run.engine.train_sampling.for_batch(gen_batch)  # fresh seeds per generation batch
-    baseline_rollout = core.ADV_ESTIMATORS[cfg.algorithm.adv_estimator].baseline_rollout
-    with timed(metrics, "gen"):
-        prompt_indices = run.sampler.next_batch()  # the same on every rank
-        group_indices = rollout.shard_for_dp(prompt_indices, rollout_mesh.get_local_rank("dp"), run.dims.rollout_dp)
-        group_prompts = [run.train_prompts[i] for i in group_indices]
-        generated, turn_stats = generate(run, group_prompts, group_indices, step, sampling)  # prompt-major
-        if baseline_rollout == "greedy":
-            greedy, greedy_stats = generate(run, group_prompts, group_indices, step, sampling.greedy())
-    tp_rows = rollout.training_rows(len(generated), rollout_mesh.get_local_rank("infer_tp"), run.dims.infer_tp)
-    rows = dict(vars(generated.rows(tp_rows)))
-    score = functools.partial(score_samples, run.reward_fn, run.tokenizer, prompts=run.train_prompts,
-                              reward_cfg=cfg.reward_model, max_response_length=cfg.data.max_response_length)
-    if run.reward_model is not None:  # the learned reward model's score replaces the rule's (verl's rm_scores)
-        score = functools.partial(reward_model_scores, run)
-    if turn_stats is not None:  # multi-turn: per-sample counts travel with the rows, for the step's metrics
-        turn_stats = turn_stats.rows(tp_rows)
-        rows.update(num_turns=turn_stats.num_turns, tool_calls=turn_stats.tool_calls,
-                    tool_failures=turn_stats.tool_failures)
-        metrics["timing_s/tool"] = metrics.get("timing_s/tool", 0.0) + turn_stats.tool_seconds
-    with timed(metrics, "reward"), failing_together(RewardError, run.env.device):
-        # scores: the reward trained on; fn_scores: the function's own (they differ by the overlong penalty)
-        rows["scores"], rows["fn_scores"], extras = score(rows, rollout_info=turn_stats and turn_stats.reward_info)
-        if baseline_rollout == "greedy":
-            greedy_scores, _, _ = score(vars(greedy), rollout_info=greedy_stats and greedy_stats.reward_info)
-            baseline = dict(zip(greedy.prompt_index.tolist(), greedy_scores.tolist(), strict=True))
-            rows["reward_baselines"] = torch.tensor([baseline[i] for i in rows["prompt_index"].tolist()])  # (B,)
-    return rows, extras
-
-
-def reward_model_scores(run: Run, rows: dict[str, torch.Tensor], rollout_info: list[dict[str, Any]] | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, float]]]:
-    """Step 3 with reward_model.enable: the reward model's score of each sample (B,), as both the reward
-    and the score (score_samples' two), and no extras. As in verl, whose reward managers return the
-    model's `rm_scores` as they are, the rule function, the DAPO manager's additions and rollout_info
-    do not enter (config refuses what would need them)."""
-    scores = run.reward_model.score(rows, run.train_prompts)  # (B,), collective over the FSDP mesh
-    return scores, scores, [{} for _ in range(len(scores))]
-
-
-def run_validation(run: Run, step: int) -> dict[str, float]:
-    """Scores on the whole held-out set (greedy unless rollout.val_kwargs.do_sample), rollout.val_kwargs.n
-    samples per prompt, verl's names: val-core/<data_source>/reward/mean@<n> (acc/ where the reward function
-    returns an `acc`), val-aux/<data_source>/<extra>/mean@<n>; with n > 1 also std@n, best@k, worst@k and
-    maj@k (eval_metrics), and this project's val-unbiased/<data_source>/reward/pass@<k>; and val/score.
-    Each rollout dp group generates for a contiguous share; every sample goes to
-    <validation_data_dir>/<step>.jsonl (write_samples)."""
-    rollout_mesh, prompts = run.meshes.rollout, run.val_prompts
-    dp, dp_rank = rollout_mesh.size(0), rollout_mesh.get_local_rank("dp")
-    indices = list(range(len(prompts) * dp_rank // dp, len(prompts) * (dp_rank + 1) // dp))
-    generated, turn_stats = generate(run, [prompts[i] for i in indices], indices, step, run.engine.val_sampling)
-    rows = [prompts[i] for i in generated.prompt_index.tolist()]
-    response_tokens = generated.attention_mask[:, -generated.responses.shape[1]:]  # (B, R)
-    with failing_together(RewardError, run.env.device):
-        texts, scores, extras, preds = score_batch(
-            run.reward_fn, run.tokenizer, generated.responses, response_tokens, rows,
-            turn_stats and turn_stats.reward_info, run.cfg.reward_model.timeout_s)
-    if rollout_mesh.get_local_rank("infer_tp") == 0:  # the TP ranks of a group hold the same samples
-        records = sample_records(step, rows, texts, scores, extras)
-        if turn_stats is not None:  # every turn: role, text, token count, whether it was trained on
-            for record, turns in zip(records, turn_stats.turns, strict=True):
-                record["turns"] = turns
-        write_samples(records, run.validation_data_dir, step, rollout_mesh.get_group("dp"))
-    # Means over every rank's samples and prompts (the TP ranks of a group hold the same ones, which leaves
-    # means unchanged). A prompt's n samples are all in one group: its mean@n, best@k, maj@k, pass@k
-    # (eval_metrics) are computed there, then averaged over the data source's prompts.
-    prompt_ids = generated.prompt_index.tolist()
-    extra_keys = sorted({key for sample_extras in extras for key in sample_extras})
-    variables = {"reward": scores, **{key: [e.get(key) for e in extras] for key in extra_keys}}  # None: not given
-    per_prompt = eval_metrics.per_prompt_metrics(prompt_ids, [p.data_source for p in rows], variables, preds)
-    means = mean_over_ranks({"\t".join(key): values for key, values in per_prompt.items()}, "", run.env.device)
-    metrics = eval_metrics.name_metrics({tuple(key.split("\t")): value for key, value in means.items()})
-    metrics.update(mean_over_ranks({"val/score": scores}, "", run.env.device))
-    count = torch.tensor([len(scores)], dtype=torch.float64, device=run.env.device)
-    dist.all_reduce(count, group=rollout_mesh.get_group("dp"))  # each group's samples once
-    metrics["val/num_samples"] = count.item()
-    return metrics
 
 
 # -----------------------------------------------------------------------------
@@ -1023,6 +366,688 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     return metrics
 
 
+# -----------------------------------------------------------------------------
+# The loop
+
+
+def train(run: Run) -> None:
+    """Validation before training, then every step from the checkpoint on, each followed by validation
+    and a checkpoint when they are due (8)."""
+    tc = run.cfg.trainer  # build_run placed the models for the first sync
+    if tc.val_before_train and run.val_prompts and run.start_step < run.total_steps:  # on resume, too
+        enter(run, run.start_step, "validate")
+        sync_weights(run)
+        val_metrics = run_validation(run, run.start_step)
+        print0(f"validation before training: val/score {val_metrics['val/score']:.3f}")
+        run.tracker.log(run.start_step, val_metrics)
+    for step in range(run.start_step + 1, run.total_steps + 1):
+        metrics = train_step(run, step)
+        last = step == run.total_steps
+        if run.val_prompts and tc.test_freq > 0 and (step % tc.test_freq == 0 or last):
+            enter(run, step, "validate")
+            sync_weights(run)  # validate the weights just trained, not the ones this step sampled from
+            with timed(metrics, "testing"):
+                metrics.update(run_validation(run, step))
+        run.tracker.log(step, metrics)
+        if tc.save_freq > 0 and (step % tc.save_freq == 0 or last):
+            enter(run, step, "save")
+            save(run, step)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    check_supported(cfg)  # the config-only checks (nccl_timeout among them) before the process group
+    env = init_distributed(timeout_s=cfg.actor_rollout_ref.nccl_timeout)
+    run = build_run(cfg, env, watch=True)
+    train(run)
+    run.progress.stop()
+    finish(run)
+    rollout.shutdown(run.engine.llm)  # stops the engine, then the process group, in the order vLLM needs
+
+
+# -----------------------------------------------------------------------------
+# Phase boundaries: the watchdog's progress line and the memory placement
+
+
+def enter(run: Run, step: int, phase: str) -> None:
+    """A phase boundary, in one verb: the rank's progress line (the watchdog names a hung rank and its phase)
+    and, for a memory phase (memory_plan.PHASES), the placement of models, optimizer states and engine."""
+    run.progress.enter(step, phase)
+    if phase in PHASES:
+        move_to(run, phase)
+
+
+def move_to(run: Run, phase: str) -> None:
+    """Place models, optimizer states and engine for `phase` (memory_plan.placement, from the offload flags)."""
+    place(vars(run), run.offload, run.placement, phase, run.env.device, run.engine.llm)
+    run.placement = phase
+
+
+def place(models: dict[str, Any], offload: OffloadFlags, src: str, dst: str, device: torch.device,
+          llm: LLM | None) -> None:
+    """The moves from placement `src` to `dst` (memory_plan.plan_moves) of `models` (load_models' names)
+    and of the engine, if there is one yet."""
+    # LoRA's syncs after the first send only the modules it changes: the engine keeps its other weights
+    level = rollout.sleep_level(partial_sync=bool(models["lora_spec"]))
+    apply_moves(plan_moves(offload, src, dst), {"actor": models["actor"], "critic": models["critic"]},
+                {"actor": models["actor_optim"], "critic": models["critic_optim"]}, device,
+                sleep_engine=functools.partial(rollout.sleep, llm, level) if llm is not None else None)
+
+
+# -----------------------------------------------------------------------------
+# 1. Weight sync
+
+
+def sync_weights(run: Run) -> float:
+    """Actor -> engine, then check that it landed (rollout.StaleWeightsCheck); the sync's seconds.
+    With LoRA the first sync sends every weight (merged), later ones only the modules LoRA changes."""
+    engine = run.engine
+    if run.lora_spec:
+        weights = iter_sync_params(run.actor, run.param_dtype, engine.lora_modules if engine.synced_once else None)
+    else:
+        weights = iter_full_params(run.actor, dtype=run.param_dtype)
+    seconds = rollout.sync_weights(engine.llm, weights, partial=bool(run.lora_spec) and engine.synced_once)
+    engine.synced_once = True
+    run.actor.eval()
+    with torch.no_grad():
+        actor_log_probs = compute_log_probs(run.actor, engine.actor_probe, 1.0, 1).log_probs  # (1, 4)
+    engine.stale_check.check(rollout.engine_fingerprint(engine.llm, engine.probe), actor_log_probs.double().cpu())
+    return seconds
+
+
+# -----------------------------------------------------------------------------
+# 2-3. Generate and score; DAPO's dynamic sampling
+
+
+def dynamic_sampling(generate_and_score: Callable[[int], tuple[Batch, list[dict[str, float]]]], filter_cfg: Config,
+                     *, train_batch_size: int) -> tuple[Batch, list[dict[str, float]], dict[str, float]]:
+    """DAPO's dynamic sampling (algorithm.filter_groups): generation batches k = 0, 1, ...
+    (generate_and_score(k) returns this rank's rows, scored) until train_batch_size prompts have groups
+    whose metric differs (ppo_core.group_has_spread); at most max_num_gen_batches (<= 0: no limit).
+    Every rank sees every sample's metric, so all keep the same prompts, the first train_batch_size in
+    generation order; rank r then keeps slice r of their samples, prompt-major (as plain generation).
+    Returns (this rank's rows, their extras, train/num_gen_batches and train/uniform_group_fraction)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    taken: set[int] = set()  # prompts kept this step
+    kept: list[tuple[Batch, list[dict[str, float]]]] = []  # this rank's kept rows, per generation batch
+    num_groups = num_uniform = 0
+    for gen_batch in itertools.count():
+        if 0 < filter_cfg.max_num_gen_batches <= gen_batch:
+            raise RuntimeError(
+                f"dynamic sampling: {gen_batch} generation batches (algorithm.filter_groups.max_num_gen_batches) "
+                f"gave {len(taken)} of the data.train_batch_size={train_batch_size} prompts whose samples differ in "
+                f"{filter_cfg.metric}; {num_uniform} of {num_groups} groups were uniform. Raise max_num_gen_batches "
+                f"or data.gen_batch_size (0: no limit), or use data the policy sometimes solves.")
+        rows, extras = generate_and_score(gen_batch)
+        values = filter_metric(rows["scores"], rows["fn_scores"], extras, filter_cfg.metric)  # (B,)
+        every_rank: list[Any] = [None] * world
+        dist.all_gather_object(every_rank, (rows["prompt_index"].tolist(), values.tolist()))
+        index = [i for rank_index, _ in every_rank for i in rank_index]  # the generation batch, prompt-major
+        spread = core.group_has_spread(torch.tensor([v for _, vs in every_rank for v in vs], dtype=torch.float64),
+                                       index)
+        now: set[int] = set()
+        for prompt, has_spread in dict(zip(index, spread.tolist(), strict=True)).items():  # each prompt once
+            num_groups, num_uniform = num_groups + 1, num_uniform + (not has_spread)
+            if has_spread and prompt not in taken and len(taken) < train_batch_size:
+                taken.add(prompt)
+                now.add(prompt)
+        keep = [i for i, prompt in enumerate(rows["prompt_index"].tolist()) if prompt in now]
+        kept.append(({k: v[keep] for k, v in rows.items()}, [extras[i] for i in keep]))
+        if len(taken) == train_batch_size:
+            break
+    every_rank = [None] * world
+    dist.all_gather_object(every_rank, kept)
+    parts = [every_rank[r][k] for k in range(len(kept)) for r in range(world)]  # prompt-major: batch by batch
+    samples = {key: torch.cat([part[key] for part, _ in parts]) for key in kept[0][0]}
+    all_extras = [e for _, part_extras in parts for e in part_extras]
+    per_rank = len(all_extras) // world  # train_batch_size x n / world (mesh_utils.plan_batches)
+    my_slice = slice(rank * per_rank, (rank + 1) * per_rank)
+    metrics = {"train/num_gen_batches": gen_batch + 1, "train/uniform_group_fraction": num_uniform / num_groups}
+    return {k: v[my_slice] for k, v in samples.items()}, all_extras[my_slice], metrics
+
+
+def rollout_step(run: Run, step: int, gen_batch: int,
+                 metrics: dict[str, float]) -> tuple[Batch, list[dict[str, float]]]:
+    """One generation batch for this rank, on the host: its rollout dp group's prompts, n samples each,
+    TP rank r's slice r of them, scored (`scores`, (B,)); for ReMax also `reward_baselines`, the score
+    of each prompt's greedy response."""
+    cfg, rollout_mesh = run.cfg, run.meshes.rollout
+    sampling = run.engine.train_sampling.for_batch(gen_batch)  # fresh seeds per generation batch
+    baseline_rollout = core.ADV_ESTIMATORS[cfg.algorithm.adv_estimator].baseline_rollout
+    with timed(metrics, "gen"):
+        prompt_indices = run.sampler.next_batch()  # the same on every rank
+        group_indices = rollout.shard_for_dp(prompt_indices, rollout_mesh.get_local_rank("dp"), run.dims.rollout_dp)
+        group_prompts = [run.train_prompts[i] for i in group_indices]
+        generated, turn_stats = generate(run, group_prompts, group_indices, step, sampling)  # prompt-major
+        if baseline_rollout == "greedy":
+            greedy, greedy_stats = generate(run, group_prompts, group_indices, step, sampling.greedy())
+    tp_rows = rollout.training_rows(len(generated), rollout_mesh.get_local_rank("infer_tp"), run.dims.infer_tp)
+    rows = dict(vars(generated.rows(tp_rows)))
+    score = functools.partial(score_samples, run.reward_fn, run.tokenizer, prompts=run.train_prompts,
+                              reward_cfg=cfg.reward_model, max_response_length=cfg.data.max_response_length)
+    if run.reward_model is not None:  # the learned reward model's score replaces the rule's (verl's rm_scores)
+        score = functools.partial(reward_model_scores, run)
+    if turn_stats is not None:  # multi-turn: per-sample counts travel with the rows, for the step's metrics
+        turn_stats = turn_stats.rows(tp_rows)
+        rows.update(num_turns=turn_stats.num_turns, tool_calls=turn_stats.tool_calls,
+                    tool_failures=turn_stats.tool_failures)
+        metrics["timing_s/tool"] = metrics.get("timing_s/tool", 0.0) + turn_stats.tool_seconds
+    with timed(metrics, "reward"), failing_together(RewardError, run.env.device):
+        # scores: the reward trained on; fn_scores: the function's own (they differ by the overlong penalty)
+        rows["scores"], rows["fn_scores"], extras = score(rows, rollout_info=turn_stats and turn_stats.reward_info)
+        if baseline_rollout == "greedy":
+            greedy_scores, _, _ = score(vars(greedy), rollout_info=greedy_stats and greedy_stats.reward_info)
+            baseline = dict(zip(greedy.prompt_index.tolist(), greedy_scores.tolist(), strict=True))
+            rows["reward_baselines"] = torch.tensor([baseline[i] for i in rows["prompt_index"].tolist()])  # (B,)
+    return rows, extras
+
+
+def generate(run: Run, prompts: list[Prompt], prompt_indices: list[int], step: int,
+             sampling: rollout.Sampling) -> tuple[rollout.RolloutBatch, MultiTurnStats | None]:
+    """The rollout seam, for training, ReMax's baseline and validation: this rollout dp group's prompts,
+    sampling.n responses each, prompt-major; every rank of the TP group makes the same call. With
+    multi_turn.enable the policy and its tools take turns (agent_loop.py), and per-sample stats come too."""
+    if run.multi_turn is None:
+        return rollout.generate(run.engine.llm, [p.token_ids for p in prompts], sampling, step=step,
+                                prompt_indices=prompt_indices), None
+    return generate_multi_turn(functools.partial(rollout.sample_turns, run.engine.llm, sampling), prompts, prompt_indices,
+                               sampling, run.multi_turn.limits, step=step, make_env=run.multi_turn.environment,
+                               renderer=run.multi_turn.renderer,
+                               decode=functools.partial(run.tokenizer.decode, skip_special_tokens=True),
+                               tp_group=run.meshes.rollout.get_group("infer_tp"))
+
+
+def reward_model_scores(run: Run, rows: dict[str, torch.Tensor], rollout_info: list[dict[str, Any]] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, float]]]:
+    """Step 3 with reward_model.enable: the reward model's score of each sample (B,), as both the reward
+    and the score (score_samples' two), and no extras. As in verl, whose reward managers return the
+    model's `rm_scores` as they are, the rule function, the DAPO manager's additions and rollout_info
+    do not enter (config refuses what would need them)."""
+    scores = run.reward_model.score(rows, run.train_prompts)  # (B,), collective over the FSDP mesh
+    return scores, scores, [{} for _ in range(len(scores))]
+
+
+def check_generated_layout(prompt_index: torch.Tensor, samples_per_prompt: int, dp_group: dist.ProcessGroup) -> None:
+    """The layout generation promises, checked on the step's whole batch before balance_batch deals it anew:
+    prompt-major, each prompt's rollout.n samples one run (all made by one rollout group, whose sample
+    indices 0 .. n-1 seed them apart: rollout.sample_seed). Collective."""
+    all_index = gather_rows(prompt_index, dp_group)  # (B * dp,), dp rank order
+    runs = all_index.view(-1, samples_per_prompt) if len(all_index) % samples_per_prompt == 0 else None
+    if runs is None or not bool((runs == runs[:, :1]).all()) or len(set(all_index.tolist())) != len(runs):
+        raise RuntimeError(f"generation must give the step's samples in prompt-major order, rollout.n="
+                           f"{samples_per_prompt} per prompt; got prompt indices {all_index.tolist()[:24]}...")
+
+
+def balance_batch(batch: Batch, reward_extras: list[dict[str, float]], dp_group: dist.ProcessGroup
+                  ) -> tuple[Batch, list[dict[str, float]], dict[str, float]]:
+    """verl's trainer.balance_batch: the step's samples dealt anew over the ranks of dp_group, as many per
+    rank as before, so that each rank holds about as many tokens (ppo_core.balanced_partitions over
+    attention_mask.sum(-1)); every all-reduce of the forwards and the update waits for the rank with the
+    most. Every rank gathers every row, computes the same partition and keeps its part, in batch order,
+    with its rows' reward extras (the sp ranks of a group hold the same rows and keep the same part).
+    The update's gradient is the same sum, in another float order; the estimators group samples by
+    prompt_index, not by place. Returns (this rank's rows, their extras, verl's global_seqlen/* metrics:
+    the ranks' token sums before (min, max, minmax_diff) and after (balanced_min, balanced_max), and
+    their mean). Collective."""
+    lengths = gather_rows(batch["attention_mask"].sum(-1), dp_group).tolist()  # (B * dp,) dp rank order
+    dp, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    parts = core.balanced_partitions(lengths, dp)
+    mine = torch.tensor(parts[rank], device=batch["attention_mask"].device)  # (B,) rows of the gathered batch
+    balanced = {key: gather_rows(rows, dp_group)[mine] for key, rows in batch.items()}
+    extras = gather_items(reward_extras, dp_group)
+    per_rank = len(lengths) // dp
+    before = [sum(lengths[r * per_rank:(r + 1) * per_rank]) for r in range(dp)]
+    after = [sum(lengths[i] for i in part) for part in parts]
+    metrics = {"global_seqlen/min": min(before), "global_seqlen/max": max(before),
+               "global_seqlen/minmax_diff": max(before) - min(before), "global_seqlen/balanced_min": min(after),
+               "global_seqlen/balanced_max": max(after), "global_seqlen/mean": sum(after) / dp}
+    return balanced, [extras[i] for i in parts[rank]], metrics
+
+
+def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) scores -> (B, R) token-level scores: each at its response's last loss-mask token."""
+    length = response_mask.shape[-1]
+    last = length - 1 - response_mask.flip(-1).argmax(-1)  # (B,) the last 1 of each row
+    last = torch.where(response_mask.any(-1), last, 0)
+    token_level_scores = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    token_level_scores[torch.arange(len(scores)), last] = scores.to(token_level_scores)
+    return token_level_scores  # (B, R)
+
+
+# -----------------------------------------------------------------------------
+# 4. Old log-probs (where they come from, decided once), the teacher's
+
+
+def old_log_prob_source(actor: torch.nn.Module, algo_cfg: Config, spec: UpdateSpec,
+                        samples_per_rank: int, calculate_sum_pi_squared: bool = False) -> tuple[str, str]:
+    """("engine" | "update" | "forward", why). engine: bypass mode, the engine's log-probs are the old
+    ones. update: one epoch of one mini batch, so the update's forward runs on the weights that sampled
+    the batch and its detached log-probs are the old ones (verl and TRL do the same; the ratio is 1).
+    forward: a separate no-grad forward, needed when something uses them before the update (KL in
+    reward, rollout correction's weights or rejections), or when training forwards differ (dropout)."""
+    rc_cfg = algo_cfg.rollout_correction
+    if rc_cfg.bypass_mode:
+        return "engine", "algorithm.rollout_correction.bypass_mode: the engine's log-probs are the old ones"
+    if calculate_sum_pi_squared:
+        return "forward", "actor.calculate_sum_pi_squared: the advantages need sum_v pi(v)^2 before the update"
+    if spec.epochs != 1:
+        return "forward", f"actor.ppo_epochs={spec.epochs}: later epochs train on updated weights"
+    if samples_per_rank > spec.mini_batch_size:
+        return "forward", (f"{samples_per_rank} samples per rank in mini batches of {spec.mini_batch_size} "
+                           f"(actor.ppo_mini_batch_size): later mini batches train on updated weights")
+    if algo_cfg.use_kl_in_reward:
+        return "forward", "algorithm.use_kl_in_reward: the advantages need the old log-probs before the update"
+    if rc_cfg.rollout_is is not None or rc_cfg.rollout_rs is not None:
+        return "forward", ("algorithm.rollout_correction.rollout_is / rollout_rs: the losses need the weights "
+                           "before the update")
+    dropout = [m.p for m in actor.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    if dropout or getattr(getattr(actor, "config", None), "attention_dropout", 0.0):
+        return "forward", "the actor has dropout: its training forward differs from a no-grad one"
+    return "update", "one epoch of one mini batch: the actor update's own forward"
+
+
+@dataclass
+class PolicyForward:
+    """The actor's outputs on the step's batch under the weights that sampled it, (B, R) each."""
+
+    old_log_probs: torch.Tensor
+    entropy: torch.Tensor
+    sampling_log_probs: torch.Tensor  # under the engine's top-k / top-p cut (old_log_probs without one)
+    sum_pi_squared: torch.Tensor | None = None  # sum_v pi(v)^2 per token, with actor.calculate_sum_pi_squared
+
+
+def old_policy_forward(run: Run, batch: Batch) -> PolicyForward:
+    """The separate no-grad forward of the actor that sampled the batch: old log-probs, entropy, and the
+    log-probs under the engine's top-k / top-p cut (for the comparisons with the engine's)."""
+    spec, truncation = run.plan.old_log_prob, run.actor_loss.truncation
+    run.actor.eval()
+    with torch.no_grad():
+        out = compute_log_probs(
+            run.actor, batch, run.actor_loss.temperature, spec.micro_batch_size, calc_entropy=True,
+            max_token_len=spec.max_token_len, use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group,
+            truncation=truncation, calc_sum_pi_squared=run.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
+    return PolicyForward(out.log_probs, out.entropy, out.log_probs if out.truncated is None else out.truncated,
+                         out.sum_pi_squared)
+
+
+def teacher_log_probs(run: Run, batch: Batch) -> Batch:
+    """The teacher's no-grad forward on the student's samples (distillation.enabled), cut as the reference
+    model's: its log-probs of the sampled tokens, teacher_log_probs (B, R), or with forward_kl_topk its top-k
+    over the tokenizer's ids, teacher_topk_log_probs and teacher_topk_ids (B, R, k). At temperature 1, as
+    verl's teacher (an engine's prompt log-probs) gives them, whatever the rollout's temperature."""
+    spec, topk = run.plan.teacher_log_prob, run.actor_loss.distillation.topk
+    with torch.no_grad():
+        out = compute_log_probs(
+            run.teacher, batch, 1.0, spec.micro_batch_size, max_token_len=spec.max_token_len,
+            use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group,
+            topk=(topk, run.teacher_vocab_limit) if topk is not None else None)
+    if topk is None:
+        return {"teacher_log_probs": out.log_probs}
+    return {"teacher_topk_log_probs": out.topk_values, "teacher_topk_ids": out.topk_ids}
+
+
+# -----------------------------------------------------------------------------
+# 5. Advantages; 5b. the sync check and rollout correction
+
+
+def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLController,
+                       dp_group: dist.ProcessGroup, total_samples: int, samples_per_prompt: int) -> dict[str, float]:
+    """Token-level rewards, advantages and returns of this rank's samples, written into `batch`.
+
+    The ranks of dp_group hold the step's samples between them, each once: prompt-major as generated (a
+    prompt's samples may span neighbouring ranks), or in any order after balance_batch. Estimators that
+    compare a prompt's samples gather the step's whole batch, compute on it as verl's driver does (by
+    prompt_index, whatever the order), and keep this rank's rows; the others work per sample (GAE and
+    REINFORCE++ whiten over dp_group). The adaptive KL controller sees the whole batch's KL."""
+    mask = batch["response_mask"].float()  # (B, R)
+    metrics: dict[str, float] = {}
+    rewards = batch["token_level_scores"]  # (B, R)
+    if algo_cfg.use_kl_in_reward:
+        rewards, current_kl = core.apply_kl_penalty(rewards, batch["old_log_probs"], batch["ref_log_probs"], mask,
+                                                    kl_ctrl.value, algo_cfg.kl_penalty)
+        # mean of the per-sequence KLs over every rank's share, or each rank's coefficient drifts its own way
+        kl_total = torch.tensor([current_kl * len(mask), len(mask)], dtype=torch.float64, device=mask.device)
+        dist.all_reduce(kl_total, group=dp_group)
+        current_kl = (kl_total[0] / kl_total[1]).item()
+        metrics["actor/reward_kl_penalty"], metrics["actor/reward_kl_penalty_coeff"] = current_kl, kl_ctrl.value
+        kl_ctrl.update(current_kl, n_steps=total_samples)  # the coefficient for the next batch
+    batch["token_level_rewards"] = rewards
+
+    estimator = core.ADV_ESTIMATORS[algo_cfg.adv_estimator]
+    if estimator.compares_group:
+        all_rewards, all_mask = gather_rows(rewards, dp_group), gather_rows(mask, dp_group)  # (B * dp, R)
+        all_index = gather_rows(batch["prompt_index"], dp_group)  # (B * dp,), dp rank order
+        # a baseline from part of a group is silently wrong (check_generated_layout saw the order)
+        prompts, group_sizes = torch.unique(all_index, return_counts=True)  # (G,) each
+        if not bool((group_sizes == samples_per_prompt).all()):
+            wrong = group_sizes != samples_per_prompt
+            got = list(zip(prompts[wrong].tolist(), group_sizes[wrong].tolist(), strict=True))
+            raise RuntimeError(f"{estimator.name} needs all rollout.n={samples_per_prompt} samples of each prompt in "
+                               f"the step's batch; got (prompt index, samples) {got[:12]}")
+        # the old policy's per-token statistics, when asked for (the optimal token baseline reads them)
+        per_token = {k: gather_rows(batch[k], dp_group) for k in ("old_log_probs", "sum_pi_squared")
+                     if "sum_pi_squared" in batch}  # (B * dp, R) each
+        all_adv, _ = core.compute_advantage(
+            estimator.name, token_level_rewards=all_rewards, response_mask=all_mask, index=all_index.tolist(),
+            norm_adv_by_std_in_grpo=algo_cfg.norm_adv_by_std_in_grpo, **per_token)  # (B * dp, R)
+        batch["advantages"] = batch["returns"] = my_rows(all_adv, dp_group)  # (B, R)
+    else:
+        batch["advantages"], batch["returns"] = core.compute_advantage(
+            estimator.name, token_level_rewards=rewards, response_mask=mask, values=batch.get("values"),
+            gamma=algo_cfg.gamma, lam=algo_cfg.lam, whiten_group=dp_group,
+            reward_baselines=batch.get("reward_baselines"))  # (B, R) each
+    return metrics
+
+
+def check_old_policy(batch: Batch, old: PolicyForward, correction: rollout_correction.Correction, loss_agg_mode: str,
+                     dp_group: dist.ProcessGroup) -> dict[str, float]:
+    """After the old log-probs, wherever they came from: the sync check (the engine's log-probs of its
+    samples against the actor's under the same cut), the old policy's entropy, and decoupled rollout
+    correction over the whole step batch (IS weights and rejections into `batch`, its diagnostics)."""
+    mask = batch["response_mask"]  # (B, R)
+    diff = rollout.logprob_diff(batch["rollout_log_probs"], old.sampling_log_probs, mask)
+    metrics = {"rollout/logprob_diff_mean": diff["logprob_diff_mean"],
+               "rollout/logprob_diff_max": diff["logprob_diff_max"],
+               "actor/entropy": core.agg_loss(old.entropy, mask.float(), loss_agg_mode).item()}
+    with timed(metrics, "rollout_corr"):
+        is_weights, batch["response_mask"], rc_metrics = rollout_correction.correct_batch(
+            old.sampling_log_probs, batch["rollout_log_probs"], mask, correction, dp_group)
+    metrics.update(rc_metrics)
+    if is_weights is not None:
+        batch["rollout_is_weights"] = is_weights  # (B, R)
+    return metrics
+
+
+# -----------------------------------------------------------------------------
+# 6. Updates: ppo_epochs x mini batches x micro batches, one loop for the actor and the critic
+
+
+def mini_batches(batch: Batch, spec: UpdateSpec, generator: torch.Generator) -> Iterator[list[Batch]]:
+    """Each optimizer step's mini batch as its list of micro batches: spec.epochs passes over this rank's
+    samples (a fresh order per pass when spec.shuffle), cut into runs of spec.micro_batch_size samples
+    or, with spec.max_token_len, balanced token budgets (as many on every rank; collective)."""
+    num_samples = batch["responses"].shape[0]
+    for _ in range(spec.epochs):
+        order = torch.randperm(num_samples, generator=generator) if spec.shuffle else torch.arange(num_samples)
+        for start in range(0, num_samples, spec.mini_batch_size):
+            rows = order[start:start + spec.mini_batch_size]
+            if spec.max_token_len is None:
+                size = spec.micro_batch_size
+                micro_rows = [rows[i:i + size] for i in range(0, len(rows), size)]
+            else:
+                micro_rows = [rows[part.cpu()] for part in token_budget_micro_batches(batch["attention_mask"][rows],
+                                                                                       spec.max_token_len)]
+            yield [{k: v[part] for k, v in batch.items()} for part in micro_rows]
+
+
+def set_gradient_reduction(model: torch.nn.Module, last_micro_batch: bool, accumulate_unsharded: bool) -> None:
+    """When this micro batch's backward reduces its gradients. By default (verl's way) every micro batch
+    reduce-scatters, so a rank only ever holds its gradient shard; under HSDP the all-reduce across
+    replicas still waits for the last one (FSDP2 sums the reduce-scattered shards meanwhile; a no-op
+    without HSDP). accumulate_unsharded (fsdp_config.accumulate_unsharded_grads): no reduction before
+    the last micro batch, the full unsharded fp32 gradient held on every rank until then."""
+    if accumulate_unsharded:
+        model.set_requires_gradient_sync(last_micro_batch)
+    else:
+        model.set_requires_all_reduce(last_micro_batch)
+
+
+LossFn = Callable[[Batch, core.LossScale], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss_fn: LossFn,
+                spec: UpdateSpec, generator: torch.Generator, dp_group: dist.ProcessGroup | None,
+                prefix: str) -> dict[str, float]:
+    """One optimizer step per mini batch (mini_batches), gradients accumulated over its micro batches.
+
+    loss_fn(micro_batch, scale) -> (loss, terms), where scale (a ppo_core.LossScale) holds the mini batch's
+    token and sequence counts over dp_group (the ranks holding distinct samples; all ranks when None) and its size, so the
+    gradient does not depend on the cut (ppo_core's docstring). Terms named `*_loss` are shares of the
+    mini batch's loss, summed over micro batches; others are averaged; then all over optimizer steps
+    (`*/loss` too: distillation/loss)."""
+    model.train()
+    dp_size = dist.get_world_size(dp_group)
+    metrics: dict[str, float] = {}
+    sums: dict[str, float] = {}
+    num_steps = 0
+    for micro_batches in mini_batches(batch, spec, generator):
+        num_tokens, num_seqs = core.global_num_tokens_and_seqs([mb["response_mask"] for mb in micro_batches],
+                                                                 group=dp_group)
+        scale = core.LossScale(num_tokens, num_seqs, dp_size)
+        for i, mb in enumerate(micro_batches):
+            set_gradient_reduction(model, last_micro_batch=i == len(micro_batches) - 1,
+                                   accumulate_unsharded=spec.accumulate_unsharded_grads)
+            loss, terms = loss_fn(mb, scale)
+            # A non-finite loss still goes through backward: its NaN reaches every rank's gradient
+            # through the reduce-scatter, so all ranks skip the step together (optimizer_step).
+            loss.backward()
+            for name, value in terms.items():
+                share = value.item() if name.endswith(("_loss", "/loss")) else value.item() / len(micro_batches)
+                sums[name] = sums.get(name, 0.0) + share
+        optimizer_step(model, optimizer, spec.grad_clip, prefix, metrics)
+        num_steps += 1
+    metrics.update({k: v / num_steps for k, v in sums.items()})
+    return metrics
+
+
+def _actor_micro_batch(actor: torch.nn.Module, loss: ActorLoss, loss_agg_mode: str, use_remove_padding: bool,
+                       groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None], generator: torch.Generator,
+                       forwards: list[tuple[torch.Tensor, ...]] | None, mb: Batch,
+                       scale: core.LossScale) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The actor's forward and loss on one micro batch (run_updates' loss_fn, through functools.partial).
+    With `forwards` (a list) this forward is the old policy's: its log-probs, detached, are the old ones,
+    and (rows, log-probs, entropy, cut log-probs) are appended for the caller."""
+    dp_group, sp_group = groups
+    own_old = forwards is not None
+    topk_ids = mb.get("teacher_topk_ids")  # (b, R, k): forward_kl_topk reads the student's log-probs there
+    out = compute_log_probs(
+        actor, mb, loss.temperature, len(mb["responses"]), loss.entropy_coeff != 0 or own_old,
+        use_remove_padding=use_remove_padding, sp_group=sp_group,
+        truncation=loss.truncation if own_old else None, topk_ids=topk_ids)  # one forward
+    log_prob, entropy = out.log_probs, out.entropy  # (b, R) each
+    if own_old:
+        mb = dict(mb, old_log_probs=log_prob.detach())
+        sampling_log_prob = log_prob if out.truncated is None else out.truncated  # (b, R) under the engine's cut, if any
+        forwards.append((mb["row_index"], log_prob.detach(), entropy.detach(), sampling_log_prob.detach()))
+    return actor_loss(mb, log_prob, entropy, loss, loss_agg_mode, replace(scale, scale_factor=loss.loss_scale_factor),
+                      generator, dp_group, student_topk=out.gathered)
+
+
+def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss: ActorLoss,
+                 spec: UpdateSpec, generator: torch.Generator, dp_group: dist.ProcessGroup | None = None,
+                 sp_group: dist.ProcessGroup | None = None,
+                 own_old_log_probs: bool = False) -> tuple[dict[str, float], PolicyForward | None]:
+    """The actor's update (run_updates over actor_loss). The batch's rollout_is_weights (decoupled rollout
+    correction) weigh the policy loss. With own_old_log_probs (one epoch of one mini batch: the forward
+    runs on the weights that sampled the batch) the old log-probs are the update forward's own, and its
+    outputs come back as a PolicyForward in batch order; else the batch must carry old_log_probs."""
+    num_samples = batch["responses"].shape[0]
+    if own_old_log_probs and (spec.epochs != 1 or num_samples > spec.mini_batch_size):
+        raise ValueError(f"update_actor(own_old_log_probs=True) needs one epoch of one mini batch; got "
+                         f"{spec.epochs} epochs, {num_samples} samples in mini batches of {spec.mini_batch_size}")
+    forwards: list[tuple[torch.Tensor, ...]] | None = [] if own_old_log_probs else None
+    if own_old_log_probs:
+        batch = dict(batch, row_index=torch.arange(num_samples, device=batch["responses"].device))  # (B,)
+    loss_fn = functools.partial(_actor_micro_batch, actor, loss, spec.loss_agg_mode, spec.use_remove_padding,
+                                (dp_group, sp_group), generator, forwards)
+    metrics = run_updates(actor, optimizer, batch, loss_fn, spec, generator, dp_group, "actor")
+    if forwards is None:
+        return metrics, None
+    order = torch.argsort(torch.cat([out[0] for out in forwards]))  # micro batch order -> batch order
+    outputs = [torch.cat([out[i] for out in forwards])[order] for i in (1, 2, 3)]  # (B, R) each
+    return metrics, PolicyForward(*outputs)
+
+
+def _critic_micro_batch(critic: torch.nn.Module, spec: UpdateSpec, cliprange_value: float, loss_scale_factor: int,
+                        sp_group: dist.ProcessGroup | None, mb: Batch,
+                        scale: core.LossScale) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The critic's forward and clipped value loss against the returns on one micro batch."""
+    vpreds = compute_values(critic, mb, len(mb["responses"]), use_remove_padding=spec.use_remove_padding,
+                            sp_group=sp_group)  # (b, R)
+    vf_loss, vf_clipfrac = core.compute_value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
+                                                   cliprange_value, spec.loss_agg_mode,
+                                                   **replace(scale, scale_factor=loss_scale_factor).counts())
+    return vf_loss, {"critic/vf_loss": vf_loss, "critic/vf_clipfrac": vf_clipfrac}
+
+
+def update_critic(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, spec: UpdateSpec,
+                  generator: torch.Generator, cliprange_value: float, loss_scale_factor: int,
+                  dp_group: dist.ProcessGroup | None = None,
+                  sp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """The critic's update: the clipped value loss (critic.cliprange_value), run_updates' loop."""
+    loss_fn = functools.partial(_critic_micro_batch, critic, spec, cliprange_value, loss_scale_factor, sp_group)
+    return run_updates(critic, optimizer, batch, loss_fn, spec, generator, dp_group, "critic")
+
+
+# -----------------------------------------------------------------------------
+# 6. The actor's loss: pure functions of tensors
+
+
+@dataclass(frozen=True)
+class DistillationLoss:
+    """What on-policy distillation's term reads (distillation.distillation_loss), resolved once."""
+
+    loss_mode: str  # ppo_core.DISTILLATION_LOSS_MODES
+    topk: int | None  # forward_kl_topk: the teacher's k most likely tokens; None for the KL estimators
+    use_task_rewards: bool  # true: the task's loss + coef x this term; false: this term alone
+    coef: float  # distillation_loss_coef (with use_task_rewards)
+    loss_max_clamp: float | None
+    log_prob_min_clamp: float | None  # forward_kl_topk only
+    use_policy_gradient: bool
+    clip_ratio_low: float | None  # with use_policy_gradient
+    clip_ratio_high: float | None
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> DistillationLoss | None:
+        """None without distillation.enabled. Reads only the keys its mode uses (finish() names any other set)."""
+        if not cfg.distillation.enabled:
+            return None
+        d = cfg.distillation.distillation_loss
+        topk = d.loss_mode == "forward_kl_topk"
+        low = high = None
+        if d.use_policy_gradient:
+            _ = d.policy_loss_mode  # vanilla, the only one (config.CHOICES)
+            low, high = (d.clip_ratio if c is None else c for c in (d.clip_ratio_low, d.clip_ratio_high))
+        return cls(d.loss_mode, d.topk if topk else None, d.use_task_rewards,
+                   d.distillation_loss_coef if d.use_task_rewards else 1.0, d.loss_max_clamp,
+                   d.log_prob_min_clamp if topk else None, d.use_policy_gradient, low, high)
+
+
+@dataclass(frozen=True)
+class ActorLoss:
+    """What the actor's loss reads, resolved from the config once (ActorLoss.from_config)."""
+
+    loss_mode: str  # actor.policy_loss.loss_mode (ppo_core.POLICY_LOSSES)
+    loss_params: dict[str, Any]  # the clip ratios, and the keys of actor.policy_loss that loss_mode reads
+    entropy_coeff: float
+    kl_loss_coef: float | None  # None: no KL loss (actor.use_kl_loss=false)
+    kl_loss_type: str
+    temperature: float  # rollout.temperature: the log-probs are of logits / temperature
+    loss_scale_factor: int  # data.max_response_length, for seq-mean-token-sum-norm
+    bypass: bool = False  # algorithm.rollout_correction.bypass_mode: the correction runs here, pi_theta against the engine
+    truncation: tuple[int, float] | None = None  # the engine's (top_k, top_p) cut, when it samples from one
+    distillation: DistillationLoss | None = None  # distillation.enabled: the teacher's term
+    # algorithm.rollout_correction, parsed: in bypass mode the loss's, else check_old_policy's (decoupled mode)
+    correction: rollout_correction.Correction = field(default_factory=rollout_correction.Correction)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ActorLoss:
+        actor, rollout_cfg = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+        mode = actor.policy_loss.loss_mode
+        low, high = (actor.clip_ratio if c is None else c for c in (actor.clip_ratio_low, actor.clip_ratio_high))
+        params = dict(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=actor.clip_ratio_c,
+                      **{key: functools.reduce(Config.__getitem__, policy_loss_key(key).split("."), cfg)
+                         for key in core.POLICY_LOSSES[mode].keys})
+        rc_cfg = cfg.algorithm.rollout_correction
+        return cls(mode, params, actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None,
+                   actor.kl_loss_type, rollout_cfg.temperature, cfg.data.max_response_length,
+                   rc_cfg.bypass_mode,
+                   (rollout_cfg.top_k, rollout_cfg.top_p) if sampling_truncates(rollout_cfg) else None,
+                   DistillationLoss.from_config(cfg), rollout_correction.Correction.from_config(rc_cfg))
+
+
+def actor_loss(mb: Batch, log_prob: torch.Tensor, entropy: torch.Tensor | None, loss: ActorLoss, loss_agg_mode: str,
+               scale: core.LossScale, generator: torch.Generator,
+               dp_group: dist.ProcessGroup | None = None, *,
+               student_topk: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro batch's policy loss (actor.policy_loss.loss_mode), minus the entropy bonus, plus the KL
+    loss to the reference model, each aggregated under `scale` (ppo_core's docstring). log_prob,
+    entropy: (b, R) of this forward. In bypass mode the correction runs here, pi_theta against the engine.
+    With distillation, its term (distillation_term) is added, or with use_task_rewards=false replaces the rest;
+    student_topk (b, R, k): this forward's log-probs of the teacher's top-k tokens (forward_kl_topk)."""
+    mask = mb["response_mask"]  # (b, R)
+    pg_mask, is_weights, terms = mask, mb.get("rollout_is_weights"), {}  # (b, R) each
+    bypass = loss.correction if loss.bypass else None
+    if bypass is not None:  # old_log_probs are the engine's: weights and rejection of pi_theta against them
+        is_weights, pg_mask, terms = rollout_correction.correct_micro_batch(log_prob, mb["old_log_probs"], mask,
+                                                                            bypass, dp_group)
+    if bypass is not None and bypass.loss_type == "reinforce":  # no clipping: the weights do the correcting
+        pg_loss, ppo_kl = rollout_correction.reinforce_policy_loss(mb["old_log_probs"], log_prob, mb["advantages"],
+                                                                   pg_mask, is_weights, loss_agg_mode, scale)
+        terms.update({"actor/pg_loss": pg_loss, "actor/ppo_kl": ppo_kl})
+    else:  # in bypass mode the ratio already is pi_theta / pi_engine: no weights on top (verl's ppo_clip)
+        pg_loss, pg_metrics = core.policy_loss(
+            loss.loss_mode, mb["old_log_probs"], log_prob, mb["advantages"], pg_mask, loss_agg_mode,
+            **loss.loss_params, generator=generator, scale=scale,
+            rollout_is_weights=None if bypass is not None else is_weights)
+        terms.update({"actor/pg_loss": pg_loss, **pg_metrics})
+    total = pg_loss
+    if entropy is not None and loss.entropy_coeff != 0:
+        terms["actor/entropy_loss"] = scale.agg(entropy, mask, loss_agg_mode)
+        total = total - loss.entropy_coeff * terms["actor/entropy_loss"]
+    if loss.kl_loss_coef is not None:
+        kl = core.kl_penalty(log_prob, mb["ref_log_probs"], loss.kl_loss_type)  # (b, R)
+        terms["actor/kl_loss"] = scale.agg(kl, mask, loss_agg_mode)
+        total = total + loss.kl_loss_coef * terms["actor/kl_loss"]
+    distill = loss.distillation
+    if distill is not None:
+        term = distillation_term(mb, log_prob, student_topk, distill, loss_agg_mode, scale, is_weights, terms)
+        # verl: use_task_rewards=false drops the task's loss (entropy and KL terms with it)
+        total = total + distill.coef * term if distill.use_task_rewards else term
+    return total, terms
+
+
+def distillation_term(mb: Batch, log_prob: torch.Tensor, student_topk: torch.Tensor | None, distill: DistillationLoss,
+                      loss_agg_mode: str, scale: core.LossScale, is_weights: torch.Tensor | None,
+                      terms: dict[str, torch.Tensor]) -> torch.Tensor:
+    """On-policy distillation's share of the micro batch's loss (ppo_core.distillation_loss), its metrics
+    into `terms` (verl's distillation/* names): the student's log-probs (b, R), or of the teacher's top-k
+    (b, R, k), against the teacher's from step 4."""
+    tokens = core.distillation_token_losses(
+        distill.loss_mode, log_prob, mb.get("teacher_log_probs"), student_topk_log_probs=student_topk,
+        teacher_topk_log_probs=mb.get("teacher_topk_log_probs"), log_prob_min_clamp=distill.log_prob_min_clamp)  # (b, R)
+    term, metrics = core.distillation_loss(
+        tokens, mb["old_log_probs"], log_prob, mb["response_mask"], loss_agg_mode,
+        use_policy_gradient=distill.use_policy_gradient, loss_max_clamp=distill.loss_max_clamp,
+        clip_ratio_low=distill.clip_ratio_low, clip_ratio_high=distill.clip_ratio_high,
+        rollout_is_weights=is_weights, scale=scale)
+    terms.update(metrics, **{"distillation/loss": term})
+    return term
+
+
+# -----------------------------------------------------------------------------
+# 7. Metrics and the step's samples; 8. validation, checkpoint, the run's end
+
+
+def step_metrics(run: Run, batch: Batch, step_seconds: float) -> dict[str, float]:
+    """This rank's step statistics (verl's names), before the reduction over ranks."""
+    metrics = batch_metrics(batch, run.cfg.data.max_prompt_length, run.dp_group)
+    # tokens per second per rank: an sp group shares its samples' tokens
+    metrics["perf/throughput"] = batch["attention_mask"].sum().item() / run.dims.sp / step_seconds
+    metrics["perf/max_memory_gb"] = peak_memory_gb(run.env.device)
+    # of the actor's and reference model's forwards (the critic's follow critic.model.use_remove_padding)
+    metrics["perf/padding_fraction"] = padding_fraction(batch["attention_mask"],
+                                                        run.cfg.actor_rollout_ref.model.use_remove_padding)
+    if "num_turns" in batch:  # multi-turn (verl's and TRL's names); the failure share over every rank's calls
+        metrics.update(stats("num_turns", batch["num_turns"]))
+        metrics["tools/call_frequency"] = batch["tool_calls"].float().mean().item()
+        counts = torch.stack([batch["tool_failures"].sum(), batch["tool_calls"].sum()]).double()
+        dist.all_reduce(counts, group=run.dp_group)
+        metrics["tools/failure_frequency"] = (counts[0] / counts[1].clamp(min=1)).item()
+    return metrics
+
+
 def dump_rollouts(run: Run, step: int, batch: Batch, reward_extras: list[dict[str, float]],
                   old: PolicyForward | None) -> None:
     """The step's samples to <trainer.rollout_data_dir>/<step>.jsonl (tracking.write_samples: verl's fields,
@@ -1043,52 +1068,71 @@ def dump_rollouts(run: Run, step: int, batch: Batch, reward_extras: list[dict[st
     write_samples(records, run.rollout_data_dir, step, run.dp_group)
 
 
-def teacher_log_probs(run: Run, batch: Batch) -> Batch:
-    """The teacher's no-grad forward on the student's samples (distillation.enabled), cut as the reference
-    model's: its log-probs of the sampled tokens, teacher_log_probs (B, R), or with forward_kl_topk its top-k
-    over the tokenizer's ids, teacher_topk_log_probs and teacher_topk_ids (B, R, k). At temperature 1, as
-    verl's teacher (an engine's prompt log-probs) gives them, whatever the rollout's temperature."""
-    spec, topk = run.plan.teacher_log_prob, run.actor_loss.distillation.topk
-    with torch.no_grad():
-        out = compute_log_probs(
-            run.teacher, batch, 1.0, spec.micro_batch_size, max_token_len=spec.max_token_len,
-            use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group,
-            topk=(topk, run.teacher_vocab_limit) if topk is not None else None)
-    if topk is None:
-        return {"teacher_log_probs": out.log_probs}
-    return {"teacher_topk_log_probs": out.topk_values, "teacher_topk_ids": out.topk_ids}
-
-
-def old_policy_forward(run: Run, batch: Batch) -> PolicyForward:
-    """The separate no-grad forward of the actor that sampled the batch: old log-probs, entropy, and the
-    log-probs under the engine's top-k / top-p cut (for the comparisons with the engine's)."""
-    spec, truncation = run.plan.old_log_prob, run.actor_loss.truncation
-    run.actor.eval()
-    with torch.no_grad():
-        out = compute_log_probs(
-            run.actor, batch, run.actor_loss.temperature, spec.micro_batch_size, calc_entropy=True,
-            max_token_len=spec.max_token_len, use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group,
-            truncation=truncation, calc_sum_pi_squared=run.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
-    return PolicyForward(out.log_probs, out.entropy, out.log_probs if out.truncated is None else out.truncated,
-                         out.sum_pi_squared)
-
-
-def step_metrics(run: Run, batch: Batch, step_seconds: float) -> dict[str, float]:
-    """This rank's step statistics (verl's names), before the reduction over ranks."""
-    metrics = batch_metrics(batch, run.cfg.data.max_prompt_length, run.dp_group)
-    # tokens per second per rank: an sp group shares its samples' tokens
-    metrics["perf/throughput"] = batch["attention_mask"].sum().item() / run.dims.sp / step_seconds
-    metrics["perf/max_memory_gb"] = peak_memory_gb(run.env.device)
-    # of the actor's and reference model's forwards (the critic's follow critic.model.use_remove_padding)
-    metrics["perf/padding_fraction"] = padding_fraction(batch["attention_mask"],
-                                                        run.cfg.actor_rollout_ref.model.use_remove_padding)
-    if "num_turns" in batch:  # multi-turn (verl's and TRL's names); the failure share over every rank's calls
-        metrics.update(stats("num_turns", batch["num_turns"]))
-        metrics["tools/call_frequency"] = batch["tool_calls"].float().mean().item()
-        counts = torch.stack([batch["tool_failures"].sum(), batch["tool_calls"].sum()]).double()
-        dist.all_reduce(counts, group=run.dp_group)
-        metrics["tools/failure_frequency"] = (counts[0] / counts[1].clamp(min=1)).item()
+def run_validation(run: Run, step: int) -> dict[str, float]:
+    """Scores on the whole held-out set (greedy unless rollout.val_kwargs.do_sample), rollout.val_kwargs.n
+    samples per prompt, verl's names: val-core/<data_source>/reward/mean@<n> (acc/ where the reward function
+    returns an `acc`), val-aux/<data_source>/<extra>/mean@<n>; with n > 1 also std@n, best@k, worst@k and
+    maj@k (eval_metrics), and this project's val-unbiased/<data_source>/reward/pass@<k>; and val/score.
+    Each rollout dp group generates for a contiguous share; every sample goes to
+    <validation_data_dir>/<step>.jsonl (write_samples)."""
+    rollout_mesh, prompts = run.meshes.rollout, run.val_prompts
+    dp, dp_rank = rollout_mesh.size(0), rollout_mesh.get_local_rank("dp")
+    indices = list(range(len(prompts) * dp_rank // dp, len(prompts) * (dp_rank + 1) // dp))
+    generated, turn_stats = generate(run, [prompts[i] for i in indices], indices, step, run.engine.val_sampling)
+    rows = [prompts[i] for i in generated.prompt_index.tolist()]
+    response_tokens = generated.attention_mask[:, -generated.responses.shape[1]:]  # (B, R)
+    with failing_together(RewardError, run.env.device):
+        texts, scores, extras, preds = score_batch(
+            run.reward_fn, run.tokenizer, generated.responses, response_tokens, rows,
+            turn_stats and turn_stats.reward_info, run.cfg.reward_model.timeout_s)
+    if rollout_mesh.get_local_rank("infer_tp") == 0:  # the TP ranks of a group hold the same samples
+        records = sample_records(step, rows, texts, scores, extras)
+        if turn_stats is not None:  # every turn: role, text, token count, whether it was trained on
+            for record, turns in zip(records, turn_stats.turns, strict=True):
+                record["turns"] = turns
+        write_samples(records, run.validation_data_dir, step, rollout_mesh.get_group("dp"))
+    # Means over every rank's samples and prompts (the TP ranks of a group hold the same ones, which leaves
+    # means unchanged). A prompt's n samples are all in one group: its mean@n, best@k, maj@k, pass@k
+    # (eval_metrics) are computed there, then averaged over the data source's prompts.
+    prompt_ids = generated.prompt_index.tolist()
+    extra_keys = sorted({key for sample_extras in extras for key in sample_extras})
+    variables = {"reward": scores, **{key: [e.get(key) for e in extras] for key in extra_keys}}  # None: not given
+    per_prompt = eval_metrics.per_prompt_metrics(prompt_ids, [p.data_source for p in rows], variables, preds)
+    means = mean_over_ranks({"\t".join(key): values for key, values in per_prompt.items()}, "", run.env.device)
+    metrics = eval_metrics.name_metrics({tuple(key.split("\t")): value for key, value in means.items()})
+    metrics.update(mean_over_ranks({"val/score": scores}, "", run.env.device))
+    count = torch.tensor([len(scores)], dtype=torch.float64, device=run.env.device)
+    dist.all_reduce(count, group=rollout_mesh.get_group("dp"))  # each group's samples once
+    metrics["val/num_samples"] = count.item()
     return metrics
+
+
+def save(run: Run, step: int) -> None:
+    """A sharded, atomic checkpoint; older ones pruned only after the new one is complete."""
+    start = time.perf_counter()
+    path = save_checkpoint(run.out_dir, step, run.checkpointed(),
+                           {"sampler": run.sampler.state_dict(), "kl_ctrl": run.kl_ctrl.state_dict()},
+                           hf_source=(run.actor.config, run.tokenizer, *lora_config(run.actor)),
+                           keep=run.cfg.trainer.max_actor_ckpt_to_keep)
+    print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
+
+
+def finish(run: Run) -> None:
+    """Close the logs, say which keys the run never read, write the summary. The engine keeps running
+    (rollout.shutdown stops it)."""
+    run.tracker.close()
+    out_dir = run.out_dir
+    if run.env.rank == 0:  # every key should have done something; say which did not (a typo'd intent, a dead key)
+        unread = unread_keys(run.cfg)
+        (out_dir / "config_unread.json").write_text(json.dumps(unread, indent=1))
+        ignored = sorted(set(unread) & set(non_defaults(run.cfg)))
+        if ignored:
+            print0(f"warning: this run never read these keys you set: {', '.join(ignored)}")
+    if run.env.rank == 0 and (out_dir / "metrics.jsonl").is_file():  # the run's summary, also in summary.txt
+        png = plot_metrics(out_dir / "metrics.jsonl", out_dir / "metrics.png")
+        text = f"{summary(out_dir / 'metrics.jsonl')}\n{machine(run.env.device, run.env.world_size)}\n"
+        (out_dir / "summary.txt").write_text(text)
+        print0(text + f"metrics: {out_dir / 'metrics.jsonl'}, plot: {png}, summary: {out_dir / 'summary.txt'}")
 
 
 # -----------------------------------------------------------------------------
@@ -1196,6 +1240,47 @@ def load_data(cfg: Config, dims: ParallelDims,
     if rule_reward:  # a data source without a rule fails now, not at the first rollout
         check_data_sources(p.data_source for p in train_prompts + val_prompts)
     return tokenizer, train_prompts, val_prompts, reward_fn, multi_turn
+
+
+@dataclass
+class MultiTurn:
+    """What multi-turn rollouts need beside the engine (actor_rollout_ref.rollout.multi_turn)."""
+
+    section: Config
+    tools: dict[str, Any]  # name -> agent.BaseTool
+    schemas: list[dict[str, Any]]  # the tools' schemas, rendered into every prompt
+    renderer: Any  # agent.ObservationRenderer: a reply -> the ids that follow the assistant's turn
+    stop_token_ids: list[int]  # what ends an assistant turn
+    limits: TurnLimits  # multi_turn.max_assistant_turns, max_user_turns
+    environment_class: type | None = None  # multi_turn.environment; None: agent.ToolEnvironment
+
+    def environment(self, row: Prompt) -> Any:
+        """A fresh environment for one trajectory of `row`, reset."""
+        import agent
+
+        if self.environment_class is not None:
+            env = self.environment_class()
+        else:
+            env = agent.ToolEnvironment.from_config(self.section, self.tools)
+        env.reset(row)
+        return env
+
+
+def load_multi_turn(cfg: Config, tokenizer: Any) -> MultiTurn | None:
+    """The tools (verl's tool_config_path YAML, function_tool_path functions) and the chat template's
+    observation renderer, when multi-turn rollouts are on."""
+    section = cfg.actor_rollout_ref.rollout.multi_turn
+    if not section.enable:
+        return None
+    import agent
+
+    tools = (agent.load_tools(section.tool_config_path, section.function_tool_path)
+             if section.tool_config_path or section.function_tool_path else {})
+    schemas = agent.tool_schemas(tools)
+    environment_class = agent.load_environment_class(section.environment) if section.environment else None
+    return MultiTurn(section, tools, schemas, agent.ObservationRenderer(tokenizer, schemas or None),
+                     agent.end_of_turn_ids(tokenizer), TurnLimits(section.max_assistant_turns, section.max_user_turns),
+                     environment_class)
 
 
 def load_models(cfg: Config, meshes: Meshes, env: DistEnv, total_steps: int) -> dict[str, Any]:
@@ -1337,74 +1422,6 @@ def build_engine(cfg: Config, dims: ParallelDims, env: DistEnv, meshes: Meshes, 
     stale_check = rollout.StaleWeightsCheck(rollout.STALE_TOLERANCE[str(param_dtype).removeprefix("torch.")])
     lora_modules = sync_modules(models["actor"], rollout.packed_modules(llm)) if models["lora_spec"] else None
     return Engine(llm, settings, train_sampling, val_sampling, probe, actor_probe, stale_check, lora_modules)
-
-
-def save(run: Run, step: int) -> None:
-    """A sharded, atomic checkpoint; older ones pruned only after the new one is complete."""
-    start = time.perf_counter()
-    path = save_checkpoint(run.out_dir, step, run.checkpointed(),
-                           {"sampler": run.sampler.state_dict(), "kl_ctrl": run.kl_ctrl.state_dict()},
-                           hf_source=(run.actor.config, run.tokenizer, *lora_config(run.actor)),
-                           keep=run.cfg.trainer.max_actor_ckpt_to_keep)
-    print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
-
-
-def finish(run: Run) -> None:
-    """Close the logs, say which keys the run never read, write the summary. The engine keeps running
-    (rollout.shutdown stops it)."""
-    run.tracker.close()
-    out_dir = run.out_dir
-    if run.env.rank == 0:  # every key should have done something; say which did not (a typo'd intent, a dead key)
-        unread = unread_keys(run.cfg)
-        (out_dir / "config_unread.json").write_text(json.dumps(unread, indent=1))
-        ignored = sorted(set(unread) & set(non_defaults(run.cfg)))
-        if ignored:
-            print0(f"warning: this run never read these keys you set: {', '.join(ignored)}")
-    if run.env.rank == 0 and (out_dir / "metrics.jsonl").is_file():  # the run's summary, also in summary.txt
-        png = plot_metrics(out_dir / "metrics.jsonl", out_dir / "metrics.png")
-        text = f"{summary(out_dir / 'metrics.jsonl')}\n{machine(run.env.device, run.env.world_size)}\n"
-        (out_dir / "summary.txt").write_text(text)
-        print0(text + f"metrics: {out_dir / 'metrics.jsonl'}, plot: {png}, summary: {out_dir / 'summary.txt'}")
-
-
-# -----------------------------------------------------------------------------
-# The loop
-
-
-def train(run: Run) -> None:
-    """Validation before training, then every step from the checkpoint on, each followed by validation
-    and a checkpoint when they are due (8)."""
-    tc = run.cfg.trainer  # build_run placed the models for the first sync
-    if tc.val_before_train and run.val_prompts and run.start_step < run.total_steps:  # on resume, too
-        enter(run, run.start_step, "validate")
-        sync_weights(run)
-        val_metrics = run_validation(run, run.start_step)
-        print0(f"validation before training: val/score {val_metrics['val/score']:.3f}")
-        run.tracker.log(run.start_step, val_metrics)
-    for step in range(run.start_step + 1, run.total_steps + 1):
-        metrics = train_step(run, step)
-        last = step == run.total_steps
-        if run.val_prompts and tc.test_freq > 0 and (step % tc.test_freq == 0 or last):
-            enter(run, step, "validate")
-            sync_weights(run)  # validate the weights just trained, not the ones this step sampled from
-            with timed(metrics, "testing"):
-                metrics.update(run_validation(run, step))
-        run.tracker.log(step, metrics)
-        if tc.save_freq > 0 and (step % tc.save_freq == 0 or last):
-            enter(run, step, "save")
-            save(run, step)
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    check_supported(cfg)  # the config-only checks (nccl_timeout among them) before the process group
-    env = init_distributed(timeout_s=cfg.actor_rollout_ref.nccl_timeout)
-    run = build_run(cfg, env, watch=True)
-    train(run)
-    run.progress.stop()
-    finish(run)
-    rollout.shutdown(run.engine.llm)  # stops the engine, then the process group, in the order vLLM needs
 
 
 if __name__ == "__main__":
