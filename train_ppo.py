@@ -226,15 +226,14 @@ class Run:
     consecutive_skips: int = 0
 
     def checkpointed(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]]:
-        return checkpointed(vars(self))
+        return checkpointed(self)
 
 
-def checkpointed(models: dict[str, Any]) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]]:
-    """What a checkpoint holds of `models` (load_models' names): the actor's and the critic's model, optimizer
-    and schedule."""
-    out = {"actor": (models["actor"], models["actor_optim"], models["actor_sched"])}
-    if models["critic"] is not None:
-        out["critic"] = (models["critic"], models["critic_optim"], models["critic_sched"])
+def checkpointed(models: Models | Run) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]]:
+    """What a checkpoint holds of the models: the actor's and the critic's model, optimizer and schedule."""
+    out = {"actor": (models.actor, models.actor_optim, models.actor_sched)}
+    if models.critic is not None:
+        out["critic"] = (models.critic, models.critic_optim, models.critic_sched)
     return out
 
 
@@ -420,18 +419,18 @@ def enter(run: Run, step: int, phase: str) -> None:
 
 def move_to(run: Run, phase: str) -> None:
     """Place models, optimizer states and engine for `phase` (memory_plan.placement, from the offload flags)."""
-    place(vars(run), run.offload, run.placement, phase, run.env.device, run.engine.llm)
+    place(run, run.offload, run.placement, phase, run.env.device, run.engine.llm)
     run.placement = phase
 
 
-def place(models: dict[str, Any], offload: OffloadFlags, src: str, dst: str, device: torch.device,
+def place(models: Models | Run, offload: OffloadFlags, src: str, dst: str, device: torch.device,
           llm: LLM | None) -> None:
-    """The moves from placement `src` to `dst` (memory_plan.plan_moves) of `models` (load_models' names)
-    and of the engine, if there is one yet."""
+    """The moves from placement `src` to `dst` (memory_plan.plan_moves) of the actor, the critic, their
+    optimizer states and the engine, if there is one yet."""
     # LoRA's syncs after the first send only the modules it changes: the engine keeps its other weights
-    level = rollout.sleep_level(partial_sync=bool(models["lora_spec"]))
-    apply_moves(plan_moves(offload, src, dst), {"actor": models["actor"], "critic": models["critic"]},
-                {"actor": models["actor_optim"], "critic": models["critic_optim"]}, device,
+    level = rollout.sleep_level(partial_sync=bool(models.lora_spec))
+    apply_moves(plan_moves(offload, src, dst), {"actor": models.actor, "critic": models.critic},
+                {"actor": models.actor_optim, "critic": models.critic_optim}, device,
                 sleep_engine=functools.partial(rollout.sleep, llm, level) if llm is not None else None)
 
 
@@ -1169,11 +1168,11 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
     param_dtype, _ = default_dtypes(env.device_type)
     teacher_vocab_limit = check_distillation_teacher(cfg, tokenizer)
     models = load_models(cfg, meshes, env, total_steps)
-    models["reward_model"] = load_learned_reward_model(cfg, meshes, env, tokenizer)
-    source, why = old_log_prob_source(models["actor"], cfg.algorithm, plan.actor_update, plan.samples_per_rank,
+    reward_model = load_learned_reward_model(cfg, meshes, env, tokenizer)
+    source, why = old_log_prob_source(models.actor, cfg.algorithm, plan.actor_update, plan.samples_per_rank,
                                       cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
     print0(f"old log-probs: {source} ({why})")
-    start_step = resume(cfg, out_dir, env.rank, checkpointed(models), sampler, models["kl_ctrl"])
+    start_step = resume(cfg, out_dir, env.rank, checkpointed(models), sampler, models.kl_ctrl)
     # placed as for the first weight sync before the engine starts: vLLM sizes its KV cache from the
     # memory free then, so an offloaded critic must already be on the host
     offload = OffloadFlags.from_config(cfg)
@@ -1195,7 +1194,7 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
                rollout_data_dir=Path(tc.rollout_data_dir) if tc.rollout_data_dir is not None else None,
                validation_data_dir=Path(tc.validation_data_dir or out_dir / "val_generations"),
                start_step=start_step, engine=engine, tracker=tracker, progress=progress, placement="sync",
-               multi_turn=multi_turn, teacher_vocab_limit=teacher_vocab_limit, **models)
+               multi_turn=multi_turn, reward_model=reward_model, teacher_vocab_limit=teacher_vocab_limit, **vars(models))
 
 
 def load_data(cfg: Config, dims: ParallelDims,
@@ -1283,7 +1282,24 @@ def load_multi_turn(cfg: Config, tokenizer: Any) -> MultiTurn | None:
                      environment_class)
 
 
-def load_models(cfg: Config, meshes: Meshes, env: DistEnv, total_steps: int) -> dict[str, Any]:
+@dataclass
+class Models:
+    """load_models' result: the actor and critic with their optimizers and schedules, and the frozen models."""
+
+    actor: torch.nn.Module
+    actor_optim: torch.optim.Optimizer
+    actor_sched: Any
+    ref: torch.nn.Module | None  # the reference model for a KL term; with LoRA the actor, adapter off
+    reference_mode: Callable[[], contextlib.AbstractContextManager]
+    teacher: torch.nn.Module | None  # distillation.enabled: the frozen teacher
+    critic: torch.nn.Module | None
+    critic_optim: torch.optim.Optimizer | None
+    critic_sched: Any
+    kl_ctrl: core.FixedKLController
+    lora_spec: LoraSpec | None
+
+
+def load_models(cfg: Config, meshes: Meshes, env: DistEnv, total_steps: int) -> Models:
     """Actor (+ reference model for a KL term, + teacher for distillation, + critic for GAE), FSDP2 on the FSDP
     mesh, with optimizers.
 
@@ -1323,9 +1339,9 @@ def load_models(cfg: Config, meshes: Meshes, env: DistEnv, total_steps: int) -> 
     kl_cfg = cfg.algorithm.kl_ctrl
     kl_ctrl = (core.AdaptiveKLController(kl_cfg.kl_coef, kl_cfg.target_kl, kl_cfg.horizon)
                if kl_cfg.type == "adaptive" else core.FixedKLController(kl_cfg.kl_coef))
-    return dict(actor=actor, actor_optim=actor_optim, actor_sched=actor_sched, ref=ref, reference_mode=reference_mode,
-                teacher=teacher, critic=critic, critic_optim=critic_optim, critic_sched=critic_sched, kl_ctrl=kl_ctrl,
-                lora_spec=lora_spec)
+    return Models(actor=actor, actor_optim=actor_optim, actor_sched=actor_sched, ref=ref, reference_mode=reference_mode,
+                  teacher=teacher, critic=critic, critic_optim=critic_optim, critic_sched=critic_sched, kl_ctrl=kl_ctrl,
+                  lora_spec=lora_spec)
 
 
 def check_distillation_teacher(cfg: Config, tokenizer: Any) -> int | None:
@@ -1389,7 +1405,7 @@ def engine_settings(cfg: Config, dims: ParallelDims, device_type: str) -> dict[s
 
 
 def build_engine(cfg: Config, dims: ParallelDims, env: DistEnv, meshes: Meshes, tokenizer: Any, probe: list[int],
-                 multi_turn: MultiTurn | None, models: dict[str, Any], param_dtype: torch.dtype,
+                 multi_turn: MultiTurn | None, models: Models, param_dtype: torch.dtype,
                  reuse: Engine | None = None) -> Engine:
     """One vLLM shard per rank, TP over the rows of the rollout mesh, after the models are placed (or
     `reuse`'s engine, when given); the sampling settings of training and validation; the probes of the
@@ -1420,7 +1436,7 @@ def build_engine(cfg: Config, dims: ParallelDims, env: DistEnv, meshes: Meshes, 
     probe_batch = rollout.pad_rollout([probe], [tail], [[0.0] * len(tail)], [0], len(tail), tokenizer.pad_token_id)
     actor_probe = {k: v.to(env.device) for k, v in vars(probe_batch).items()}
     stale_check = rollout.StaleWeightsCheck(rollout.STALE_TOLERANCE[str(param_dtype).removeprefix("torch.")])
-    lora_modules = sync_modules(models["actor"], rollout.packed_modules(llm)) if models["lora_spec"] else None
+    lora_modules = sync_modules(models.actor, rollout.packed_modules(llm)) if models.lora_spec else None
     return Engine(llm, settings, train_sampling, val_sampling, probe, actor_probe, stale_check, lora_modules)
 
 
