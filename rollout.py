@@ -16,9 +16,9 @@ call `generate` with the same prompts and parameters, and they get the same samp
     shutdown(llm)                                       # instead of dist.destroy_process_group()
 
 vLLM is imported inside the functions that need it (it takes seconds), so importing this module is cheap.
-Every access to vLLM's engine internals goes through `_vllm_internals`, except three: wake_up asks
-`llm.llm_engine.is_sleeping()`, `engine_linear` (a bench probe) calls the CPU backend's oneDNN kernel, and
-the sync filters name vLLM's loggers. The rest uses vLLM's public API.
+Every access to vLLM's engine internals goes through `_vllm_internals`, except two: wake_up asks
+`llm.llm_engine.is_sleeping()`, and the sync's log filters name vLLM's loggers. The rest uses vLLM's
+public API.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
@@ -89,19 +89,6 @@ def _vllm_internals(llm: LLM) -> _Internals:
     packed = getattr(worker.model_runner.get_model(), "packed_modules_mapping", {})
     return _Internals(worker=worker, engine_core=engine.engine_core,
                       packed_modules={k: list(v) for k, v in packed.items()})
-
-
-def engine_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> x @ weight.T as the CPU engine runs its unquantized linear layers (vLLM 0.32: oneDNN with
-    the weight packed once, vllm.model_executor.layers.utils' CPU GEMM dispatch), or torch's linear
-    where the engine would not use oneDNN (an accelerator, a CPU build without it). For probes of the
-    engine's decode-step rate (bench/flops.py); weight is (out, in), as nn.Linear holds it."""
-    from vllm import _custom_ops as ops
-
-    if weight.device.type != "cpu" or not ops._supports_onednn:
-        return lambda x: torch.nn.functional.linear(x, weight)
-    handler = ops.create_onednn_mm(weight.t(), 32)
-    return lambda x: ops.onednn_mm(handler, x, None)
 
 
 class _DropPartialReloadNoise(logging.Filter):

@@ -76,8 +76,8 @@ MUTATIONS = (
         'loss, terms = loss_fn(mb, core.LossScale(mb["response_mask"].sum() * dp_size, num_seqs, dp_size))'),),
         "tests/test_train_ppo_steps.py::test_micro_batch_cut_does_not_change_the_update[token-mean]"),
     Mutation("the reference model is the actor (updated with it)", "train_ppo.py", ((
-        'cpu_offload=cfg.actor_rollout_ref.ref.fsdp_config.param_offload, **fsdp_kwargs).eval()\n',
-        'cpu_offload=cfg.actor_rollout_ref.ref.fsdp_config.param_offload, **fsdp_kwargs).eval()\n'
+        'param_offload=cfg.actor_rollout_ref.ref.fsdp_config.param_offload, **fsdp_kwargs)\n',
+        'param_offload=cfg.actor_rollout_ref.ref.fsdp_config.param_offload, **fsdp_kwargs)\n'
         '        ref = actor\n'),),
         "tests/test_train_ppo.py::test_gae_with_kl"),
     Mutation("LoRA's reference log-probs computed with the adapter on (the reference is the actor)", "train_ppo.py", ((
