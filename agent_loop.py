@@ -9,7 +9,9 @@ makes the same engine calls; trajectory j's environment lives on TP rank j % tp 
 replies reach the other ranks through one all-gather per turn, so a tool runs once and a slow or
 failing tool cannot put the ranks out of step (agent.ToolEnvironment turns errors into text).
 
-    batch = generate_multi_turn(llm, rows, prompt_indices, settings, step=step, tp_group=group)
+    sample = functools.partial(rollout.sample_turns, llm, sampling)     # or any sampler: (prompts, seeds, max_tokens)
+    batch, stats = generate_multi_turn(sample, rows, prompt_indices, sampling, limits, step=step, make_env=...,
+                                       renderer=..., decode=..., tp_group=group)
 
 Returns a rollout.RolloutBatch whose response_mask is 1 on the tokens the policy sampled only (the
 environment's are attended, not trained) and whose rollout_log_probs are 0 on them, plus per-sample
@@ -29,28 +31,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+import rollout
+
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from vllm import LLM
-
     from agent import Environment, ObservationRenderer, StepResult
-    from rollout import RolloutBatch
+
+# The sampler of one turn: (prompts, their seeds, each prompt's max_tokens) -> one rollout.Turn per prompt.
+# The engine's is functools.partial(rollout.sample_turns, llm, sampling); every rank of a TP group must get
+# the same turns for the same call.
+Sampler = Callable[[list[list[int]], list[int], list[int]], list[rollout.Turn]]
 
 
 @dataclass(frozen=True)
-class MultiTurnSettings:
-    """One step's sampling and the turn limits (actor_rollout_ref.rollout and its multi_turn section)."""
+class TurnLimits:
+    """How many turns a trajectory may take (actor_rollout_ref.rollout.multi_turn); None: no limit."""
 
-    n: int
-    temperature: float
-    top_p: float
-    top_k: int
-    max_response_length: int  # the whole trajectory's budget: sampled and environment tokens together
-    max_prompt_length: int
-    pad_token_id: int
-    stop_token_ids: list[int]  # end of an assistant turn (agent.end_of_turn_ids)
-    seed: int
     max_assistant_turns: int | None = None
     max_user_turns: int | None = None
 
@@ -121,31 +118,30 @@ def _gather_results(mine: dict[int, Any], group: dist.ProcessGroup | None) -> di
     return {j: result for part in every_rank for j, result in part.items()}
 
 
-def generate_multi_turn(llm: LLM, rows: Sequence[Any], prompt_indices: Sequence[int], settings: MultiTurnSettings, *,
-                        step: int, make_env: Callable[[Any], Environment], renderer: ObservationRenderer,
+def generate_multi_turn(sample: Sampler, rows: Sequence[Any], prompt_indices: Sequence[int],
+                        sampling: rollout.Sampling, limits: TurnLimits, *, step: int,
+                        make_env: Callable[[Any], Environment], renderer: ObservationRenderer,
                         decode: Callable[[list[int]], str],
-                        tp_group: dist.ProcessGroup | None = None) -> tuple[RolloutBatch, MultiTurnStats]:
-    """settings.n trajectories per row of this rollout dp group, prompt-major, turn by turn until each
-    ends: a turn with no call (or a reply the environment ends on), the token budget, a turn cut by
-    it, a turn limit, or an environment reply that does not fit what is left. make_env(row) builds a
+                        tp_group: dist.ProcessGroup | None = None) -> tuple[rollout.RolloutBatch, MultiTurnStats]:
+    """sampling.n trajectories per row of this rollout dp group, prompt-major, turn by turn until each
+    ends: a turn with no call (or a reply the environment ends on), the token budget (sampling.max_tokens),
+    a turn cut by it, a turn limit, or an environment reply that does not fit what is left. Each turn is one
+    call of `sample` over the trajectories still running, seeded from sampling.seed. make_env(row) builds a
     reset environment; it runs on this rank for the trajectories it owns. Collective over tp_group."""
-    import rollout
-
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     trajs = [Trajectory(row, index, s) for row, index in zip(rows, prompt_indices, strict=True)
-             for s in range(settings.n)]
+             for s in range(sampling.n)]
     envs = {j: make_env(t.row) for j, t in enumerate(trajs) if j % tp_size == tp_rank}
-    budget = settings.max_response_length
+    budget = sampling.max_tokens
     for turn in itertools.count():
         active = [j for j, t in enumerate(trajs) if not t.done]
         if not active:
             break
-        results = rollout.sample_turns(
-            llm, [list(trajs[j].row.token_ids) + trajs[j].response for j in active],
-            [rollout.sample_seed(settings.seed, step, trajs[j].prompt_index, trajs[j].sample, turn) for j in active],
-            temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-            max_tokens=[budget - len(trajs[j].response) for j in active], stop_token_ids=settings.stop_token_ids)
+        results = sample([list(trajs[j].row.token_ids) + trajs[j].response for j in active],
+                         [rollout.sample_seed(sampling.seed, step, trajs[j].prompt_index, trajs[j].sample, turn)
+                          for j in active],
+                         [budget - len(trajs[j].response) for j in active])
         replying = []
         for j, result in zip(active, results, strict=True):
             t = trajs[j]
@@ -153,9 +149,9 @@ def generate_multi_turn(llm: LLM, rows: Sequence[Any], prompt_indices: Sequence[
             t.assistant_turns += 1
             t.turns.append({"role": "assistant", "text": decode(result.token_ids), "tokens": len(result.token_ids),
                             "trained": True})
-            turn_limit = settings.max_assistant_turns is not None and t.assistant_turns >= settings.max_assistant_turns
+            turn_limit = limits.max_assistant_turns is not None and t.assistant_turns >= limits.max_assistant_turns
             # no reply may follow: checked before the environment runs, so no call runs for a reply dropped
-            reply_limit = settings.max_user_turns is not None and t.user_turns >= settings.max_user_turns
+            reply_limit = limits.max_user_turns is not None and t.user_turns >= limits.max_user_turns
             t.done = result.finish_reason != "stop" or len(t.response) >= budget or turn_limit or reply_limit
             if not t.done:
                 replying.append(j)
@@ -169,14 +165,14 @@ def generate_multi_turn(llm: LLM, rows: Sequence[Any], prompt_indices: Sequence[
             _log_errors(envs[j])
         answers = _gather_results({j: _as_plain(result) for j, result in zip(owned, steps, strict=True)}, tp_group)
         for j in replying:
-            _take_answer(trajs[j], answers[j], renderer, settings, budget)
+            _take_answer(trajs[j], answers[j], renderer, budget)
     _check_lockstep(trajs, tp_group)
     closing = _gather_results({j: _close(env) for j, env in envs.items()}, tp_group)
     for j, t in enumerate(trajs):
         t.final_rewards = closing[j]
     batch = rollout.pad_rollout([list(t.row.token_ids) for t in trajs], [t.response for t in trajs],
                                 [t.log_probs for t in trajs], [t.prompt_index for t in trajs], budget,
-                                settings.pad_token_id, settings.max_prompt_length,
+                                sampling.pad_token_id, sampling.max_prompt_length,
                                 loss_masks=[t.loss_mask for t in trajs])
     stats = MultiTurnStats(
         num_turns=torch.tensor([t.user_turns + t.assistant_turns + 1 for t in trajs], dtype=torch.float32),
@@ -238,8 +234,7 @@ def _as_plain(result: StepResult) -> dict[str, Any]:
             "reward": float(result.reward)}
 
 
-def _take_answer(t: Trajectory, answer: dict[str, Any], renderer: ObservationRenderer, settings: MultiTurnSettings,
-                 budget: int) -> None:
+def _take_answer(t: Trajectory, answer: dict[str, Any], renderer: ObservationRenderer, budget: int) -> None:
     """Append the environment's reply to a trajectory, or end it (no reply, a limit, no room)."""
     t.calls += answer["calls"]
     t.failed_calls += answer["failed"]

@@ -3,7 +3,7 @@
     spec = LoraSpec.from_config(cfg.actor_rollout_ref.model)     # None when lora_rank=0 and no adapter path
     actor = models.load_causal_lm(path, fsdp_mesh, wrap=spec.add_adapter, ...)   # FSDP2 as before
     with actor.disable_adapter():                                # the reference model: the base weights
-        ref_log_probs, _ = models.compute_log_probs(actor, batch, ...)
+        ref_log_probs = models.compute_log_probs(actor, batch, ...).log_probs
     modules = sync_modules(actor, rollout.packed_modules(llm))
     rollout.sync_weights(llm, iter_sync_params(actor, dtype))             # first sync: every weight
     rollout.sync_weights(llm, iter_sync_params(actor, dtype, modules))    # then only what LoRA changes

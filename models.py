@@ -6,7 +6,7 @@ Free functions taking explicit meshes and dtypes (torchtitan's apply_fsdp style)
     model = load_causal_lm("Qwen/Qwen2.5-0.5B", fsdp_mesh, device=device,
                            param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # batch: input_ids, attention_mask, position_ids (B, P+R) and responses (B, R)
-    log_probs, _ = compute_log_probs(model, batch, temperature=1.0, micro_batch_size=8)
+    log_probs = compute_log_probs(model, batch, temperature=1.0, micro_batch_size=8).log_probs  # (B, R)
     for name, tensor in iter_full_params(model): ...   # HF names, full tensors, gathered in buckets
 
 Loading never holds more than one full copy of the weights on a host: every rank builds the model
@@ -19,6 +19,7 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Required, TypedDict, Unpack
 
 import torch
@@ -491,6 +492,93 @@ def _unpack(values: torch.Tensor, response_valid: torch.Tensor) -> torch.Tensor:
     return out.masked_scatter(mask, values)
 
 
+@dataclass(frozen=True)
+class ForwardOut:
+    """compute_log_probs' outputs, in the batch's row order; each output not asked for is None."""
+
+    log_probs: torch.Tensor  # (B, R) of the response tokens under logits / temperature
+    entropy: torch.Tensor | None = None  # (B, R) calc_entropy
+    truncated: torch.Tensor | None = None  # (B, R) truncation: under the engine's top-k / top-p cut, no grad
+    topk_values: torch.Tensor | None = None  # (B, R, k) topk: each position's k largest log-probs
+    topk_ids: torch.Tensor | None = None  # (B, R, k) topk: their token ids
+    gathered: torch.Tensor | None = None  # (B, R, k) topk_ids: the log-probs at those ids
+    sum_pi_squared: torch.Tensor | None = None  # (B, R) calc_sum_pi_squared: sum_v pi(v)^2
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """One micro batch's forward as the heads read it: the logits (..., V) / temperature and the label of
+    each of their positions, and the ways between those positions and the micro batch's response rows."""
+
+    logits: torch.Tensor  # (K, V) packed; (b, r+1, V) padded; (1, N/sp, V) this rank's Ulysses slice
+    labels: torch.Tensor  # (K,) / (b, r+1) / (1, N/sp)
+    to_rows: Callable[[torch.Tensor], torch.Tensor]  # a per-position result (..., [k]) -> (b, R, [k])
+    predicting: Callable[[torch.Tensor], torch.Tensor]  # the positions that predict a response token
+    from_rows: Callable[[torch.Tensor], torch.Tensor]  # (b, R, k) per response token -> per predicting position
+
+
+def _packed_layout(model: nn.Module, inputs: Mapping[str, torch.Tensor], response_len: int,
+                   temperature: float) -> _Layout:
+    model_inputs, predictors, response_valid = _pack(inputs, response_len)
+    out = model(**model_inputs, use_cache=False, logits_to_keep=predictors)
+    # in place as below, on the output itself: in place on its row (a view) would make autograd's
+    # way back hold four logits-sized tensors instead of two
+    logits = out.logits.div_(temperature)[0]  # (K, V)
+    labels = inputs["input_ids"][:, -response_len:][response_valid]  # (K,)
+    return _Layout(logits, labels, functools.partial(_unpack, response_valid=response_valid), lambda x: x,
+                   lambda x: x[response_valid])
+
+
+def _padded_layout(model: nn.Module, inputs: Mapping[str, torch.Tensor], response_len: int,
+                   temperature: float) -> _Layout:
+    inputs, kept = _trim(inputs, response_len)  # (b, <= P+R): the micro batch's longest sample
+    out = model(**inputs, use_cache=False, logits_to_keep=kept + 1)
+    # In place and in the model's dtype (bf16 on GPU), as verl does: a copy, let alone a float32
+    # one, would double the largest tensor of the forward.
+    logits = out.logits.div_(temperature)  # (b, r+1, V)
+    # Position t predicts token t+1: the last prompt token predicts the first response token, and
+    # the final position predicts past the end. That position goes through the maths with label 0
+    # and is dropped after: slicing it off first would copy the logits to make them contiguous.
+    labels = F.pad(inputs["input_ids"][:, -kept:], (0, 1))  # (b, r+1)
+
+    def to_rows(x: torch.Tensor) -> torch.Tensor:  # (b, r, ...) -> (b, R, ...), 0 in the trimmed columns
+        return F.pad(x, (0, 0) * (x.dim() - 2) + (0, response_len - kept))
+
+    return _Layout(logits, labels, to_rows, lambda x: x[:, :-1], lambda x: x[:, :kept])
+
+
+def _sequence_parallel_layout(model: nn.Module, inputs: Mapping[str, torch.Tensor], response_len: int,
+                              temperature: float, sp_group: dist.ProcessGroup) -> _Layout:
+    model_inputs, predictors, response_valid = _pack(inputs, response_len)
+    logits, labels, gather = ulysses.sequence_parallel_logits(model, model_inputs, temperature, sp_group)
+
+    def to_rows(x: torch.Tensor) -> torch.Tensor:  # (1, N/sp) of this rank's slice -> (b, R) on every rank
+        return _unpack(gather(x)[0, predictors], response_valid)
+
+    return _Layout(logits, labels, to_rows, lambda x: x, lambda x: x[response_valid])
+
+
+def _heads(layout: _Layout, calc_entropy: bool, truncation: tuple[int, float] | None,
+           topk: tuple[int, int | None] | None, topk_ids: torch.Tensor | None,
+           calc_sum_pi_squared: bool) -> dict[str, torch.Tensor]:
+    """The requested outputs of one micro batch, each in its rows (b, R[, k]): ForwardOut's fields."""
+    logits, labels, to_rows, predicting = layout.logits, layout.labels, layout.to_rows, layout.predicting
+    log_probs, entropy = core.logprobs_and_entropy(logits, labels, calc_entropy)  # per position each
+    out = {"log_probs": to_rows(predicting(log_probs))}
+    if calc_entropy:
+        out["entropy"] = to_rows(predicting(entropy))
+    if truncation is not None:
+        out["truncated"] = to_rows(predicting(core.truncated_log_probs(logits, labels, *truncation)))
+    if topk is not None:
+        values, ids = core.topk_log_probs(predicting(logits), *topk)  # (positions, k) each
+        out["topk_values"], out["topk_ids"] = to_rows(values), to_rows(ids)
+    if topk_ids is not None:
+        out["gathered"] = to_rows(core.gather_log_probs(predicting(logits), layout.from_rows(topk_ids)))
+    if calc_sum_pi_squared:
+        out["sum_pi_squared"] = to_rows(predicting(core.sum_pi_squared_from_logits(logits)))
+    return out
+
+
 def compute_log_probs(
     model: nn.Module,
     batch: Mapping[str, torch.Tensor],
@@ -505,16 +593,15 @@ def compute_log_probs(
     calc_sum_pi_squared: bool = False,
     topk: tuple[int, int | None] | None = None,
     topk_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, ...]:
-    """Log-probs (B, R) of the response tokens under logits / temperature, and their entropies if
-    asked. Grad flows if the caller has it enabled. With truncation=(top_k, top_p), a third (B, R)
-    tensor: the log-probs under the engine's sampling distribution, the top-k / top-p cut of the same
-    logits (ppo_core.truncated_log_probs), from the same forward. With topk=(k, vocab_limit), two more
-    (B, R, k) tensors after it: the k largest log-probs of each position and their ids
-    (ppo_core.topk_log_probs; a teacher's, for on-policy distillation); with topk_ids (B, R, k), one
-    more: the log-probs at those ids (the student's side of that loss, with grad). Neither with sp_group.
-    With calc_sum_pi_squared, last, sum_v pi(v)^2 (B, R) of the same logits
-    (ppo_core.sum_pi_squared_from_logits), laid out as the log-probs.
+) -> ForwardOut:
+    """Log-probs (B, R) of the response tokens under logits / temperature, and what else is asked for,
+    from the same forward (ForwardOut): their entropies; with truncation=(top_k, top_p) the log-probs
+    under the engine's sampling distribution, the top-k / top-p cut of the same logits
+    (ppo_core.truncated_log_probs); with topk=(k, vocab_limit) the k largest log-probs of each position
+    and their ids (ppo_core.topk_log_probs; a teacher's, for on-policy distillation); with topk_ids
+    (B, R, k) the log-probs at those ids (the student's side of that loss, with grad); neither top-k with
+    sp_group; with calc_sum_pi_squared sum_v pi(v)^2 (ppo_core.sum_pi_squared_from_logits). Grad flows
+    if the caller has it enabled.
 
     batch holds "input_ids", "attention_mask", "position_ids" (each (B, P+R): prompts, then responses)
     and "responses" (B, R), which gives R. Micro batches are runs of micro_batch_size rows, or cut by
@@ -536,82 +623,22 @@ def compute_log_probs(
     if sp_group is not None and (topk is not None or topk_ids is not None):
         raise NotImplementedError("compute_log_probs: top-k log-probs under Ulysses (config refuses forward_kl_topk "
                                   "with ulysses_sequence_parallel_size > 1)")
-    log_probs, entropies, truncated, sum_sq, row_groups = [], [], [], [], []
-    top_values, top_ids, gathered = [], [], []
+    pieces: dict[str, list[torch.Tensor]] = {}
+    row_groups = []
     for rows, inputs in _micro_batches(batch, micro_batch_size, max_token_len):
         if sp_group is not None:
-            model_inputs, predictors, response_valid = _pack(inputs, response_len)
-            token_log_probs, token_entropy, *more = ulysses.sequence_parallel_log_probs(
-                model, model_inputs, temperature, sp_group, calc_entropy, truncation,
-                calc_sum_pi_squared)  # (1, N) each, on every rank
-            log_probs.append(_unpack(token_log_probs[0, predictors], response_valid))  # (b, R)
-            if calc_entropy:
-                entropies.append(_unpack(token_entropy[0, predictors], response_valid))  # (b, R)
-            if truncation is not None:
-                truncated.append(_unpack(more[0][0, predictors], response_valid))  # (b, R)
-            if calc_sum_pi_squared:
-                sum_sq.append(_unpack(more[-1][0, predictors], response_valid))  # (b, R)
+            layout = _sequence_parallel_layout(model, inputs, response_len, temperature, sp_group)
         elif use_remove_padding:
-            model_inputs, predictors, response_valid = _pack(inputs, response_len)
-            out = model(**model_inputs, use_cache=False, logits_to_keep=predictors)
-            # in place as below, on the output itself: in place on its row (a view) would make autograd's
-            # way back hold four logits-sized tensors instead of two
-            logits = out.logits.div_(temperature)[0]  # (K, V)
-            labels = inputs["input_ids"][:, -response_len:][response_valid]  # (K,)
-            token_log_probs, token_entropy = core.logprobs_and_entropy(logits, labels, calc_entropy)  # (K,) each
-            log_probs.append(_unpack(token_log_probs, response_valid))  # (b, R)
-            if calc_entropy:
-                entropies.append(_unpack(token_entropy, response_valid))  # (b, R)
-            if truncation is not None:
-                truncated.append(_unpack(core.truncated_log_probs(logits, labels, *truncation), response_valid))  # (b, R)
-            if topk is not None:
-                values, ids = core.topk_log_probs(logits, *topk)  # (K, k) each
-                top_values.append(_unpack(values, response_valid))  # (b, R, k)
-                top_ids.append(_unpack(ids, response_valid))  # (b, R, k)
-            if topk_ids is not None:
-                picked = core.gather_log_probs(logits, topk_ids[rows][response_valid])  # (K, k)
-                gathered.append(_unpack(picked, response_valid))  # (b, R, k)
-            if calc_sum_pi_squared:
-                sum_sq.append(_unpack(core.sum_pi_squared_from_logits(logits), response_valid))  # (b, R)
+            layout = _packed_layout(model, inputs, response_len, temperature)
         else:
-            inputs, kept = _trim(inputs, response_len)  # (b, <= P+R): the micro batch's longest sample
-            out = model(**inputs, use_cache=False, logits_to_keep=kept + 1)
-            # In place and in the model's dtype (bf16 on GPU), as verl does: a copy, let alone a float32
-            # one, would double the largest tensor of the forward.
-            logits = out.logits.div_(temperature)  # (b, r+1, V)
-            # Position t predicts token t+1: the last prompt token predicts the first response token, and
-            # the final position predicts past the end. That position goes through the maths with label 0
-            # and is dropped after: slicing it off first would copy the logits to make them contiguous.
-            labels = F.pad(inputs["input_ids"][:, -kept:], (0, 1))  # (b, r+1)
-            to_full = (0, response_len - kept)  # after dropping that position: 0 in the trimmed columns, (b, R)
-            token_log_probs, token_entropy = core.logprobs_and_entropy(logits, labels, calc_entropy)  # (b, r+1) each
-            log_probs.append(F.pad(token_log_probs[:, :-1], to_full))  # (b, R)
-            if calc_entropy:
-                entropies.append(F.pad(token_entropy[:, :-1], to_full))  # (b, R)
-            if truncation is not None:
-                truncated.append(F.pad(core.truncated_log_probs(logits, labels, *truncation)[:, :-1], to_full))  # (b, R)
-            to_full_k = (0, 0, *to_full)  # (b, r, k) -> (b, R, k)
-            if topk is not None:
-                values, ids = core.topk_log_probs(logits[:, :-1], *topk)  # (b, r, k) each
-                top_values.append(F.pad(values, to_full_k))
-                top_ids.append(F.pad(ids, to_full_k))
-            if topk_ids is not None:
-                picked = core.gather_log_probs(logits[:, :-1], topk_ids[rows][:, :kept])  # (b, r, k)
-                gathered.append(F.pad(picked, to_full_k))  # (b, R, k)
-            if calc_sum_pi_squared:
-                sum_sq.append(F.pad(core.sum_pi_squared_from_logits(logits)[:, :-1], to_full))  # (b, R)
-        out = logits = None  # released now: held, they would sit beside the next micro batch's whole forward
+            layout = _padded_layout(model, inputs, response_len, temperature)
+        heads = _heads(layout, calc_entropy, truncation, topk, None if topk_ids is None else topk_ids[rows],
+                       calc_sum_pi_squared)
+        for name, value in heads.items():
+            pieces.setdefault(name, []).append(value)
+        layout = None  # released now: held, the logits would sit beside the next micro batch's whole forward
         row_groups.append(rows)
-    out = [_in_batch_order(log_probs, row_groups), _in_batch_order(entropies, row_groups) if calc_entropy else None]
-    if truncation is not None:
-        out.append(_in_batch_order(truncated, row_groups))
-    if topk is not None:
-        out += [_in_batch_order(top_values, row_groups), _in_batch_order(top_ids, row_groups)]
-    if topk_ids is not None:
-        out.append(_in_batch_order(gathered, row_groups))
-    if calc_sum_pi_squared:
-        out.append(_in_batch_order(sum_sq, row_groups))
-    return tuple(out)
+    return ForwardOut(**{name: _in_batch_order(parts, row_groups) for name, parts in pieces.items()})
 
 
 def compute_values(critic: nn.Module, batch: Mapping[str, torch.Tensor], micro_batch_size: int, *,

@@ -32,6 +32,7 @@ micro-batch alone, verl's legacy behaviour: tokens in short micro-batches then w
 """
 
 import heapq
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+LOG_RATIO_BOUND = 20.0  # log-ratios are clamped to +-this before exp (e^20 ~ 5e8), as verl does
 
 # --- masked statistics ---------------------------------------------------------------------------
 
@@ -100,8 +103,9 @@ def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True,
 
 
 # --- advantage estimators ------------------------------------------------------------------------
-# algorithm.adv_estimator -> implementation and traits. Every estimator takes keyword arguments and
-# ignores the ones it does not use, so the trainer calls them all alike. To add one: write it below
+# algorithm.adv_estimator -> implementation and traits. Every estimator names the keyword arguments it
+# reads; compute_advantage passes each the ones it names, so the trainer calls them all alike, and refuses a
+# keyword no estimator names (a misspelling is an error, not ignored). To add one: write it below
 # under @register_adv_estimator("name", ...) with literal arguments (config.py reads them from this
 # file's text, so the planner knows the names and traits without importing torch), and test it.
 
@@ -136,7 +140,7 @@ def register_adv_estimator(name: str, *, needs_critic: bool = False, compares_gr
 @torch.no_grad()
 def compute_gae_advantage_return(
     token_level_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam: float,
-    whiten_group: dist.ProcessGroup | None = None, **_: Any,
+    whiten_group: dist.ProcessGroup | None = None,
 ) -> tuple[Tensor, Tensor]:
     """GAE (Schulman et al. 2016). Returns (advantages whitened over the mask, returns = adv + V).
     With whiten_group, the whitening statistics span the batch all of the group's ranks hold.
@@ -186,7 +190,6 @@ def compute_grpo_outcome_advantage(
     index: Sequence[Any] | Tensor,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
-    **_: Any,
 ) -> tuple[Tensor, Tensor]:
     """GRPO: (outcome - group mean) / (group std + eps), broadcast over the response tokens.
 
@@ -207,7 +210,7 @@ def compute_grpo_outcome_advantage(
 @register_adv_estimator("rloo", compares_group=True)
 @torch.no_grad()
 def compute_rloo_outcome_advantage(
-    token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor, **_: Any
+    token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor
 ) -> tuple[Tensor, Tensor]:
     """RLOO (Ahmadian et al. 2024): outcome minus the mean outcome of the OTHER samples of its group.
 
@@ -226,7 +229,6 @@ def compute_rloo_outcome_advantage(
 @torch.no_grad()
 def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: Tensor, response_mask: Tensor, gamma: float, whiten_group: dist.ProcessGroup | None = None,
-    **_: Any,
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025): discounted return-to-go per token, whitened over the whole batch
     (over every rank's share with whiten_group)."""
@@ -247,7 +249,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
     token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor,
-    whiten_group: dist.ProcessGroup | None = None, **_: Any,
+    whiten_group: dist.ProcessGroup | None = None,
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++-baseline (Hu 2025): outcome minus its group's mean, broadcast over the response and
     whitened over every token of the batch (so longer responses weigh more in the statistics).
@@ -264,7 +266,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
 @register_adv_estimator("opo", compares_group=True)
 @torch.no_grad()
 def compute_opo_outcome_advantage(
-    token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor, **_: Any
+    token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor
 ) -> tuple[Tensor, Tensor]:
     """OPO (Hao et al. 2025): outcome minus the length-weighted mean outcome of its group,
     sum(len_j * s_j) / sum(len_j), the baseline that minimises the gradient's variance for equal-length
@@ -285,7 +287,6 @@ def compute_opo_outcome_advantage(
 @torch.no_grad()
 def compute_gpg_outcome_advantage(
     token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor, f_norm: float = 1.0,
-    **_: Any,
 ) -> tuple[Tensor, Tensor]:
     """GPG (Chu et al. 2025): alpha * (outcome - group mean) / f_norm, where alpha = B / (samples with a
     non-zero outcome) rescales for the batch's samples that carry no signal. A size-1 group has mean 0,
@@ -302,7 +303,7 @@ def compute_gpg_outcome_advantage(
 @torch.no_grad()
 def compute_grpo_passk_outcome_advantage(
     token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor, epsilon: float = 1e-6,
-    norm_adv_by_std_in_grpo: bool = True, **_: Any,
+    norm_adv_by_std_in_grpo: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Pass@k training (Chen et al. 2025): only the best sample of each group learns, with advantage
     best outcome - second best (divided by the group's std + eps with norm_adv_by_std_in_grpo); every
@@ -327,7 +328,7 @@ def compute_grpo_passk_outcome_advantage(
 def compute_optimal_token_baseline_advantage(
     token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor, old_log_probs: Tensor,
     sum_pi_squared: Tensor, rollout_is_weights: Tensor | None = None, handle_zero_tail: bool = True,
-    epsilon: float = 1e-8, **_: Any,
+    epsilon: float = 1e-8,
 ) -> tuple[Tensor, Tensor]:
     """Optimal token baseline (verl 0.9.1): a baseline per prompt group and position t, the group's
     returns-to-go G_t weighted by each sample's cumulative score-norm proxy W_t = sum_{j<=t} w_j, with
@@ -365,7 +366,7 @@ def compute_optimal_token_baseline_advantage(
 @register_adv_estimator("remax", baseline_rollout="greedy")
 @torch.no_grad()
 def compute_remax_outcome_advantage(
-    token_level_rewards: Tensor, response_mask: Tensor, reward_baselines: Tensor, **_: Any
+    token_level_rewards: Tensor, response_mask: Tensor, reward_baselines: Tensor
 ) -> tuple[Tensor, Tensor]:
     """ReMax (Li et al. 2023): the return-to-go minus the reward of the greedy response to the same
     prompt (reward_baselines, (B,)). Returns (advantages, returns); not whitened, as in verl."""
@@ -375,14 +376,24 @@ def compute_remax_outcome_advantage(
     return advantages, returns
 
 
+def _parameters(fn: Callable[..., Any]) -> set[str]:
+    return set(inspect.signature(fn).parameters)
+
+
 def compute_advantage(adv_estimator: str, **kwargs: Any) -> tuple[Tensor, Tensor]:
     """Dispatch on algorithm.adv_estimator. kwargs: token_level_rewards, response_mask and whatever
-    any estimator needs (values, index, gamma, lam, norm_adv_by_std_in_grpo, whiten_group, reward_baselines)."""
+    any estimator needs (values, index, gamma, lam, norm_adv_by_std_in_grpo, whiten_group, reward_baselines,
+    ...); each estimator gets the ones it names. A keyword no estimator names is an error (a misspelling)."""
     if adv_estimator not in ADV_ESTIMATORS:
         raise ValueError(
             f"unknown algorithm.adv_estimator={adv_estimator!r}; valid: {', '.join(ADV_ESTIMATORS)}"
         )
-    return ADV_ESTIMATORS[adv_estimator].fn(**kwargs)
+    unknown = set(kwargs) - set().union(*(_parameters(e.fn) for e in ADV_ESTIMATORS.values()))
+    if unknown:
+        raise TypeError(f"compute_advantage: no advantage estimator takes {sorted(unknown)}")
+    fn = ADV_ESTIMATORS[adv_estimator].fn
+    named = _parameters(fn)
+    return fn(**{key: value for key, value in kwargs.items() if key in named})
 
 
 # --- DAPO: overlong reward shaping, dynamic sampling ---------------------------------------------
@@ -464,6 +475,28 @@ def agg_loss(
     return total / count * dp_size
 
 
+@dataclass(frozen=True)
+class LossScale:
+    """How one micro batch's loss is scaled (the module docstring): the valid tokens and non-empty sequences
+    of the whole mini batch over the dp group (global_num_tokens_and_seqs), the group's size, and
+    seq-mean-token-sum-norm's constant. LossScale() takes the micro batch's own counts (dp_size 1)."""
+
+    num_tokens: int | Tensor | None = None
+    num_seqs: int | Tensor | None = None
+    dp_size: int = 1
+    scale_factor: float | None = None  # seq-mean-token-sum-norm's divisor (data.max_response_length)
+
+    def agg(self, loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str) -> Tensor:
+        """agg_loss under this scale."""
+        return agg_loss(loss_mat, loss_mask, loss_agg_mode, self.num_tokens, self.num_seqs, self.dp_size,
+                        self.scale_factor)
+
+    def counts(self) -> dict[str, Any]:
+        """The scale as verl's keyword arguments (compute_policy_loss, compute_value_loss)."""
+        return dict(global_num_tokens=self.num_tokens, global_num_seqs=self.num_seqs, dp_size=self.dp_size,
+                    loss_scale_factor=self.scale_factor)
+
+
 def global_num_tokens_and_seqs(
     response_masks: Sequence[Tensor], group: dist.ProcessGroup | None = None
 ) -> tuple[int, int]:
@@ -508,7 +541,7 @@ def compute_policy_loss(
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1.0 for dual-clip, got {clip_ratio_c}")
-    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T) clamp so exp cannot overflow
+    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T) clamp so exp cannot overflow
     ratio = log_ratio.exp()  # (B, T) pi / pi_old
     ppo_kl = masked_mean(-log_ratio, response_mask)  # () k1 estimate of KL(pi_old || pi)
     loss_unclipped = -advantages * ratio  # (B, T)
@@ -529,9 +562,9 @@ def compute_policy_loss(
 
 
 # --- policy losses by actor.policy_loss.loss_mode -----------------------------------------------
-# Each takes (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode) and keyword arguments,
-# ignoring the ones it does not use (the clip ratios, its own policy_loss.* keys, agg_loss's counts;
-# rollout_is_weights, which every loss applies to its per-token losses through _agg),
+# Each takes (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode) and keyword arguments:
+# `scale` (a LossScale) and rollout_is_weights, which every loss applies to its per-token losses
+# through _agg; the clip ratios and its own policy_loss.* keys; it ignores the other losses' keys,
 # and returns (pg_loss, {metric name: local value}), so the trainer calls them all alike.
 # To add one: write it below under @register_policy_loss("name", keys=(...)) with literal arguments
 # (config.py reads them from this file's text), `keys` naming the actor.policy_loss.* config keys it
@@ -558,36 +591,33 @@ def register_policy_loss(name: str, *, keys: tuple[str, ...] = ()) -> Callable[[
     return register
 
 
-_AGG_KEYS = ("global_num_tokens", "global_num_seqs", "dp_size", "loss_scale_factor")
-
-
-def _agg(loss_mat: Tensor, mask: Tensor, loss_agg_mode: str, kwargs: dict[str, Any]) -> Tensor:
-    """agg_loss with the counts found in a loss's keyword arguments (the module docstring's scaling),
-    after multiplying the per-token losses by rollout_is_weights (rollout correction's detached
-    weights, (B, T)) when the keyword arguments hold them."""
-    weights = kwargs.get("rollout_is_weights")
-    if weights is not None:
-        loss_mat = loss_mat * weights  # (B, T)
-    return agg_loss(loss_mat, mask, loss_agg_mode, **{k: kwargs[k] for k in _AGG_KEYS if k in kwargs})
+def _agg(loss_mat: Tensor, mask: Tensor, loss_agg_mode: str, scale: LossScale,
+         rollout_is_weights: Tensor | None) -> Tensor:
+    """scale.agg of the per-token losses, after multiplying them by rollout_is_weights (rollout correction's
+    detached weights, (B, T)) when given."""
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights  # (B, T)
+    return scale.agg(loss_mat, mask, loss_agg_mode)
 
 
 @register_policy_loss("vanilla")
 def policy_loss_vanilla(
     old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
-    *, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float = 3.0, **kwargs: Any,
+    *, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float = 3.0, scale: LossScale = LossScale(),
+    rollout_is_weights: Tensor | None = None, **_: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped surrogate with dual-clip: compute_policy_loss."""
     pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
         old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high, clip_ratio_c,
-        loss_agg_mode, **{k: kwargs[k] for k in _AGG_KEYS if k in kwargs},
-        rollout_is_weights=kwargs.get("rollout_is_weights"))
+        loss_agg_mode, **scale.counts(), rollout_is_weights=rollout_is_weights)
     return pg_loss, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": clipfrac_lower}
 
 
 @register_policy_loss("gspo")
 def policy_loss_gspo(
     old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
-    loss_agg_mode: str = "seq-mean-token-mean", *, clip_ratio_low: float, clip_ratio_high: float, **kwargs: Any,
+    loss_agg_mode: str = "seq-mean-token-mean", *, clip_ratio_low: float, clip_ratio_high: float,
+    scale: LossScale = LossScale(), rollout_is_weights: Tensor | None = None, **_: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025): PPO's clip on the sequence's ratio s = (pi / pi_old)^(1/|y|), the
     geometric mean of its token ratios, shared by all its tokens. Token t's factor is
@@ -602,25 +632,26 @@ def policy_loss_gspo(
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)  # (B, T)
     pg_losses = torch.maximum(loss_unclipped, loss_clipped)  # (B, T)
     pg_clipfrac = masked_mean((loss_clipped > loss_unclipped).to(ratio.dtype), mask)  # ()
-    return _agg(pg_losses, mask, loss_agg_mode, kwargs), {
+    return _agg(pg_losses, mask, loss_agg_mode, scale, rollout_is_weights), {
         "actor/pg_clipfrac": pg_clipfrac, "actor/ppo_kl": masked_mean(-log_ratio, mask)}
 
 
 @register_policy_loss("cispo")
 def policy_loss_cispo(
     old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
-    *, clip_ratio_low: float, clip_ratio_high: float, **kwargs: Any,
+    *, clip_ratio_low: float, clip_ratio_high: float,
+    scale: LossScale = LossScale(), rollout_is_weights: Tensor | None = None, **_: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped, stop-gradient ratio,
     -sg[clip(r, 1 - low, 1 + high)] * A * log pi. Unlike PPO no token's gradient is dropped: a clipped
     ratio only caps its weight."""
     mask = response_mask.bool()  # (B, T)
-    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T)
+    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
     ratio = log_ratio.exp()  # (B, T)
     weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high).detach()  # (B, T)
     pg_losses = -weight * advantages * log_prob  # (B, T)
     pg_clipfrac = masked_mean((ratio != weight).to(ratio.dtype), mask)  # ()
-    return _agg(pg_losses, mask, loss_agg_mode, kwargs), {
+    return _agg(pg_losses, mask, loss_agg_mode, scale, rollout_is_weights), {
         "actor/pg_clipfrac": pg_clipfrac, "actor/ppo_kl": masked_mean(-log_ratio, mask)}
 
 
@@ -635,14 +666,15 @@ def _centred_product(advantages: Tensor, log_prob: Tensor, mask: Tensor) -> Tens
 def policy_loss_clip_cov(
     old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
     *, clip_ratio_low: float, clip_ratio_high: float, clip_cov_ratio: float = 0.0002, clip_cov_lb: float = 1.0,
-    clip_cov_ub: float = 5.0, generator: torch.Generator | None = None, **kwargs: Any,
+    clip_cov_ub: float = 5.0, generator: torch.Generator | None = None,
+    scale: LossScale = LossScale(), rollout_is_weights: Tensor | None = None, **_: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clip-Cov (Cui et al. 2025): PPO's clipped surrogate, and the gradient of a few tokens cut: up to
     max(1, clip_cov_ratio x valid tokens) drawn at random (with `generator`) among those PPO did not clip
     whose covariance term lies in (clip_cov_lb, clip_cov_ub). Per micro batch, as in verl.
     pg_clipfrac is the fraction cut."""
     mask = response_mask.bool()  # (B, T)
-    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T)
+    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
     ratio = log_ratio.exp()  # (B, T)
     loss_unclipped = -advantages * ratio  # (B, T)
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)  # (B, T)
@@ -655,20 +687,21 @@ def policy_loss_clip_cov(
     keep[candidate_idx[order[:num_cut]]] = 0.0
     keep = keep.view_as(ratio)  # (B, T) 0 where the gradient is cut
     pg_losses = torch.maximum(loss_unclipped, loss_clipped) * keep  # (B, T)
-    return _agg(pg_losses, mask, loss_agg_mode, kwargs), {
+    return _agg(pg_losses, mask, loss_agg_mode, scale, rollout_is_weights), {
         "actor/pg_clipfrac": masked_mean(1.0 - keep, mask), "actor/ppo_kl": masked_mean(-log_ratio, mask)}
 
 
 @register_policy_loss("kl_cov", keys=("kl_cov_ratio", "ppo_kl_coef"))
 def policy_loss_kl_cov(
     old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
-    *, kl_cov_ratio: float = 0.0002, ppo_kl_coef: float = 0.1, **kwargs: Any,
+    *, kl_cov_ratio: float = 0.0002, ppo_kl_coef: float = 0.1,
+    scale: LossScale = LossScale(), rollout_is_weights: Tensor | None = None, **_: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """KL-Cov (Cui et al. 2025): the unclipped surrogate -A * r, plus ppo_kl_coef * |log r| on the
     max(1, kl_cov_ratio x valid tokens) tokens with the largest covariance term. Per micro batch, as in
     verl; actor/ppo_kl is the mean |log r|."""
     mask = response_mask.bool()  # (B, T)
-    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T)
+    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
     pg_losses = -advantages * log_ratio.exp()  # (B, T)
     # rank the valid tokens alone, in their flat order, on the CPU, as verl does: among equal covariances
     # torch.topk's pick depends on the list it ranks, so ranking the padded grid chose other tokens
@@ -682,41 +715,43 @@ def policy_loss_kl_cov(
         penalised[valid_idx[top.to(valid_idx.device)]] = True
     penalty = ppo_kl_coef * log_ratio.abs()  # (B, T)
     pg_losses = torch.where(penalised.view_as(mask), pg_losses + penalty, pg_losses)  # (B, T)
-    return _agg(pg_losses, mask, loss_agg_mode, kwargs), {"actor/ppo_kl": masked_mean(log_ratio.abs(), mask)}
+    return _agg(pg_losses, mask, loss_agg_mode, scale, rollout_is_weights), {"actor/ppo_kl": masked_mean(log_ratio.abs(), mask)}
 
 
 @register_policy_loss("gpg")
 def policy_loss_gpg(
     old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
-    **kwargs: Any,
+    *, scale: LossScale = LossScale(), rollout_is_weights: Tensor | None = None, **_: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GPG (Chu et al. 2025): plain policy gradient -A * log pi, no ratio and no clipping (pair it with
     algorithm.adv_estimator=gpg)."""
     mask = response_mask.bool()  # (B, T)
-    return _agg(-advantages * log_prob, mask, loss_agg_mode, kwargs), {
+    return _agg(-advantages * log_prob, mask, loss_agg_mode, scale, rollout_is_weights), {
         "actor/ppo_kl": masked_mean(old_log_prob - log_prob.detach(), mask)}
 
 
 @register_policy_loss("sapo", keys=("tau_pos", "tau_neg"))
 def policy_loss_sapo(
     old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
-    loss_agg_mode: str = "seq-mean-token-mean", *, tau_pos: float = 1.0, tau_neg: float = 1.05, **kwargs: Any,
+    loss_agg_mode: str = "seq-mean-token-mean", *, tau_pos: float = 1.0, tau_neg: float = 1.05,
+    scale: LossScale = LossScale(), rollout_is_weights: Tensor | None = None, **_: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO (Gao et al. 2025): a smooth gate instead of PPO's hard clip, -A * (4 / tau) * sigmoid(tau (r - 1)),
     tau = tau_pos where A > 0, else tau_neg (actor.tau_pos / actor.tau_neg). At r = 1 its gradient is
     PPO's; it fades as r leaves 1 rather than dropping to 0. The paper (and verl) aggregate with
     seq-mean-token-mean."""
     mask = response_mask.bool()  # (B, T)
-    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T)
+    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
     tau = torch.where(advantages > 0, tau_pos, tau_neg).to(log_ratio.dtype)  # (B, T)
     gate = torch.sigmoid(tau * (log_ratio.exp() - 1.0)) * (4.0 / tau)  # (B, T)
-    return _agg(-gate * advantages, mask, loss_agg_mode, kwargs), {"actor/ppo_kl": masked_mean(-log_ratio, mask)}
+    return _agg(-gate * advantages, mask, loss_agg_mode, scale, rollout_is_weights), {"actor/ppo_kl": masked_mean(-log_ratio, mask)}
 
 
 @register_policy_loss("geo_mean")
 def policy_loss_geo_mean(
     old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
-    *, clip_ratio_low: float, clip_ratio_high: float, **kwargs: Any,
+    *, clip_ratio_low: float, clip_ratio_high: float,
+    scale: LossScale = LossScale(), rollout_is_weights: Tensor | None = None, **_: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GMPO (Zhao et al. 2025): the sequence's loss is -mean_t(A) x the geometric mean of its token ratios,
     each token's log-ratio first clipped to [-clip_ratio_low, clip_ratio_high] on the side its
@@ -724,7 +759,7 @@ def policy_loss_geo_mean(
     batch's sequences whatever loss_agg_mode says (as verl; the mode still aggregates the entropy and
     KL terms). Rollout-correction weights enter as their geometric mean over the sequence."""
     mask = response_mask.bool()  # (B, T)
-    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T)
+    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
     sign = torch.sign(advantages)  # (B, T)
     clipped_log_ratio = log_ratio.clamp(-clip_ratio_low, clip_ratio_high)  # (B, T)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped_log_ratio)  # (B, T)
@@ -732,12 +767,10 @@ def policy_loss_geo_mean(
     seq_ratio = (masked_sum(pessimistic, mask, axis=-1) / length).exp()  # (B,) geometric mean
     seq_adv = masked_sum(advantages, mask, axis=-1) / length  # (B,)
     seq_losses = -seq_adv * seq_ratio  # (B,)
-    weights = kwargs.get("rollout_is_weights")
-    if weights is not None:
-        seq_losses = seq_losses * (masked_sum(torch.log(weights + 1e-10), mask, axis=-1) / length).exp()  # (B,)
-    scale = {k: kwargs[k] for k in _AGG_KEYS if k in kwargs}
+    if rollout_is_weights is not None:
+        seq_losses = seq_losses * (masked_sum(torch.log(rollout_is_weights + 1e-10), mask, axis=-1) / length).exp()  # (B,)
     # each valid token holds its sequence's loss: seq-mean-token-mean is then the mean over sequences
-    pg_loss = agg_loss(seq_losses.unsqueeze(-1).expand_as(log_ratio), mask, "seq-mean-token-mean", **scale)
+    pg_loss = scale.agg(seq_losses.unsqueeze(-1).expand_as(log_ratio), mask, "seq-mean-token-mean")
     clipped = (log_ratio != clipped_log_ratio).to(log_ratio.dtype)  # (B, T)
     return pg_loss, {"actor/pg_clipfrac": masked_mean(clipped * (advantages > 0), mask),
                      "actor/pg_clipfrac_lower": masked_mean(clipped * (advantages < 0), mask),
@@ -745,17 +778,18 @@ def policy_loss_geo_mean(
 
 
 def _dppo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str,
-          trusted: Tensor, clip_ratio_c: float, kwargs: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
+          trusted: Tensor, clip_ratio_c: float, scale: LossScale,
+          rollout_is_weights: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
     """DPPO's loss given its trust region `trusted` (B, T) bool: -A * sg[min(r, clip_ratio_c)] * log pi on
     the tokens inside it, no gradient outside. pg_clipfrac: the share outside; pg_clipfrac_lower: the
     share inside whose ratio the truncation at clip_ratio_c cut."""
     mask = response_mask.bool()  # (B, T)
-    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # (B, T)
+    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
     ratio = log_ratio.exp()  # (B, T)
     weight = ratio.clamp(max=clip_ratio_c).detach()  # (B, T) truncated IS ratio
     inside = trusted.detach().to(ratio.dtype)  # (B, T)
     pg_losses = -advantages * weight * log_prob * inside  # (B, T)
-    return _agg(pg_losses, mask, loss_agg_mode, kwargs), {
+    return _agg(pg_losses, mask, loss_agg_mode, scale, rollout_is_weights), {
         "actor/pg_clipfrac": masked_mean(1.0 - inside, mask),
         "actor/pg_clipfrac_lower": masked_mean((ratio > clip_ratio_c).to(ratio.dtype) * inside, mask),
         "actor/ppo_kl": masked_mean(-log_ratio, mask)}
@@ -764,7 +798,8 @@ def _dppo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_m
 @register_policy_loss("dppo_tv")
 def policy_loss_dppo_tv(
     old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
-    *, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float = 3.0, **kwargs: Any,
+    *, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float = 3.0,
+    scale: LossScale = LossScale(), rollout_is_weights: Tensor | None = None, **_: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DPPO-Binary-TV (Qi et al. 2026): the trust region is on the sampled token's probability itself,
     not its ratio: a token keeps its gradient unless it moved past the threshold the way its advantage
@@ -772,13 +807,15 @@ def policy_loss_dppo_tv(
     here the TV thresholds (the paper: 0.15); clip_ratio_c truncates the IS ratio (no dual-clip)."""
     change = log_prob.exp() - old_log_prob.exp()  # (B, T)
     trusted = torch.where(advantages > 0, change <= clip_ratio_high, change >= -clip_ratio_low)  # (B, T)
-    return _dppo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, trusted, clip_ratio_c, kwargs)
+    return _dppo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, trusted, clip_ratio_c, scale,
+                 rollout_is_weights)
 
 
 @register_policy_loss("dppo_kl")
 def policy_loss_dppo_kl(
     old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
-    *, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float = 3.0, **kwargs: Any,
+    *, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float = 3.0,
+    scale: LossScale = LossScale(), rollout_is_weights: Tensor | None = None, **_: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DPPO-Binary-KL (Qi et al. 2026): as dppo_tv with the KL of the two Bernoulli distributions (the
     sampled token or not) under pi_old and pi, p log(p / q) + (1 - p) log((1 - p) / (1 - q)), as the
@@ -788,7 +825,8 @@ def policy_loss_dppo_kl(
     binary_kl = p_old * (old_log_prob - log_prob) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
     trusted = torch.where(advantages > 0, (binary_kl <= clip_ratio_high) | (p <= p_old),
                           (binary_kl <= clip_ratio_low) | (p >= p_old))  # (B, T)
-    return _dppo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, trusted, clip_ratio_c, kwargs)
+    return _dppo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, trusted, clip_ratio_c, scale,
+                 rollout_is_weights)
 
 
 def policy_loss(loss_mode: str, old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
@@ -841,7 +879,7 @@ def _kl_k2(log_ratio: Tensor) -> Tensor:
 
 def _kl_k3(log_ratio: Tensor) -> Tensor:
     # k3 = r - log r - 1 with r = pi_ref / pi: unbiased and >= 0; clamps guard exp blow-ups
-    log_r = (-log_ratio).clamp(-20.0, 20.0)  # (B, T)
+    log_r = (-log_ratio).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
     return (log_r.exp() - log_r - 1.0).clamp(-10.0, 10.0)
 
 
@@ -968,24 +1006,25 @@ def distillation_token_losses(loss_mode: str, student_log_probs: Tensor, teacher
 def distillation_loss(token_losses: Tensor, old_log_prob: Tensor, log_prob: Tensor, response_mask: Tensor,
                       loss_agg_mode: str = "token-mean", *, use_policy_gradient: bool,
                       loss_max_clamp: float | None = None, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
-                      rollout_is_weights: Tensor | None = None, **agg: Any) -> tuple[Tensor, dict[str, Tensor]]:
+                      rollout_is_weights: Tensor | None = None,
+                      scale: LossScale = LossScale()) -> tuple[Tensor, dict[str, Tensor]]:
     """The distillation term of the actor's loss from distillation_token_losses' (B, T), with its metrics.
 
     The token losses are first clamped to [-loss_max_clamp, loss_max_clamp] (when set). Then either
     use_policy_gradient: minus them, detached, are the advantages of PPO's clipped surrogate (the
     vanilla loss, the ratio against old_log_prob; the teacher's signal as a per-token reward); or they
     are the loss itself, aggregated by loss_agg_mode, and back-propagated through the student's
-    log-probs. `agg` holds agg_loss' counts (the module docstring's scaling)."""
+    log-probs. `scale`: the micro batch's LossScale (the module docstring's scaling)."""
     # a share of the mini batch's mean, as the losses are (the module docstring): summed over micro batches
-    counts = {k: agg[k] for k in ("global_num_tokens", "dp_size") if k in agg}
-    metrics = {"distillation/abs_loss": agg_loss(token_losses.detach().abs(), response_mask, "token-mean", **counts)}
+    metrics = {"distillation/abs_loss": agg_loss(token_losses.detach().abs(), response_mask, "token-mean",
+                                                 global_num_tokens=scale.num_tokens, dp_size=scale.dp_size)}
     if loss_max_clamp is not None:
         token_losses = token_losses.clamp(-loss_max_clamp, loss_max_clamp)  # (B, T); k1 can be negative
     if not use_policy_gradient:
-        return agg_loss(token_losses, response_mask, loss_agg_mode, **agg), metrics
+        return scale.agg(token_losses, response_mask, loss_agg_mode), metrics
     loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
         old_log_prob, log_prob, -token_losses.detach(), response_mask, clip_ratio_low, clip_ratio_high, 3.0,
-        loss_agg_mode, **agg, rollout_is_weights=rollout_is_weights)
+        loss_agg_mode, **scale.counts(), rollout_is_weights=rollout_is_weights)
     metrics.update({"distillation/pg_clipfrac": clipfrac, "distillation/ppo_kl": ppo_kl,
                     "distillation/pg_clipfrac_lower": clipfrac_lower})
     return loss, metrics

@@ -10,26 +10,34 @@ call `generate` with the same prompts and parameters, and they get the same samp
     check = StaleWeightsCheck(STALE_TOLERANCE["bfloat16"])
     check.check(engine_fingerprint(llm, probe), actor_probe_log_probs)   # did the update land?
     my_prompts = shard_for_dp(prompts, dp_rank, dp_size)
-    batch = generate(llm, my_prompts, n=12, ..., seed=0, step=step, prompt_indices=...)
+    sampling = Sampling(n=12, temperature=1.0, max_tokens=256, stop_token_ids=(eos,), pad_token_id=pad, seed=0)
+    batch = generate(llm, my_prompts, sampling, step=step, prompt_indices=...)
     my_share = split_for_training(batch, infer_tp_rank, infer_tp_size)
     shutdown(llm)                                       # instead of dist.destroy_process_group()
 
-Every access to vLLM internals goes through `_vllm_internals`; the rest uses vLLM's public API.
+vLLM is imported inside the functions that need it (it takes seconds), so importing this module is cheap.
+Every access to vLLM's engine internals goes through `_vllm_internals`, except two: wake_up asks
+`llm.llm_engine.is_sleeping()`, and the sync's log filters name vLLM's loggers. The rest uses vLLM's
+public API.
 """
+
+from __future__ import annotations
 
 import functools
 import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from vllm import LLM, SamplingParams
-from vllm.platforms import current_platform
+
+if TYPE_CHECKING:  # vLLM takes seconds to import: each function that needs it imports it
+    from vllm import LLM
 
 logger = logging.getLogger(__name__)
 
@@ -83,19 +91,6 @@ def _vllm_internals(llm: LLM) -> _Internals:
                       packed_modules={k: list(v) for k, v in packed.items()})
 
 
-def engine_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> x @ weight.T as the CPU engine runs its unquantized linear layers (vLLM 0.32: oneDNN with
-    the weight packed once, vllm.model_executor.layers.utils' CPU GEMM dispatch), or torch's linear
-    where the engine would not use oneDNN (an accelerator, a CPU build without it). For probes of the
-    engine's decode-step rate (bench/flops.py); weight is (out, in), as nn.Linear holds it."""
-    from vllm import _custom_ops as ops
-
-    if weight.device.type != "cpu" or not ops._supports_onednn:
-        return lambda x: torch.nn.functional.linear(x, weight)
-    handler = ops.create_onednn_mm(weight.t(), 32)
-    return lambda x: ops.onednn_mm(handler, x, None)
-
-
 class _DropPartialReloadNoise(logging.Filter):
     """A sync that sends only some layers (LoRA's) leaves the others as they are, on purpose; vLLM warns
     about each untouched layer, every sync."""
@@ -144,6 +139,9 @@ def build_rollout_engine(
 ) -> LLM:
     """One vLLM engine per rank, TP over the rows of rollout_mesh, with random ("dummy") weights
     that the first `sync_weights` replaces. Extra keyword arguments go to `vllm.LLM`."""
+    from vllm import LLM
+    from vllm.platforms import current_platform
+
     check_rollout_mesh(rollout_mesh)
     _quiet_sync_logs()
     # Keep the engine in this process (no engine-core subprocess), so all TP ranks step in lockstep.
@@ -277,6 +275,8 @@ def engine_fingerprint(llm: LLM, probe_token_ids: Sequence[int], max_tokens: int
     """Greedy token ids and their logprobs on a fixed probe prompt, (2, max_tokens), float64.
     Any real weight change moves the logprobs, so comparing two fingerprints shows whether a
     sync reached the engine."""
+    from vllm import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
     output = llm.generate([{"prompt_token_ids": list(probe_token_ids)}], params, use_tqdm=False)[0].outputs[0]
     log_probs = [entry[tok].logprob for tok, entry in zip(output.token_ids, output.logprobs, strict=True)]
@@ -348,7 +348,7 @@ class RolloutBatch:
     def __len__(self) -> int:
         return self.prompts.shape[0]
 
-    def rows(self, index: slice) -> "RolloutBatch":
+    def rows(self, index: slice) -> RolloutBatch:
         return RolloutBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
 
@@ -357,6 +357,36 @@ def sample_seed(base_seed: int, step: int, prompt_index: int, sample_index: int,
     after the first (multi-turn rollouts) key on the turn too; the first keeps the single-turn key."""
     key = f"{base_seed}/{step}/{prompt_index}/{sample_index}" + (f"/{turn}" if turn else "")
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1  # 63 bits
+
+
+# Seeds: a step's generation batch k (dynamic sampling draws several) samples with seed + k x this, and
+# validation with seed + VALIDATION_SEED_OFFSET, so that no two of them share a request's seed (sample_seed)
+GEN_BATCH_SEED_STRIDE = 1_000_003
+VALIDATION_SEED_OFFSET = 7919
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How a rollout samples (actor_rollout_ref.rollout, or its val_kwargs for validation), single-turn
+    (generate) and multi-turn (agent_loop.generate_multi_turn) alike."""
+
+    n: int  # responses per prompt
+    temperature: float  # 0: greedy
+    max_tokens: int  # the response's budget (a multi-turn trajectory's: sampled and environment tokens together)
+    stop_token_ids: tuple[int, ...]  # what ends a response (the EOS id) or an assistant turn (agent.end_of_turn_ids)
+    pad_token_id: int
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k
+    seed: int = 0  # with the step, the prompt and the sample, fixes each request's seed (sample_seed)
+    max_prompt_length: int | None = None  # prompts are left-padded to this (None: the longest given)
+
+    def for_batch(self, gen_batch: int) -> Sampling:
+        """Generation batch `gen_batch` of a step: fresh seeds for every batch after the first."""
+        return replace(self, seed=self.seed + GEN_BATCH_SEED_STRIDE * gen_batch)
+
+    def greedy(self) -> Sampling:
+        """One greedy response per prompt (ReMax's baseline)."""
+        return replace(self, n=1, temperature=0.0)
 
 
 @dataclass
@@ -368,15 +398,19 @@ class Turn:
     finish_reason: str  # "stop": a stop token (kept, last) ended it; "length": max_tokens did
 
 
-def sample_turns(llm: LLM, prompt_token_ids: Sequence[Sequence[int]], seeds: Sequence[int], *, temperature: float,
-                 top_p: float, top_k: int, max_tokens: int | Sequence[int], stop_token_ids: list[int]) -> list[Turn]:
-    """One engine call: a response per prompt (each with its own seed, and max_tokens if a list). All
-    TP ranks of a group must make the same call; they get the same turns back."""
+def sample_turns(llm: LLM, sampling: Sampling, prompt_token_ids: Sequence[Sequence[int]], seeds: Sequence[int],
+                 max_tokens: int | Sequence[int]) -> list[Turn]:
+    """One engine call: a response per prompt (each with its own seed, and max_tokens if a list), under
+    sampling's temperature, top-p, top-k and stop ids. All TP ranks of a group must make the same call;
+    they get the same turns back. functools.partial(sample_turns, llm, sampling) is the multi-turn loop's
+    sampler (agent_loop.generate_multi_turn)."""
+    from vllm import SamplingParams
+
     limits = [max_tokens] * len(seeds) if isinstance(max_tokens, int) else list(max_tokens)
     requests = [{"prompt_token_ids": list(prompt)} for prompt in prompt_token_ids]
     # With skip_tokenizer_init vLLM knows no EOS id: without stop_token_ids, nothing stops early.
-    params = [SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=limit,
-                             stop_token_ids=stop_token_ids, logprobs=0, seed=seed)
+    params = [SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                             max_tokens=limit, stop_token_ids=list(sampling.stop_token_ids), logprobs=0, seed=seed)
               for seed, limit in zip(seeds, limits, strict=True)]
     outputs = llm.generate(requests, params, use_tqdm=False)
     turns = []
@@ -387,39 +421,25 @@ def sample_turns(llm: LLM, prompt_token_ids: Sequence[Sequence[int]], seeds: Seq
     return turns
 
 
-def generate(
-    llm: LLM,
-    prompt_token_ids: list[list[int]],
-    *,
-    n: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    max_tokens: int,
-    eos_token_id: int,
-    pad_token_id: int,
-    seed: int,
-    step: int = 0,
-    prompt_indices: Sequence[int] | None = None,
-    max_prompt_length: int | None = None,
-) -> RolloutBatch:
-    """Sample n responses per prompt of this dp group. All TP ranks of the group must call this
-    with the same arguments. temperature=0 is greedy. top_k=-1 or 0 disables top-k.
+def generate(llm: LLM, prompt_token_ids: list[list[int]], sampling: Sampling, *, step: int = 0,
+             prompt_indices: Sequence[int] | None = None) -> RolloutBatch:
+    """Sample sampling.n responses per prompt of this dp group. All TP ranks of the group must call this
+    with the same arguments.
 
     prompt_indices are the prompts' global indices in the step's batch (default 0..B-1); with
-    `seed` and `step` they fix each request's seed, so samples do not depend on the dp/tp layout.
-    Prompts are left-padded to max_prompt_length (default: the longest here).
+    sampling.seed and `step` they fix each request's seed, so samples do not depend on the dp/tp layout.
+    Prompts are left-padded to sampling.max_prompt_length (None: the longest here).
     """
+    n = sampling.n
     prompt_indices = list(range(len(prompt_token_ids))) if prompt_indices is None else list(prompt_indices)
     if len(prompt_indices) != len(prompt_token_ids):
         raise ValueError(f"{len(prompt_indices)} prompt_indices for {len(prompt_token_ids)} prompts")
     sample_prompts = [list(p) for p in prompt_token_ids for _ in range(n)]
     sample_indices = [i for i in prompt_indices for _ in range(n)]
-    seeds = [sample_seed(seed, step, index, sample) for index in prompt_indices for sample in range(n)]
-    turns = sample_turns(llm, sample_prompts, seeds, temperature=temperature, top_p=top_p, top_k=top_k,
-                         max_tokens=max_tokens, stop_token_ids=[eos_token_id])
+    seeds = [sample_seed(sampling.seed, step, index, sample) for index in prompt_indices for sample in range(n)]
+    turns = sample_turns(llm, sampling, sample_prompts, seeds, sampling.max_tokens)
     return pad_rollout(sample_prompts, [t.token_ids for t in turns], [t.log_probs for t in turns], sample_indices,
-                       max_tokens, pad_token_id, max_prompt_length)
+                       sampling.max_tokens, sampling.pad_token_id, sampling.max_prompt_length)
 
 
 def pad_rollout(
@@ -524,6 +544,8 @@ def sleep(llm: LLM, level: int = 1) -> bool:
     host memory; level 2 discards them, right only when the next wake-up is followed by a
     sync_weights of every weight (sleep_level). Returns False, doing nothing, where the platform has
     no sleep mode (CPU)."""
+    from vllm.platforms import current_platform
+
     if not current_platform.is_sleep_mode_available():
         _log_once(f"vLLM sleep mode is not available on {current_platform.device_name}; the rollout "
                   "engine keeps its memory during training.")
@@ -535,6 +557,8 @@ def sleep(llm: LLM, level: int = 1) -> bool:
 def wake_up(llm: LLM, tags: list[str] | None = None) -> bool:
     """Re-allocate engine memory (sync_weights wakes ["weights"], then ["kv_cache"], to keep the
     peak low). Returns False, doing nothing, without sleep mode (CPU)."""
+    from vllm.platforms import current_platform
+
     if not current_platform.is_sleep_mode_available():
         _log_once(f"vLLM sleep mode is not available on {current_platform.device_name}; nothing to wake.")
         return False

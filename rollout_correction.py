@@ -27,6 +27,7 @@ names without the "rollout_corr/" prefix that `correct_batch` / `correct_micro_b
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,9 +36,34 @@ from torch import Tensor
 
 from config import parse_is_threshold, parse_rs_thresholds
 from mesh_utils import gather_rows, my_rows
-from ppo_core import agg_loss, masked_mean, masked_sum
+from ppo_core import LOG_RATIO_BOUND, LossScale, masked_mean, masked_sum
 
-SAFETY_BOUND = 20.0  # log-ratios are clamped to +-20 before exp (e^20 ~ 5e8), as verl does
+
+@dataclass(frozen=True)
+class Correction:
+    """algorithm.rollout_correction with its thresholds parsed, once (Correction.from_config)."""
+
+    is_level: str | None = None  # rollout_is: "token" | "sequence"; None: no IS weights
+    is_upper: float = math.inf  # rollout_is_threshold: TIS clamps the weights to it; IcePop's upper bound
+    is_lower: float | None = None  # IcePop's lower bound (rollout_is_threshold "lower_upper"); None: TIS
+    is_batch_normalize: bool = False  # rollout_is_batch_normalize
+    # rollout_rs's options and their (lower, upper) bounds (rollout_rs_threshold); empty: no rejection
+    rs_bounds: dict[str, tuple[float | None, float]] = field(default_factory=dict)
+    loss_type: str = "ppo_clip"  # bypass mode's policy loss: "ppo_clip" | "reinforce"
+
+    @classmethod
+    def from_config(cls, rc_cfg: Any) -> Correction:
+        """Reads the keys the set options use (the config's unread-key report names the others)."""
+        spec: dict[str, Any] = {}
+        if rc_cfg.rollout_is is not None:
+            upper, lower = parse_is_threshold(rc_cfg.rollout_is_threshold)
+            spec.update(is_level=rc_cfg.rollout_is, is_upper=upper, is_lower=lower,
+                        is_batch_normalize=rc_cfg.rollout_is_batch_normalize)
+        if rc_cfg.rollout_rs is not None:
+            spec["rs_bounds"] = parse_rs_thresholds(rc_cfg.rollout_rs, rc_cfg.rollout_rs_threshold)
+        if rc_cfg.bypass_mode:
+            spec["loss_type"] = rc_cfg.loss_type
+        return cls(**spec)
 
 
 # --- importance weights --------------------------------------------------------------------------
@@ -59,23 +85,23 @@ def _global_mean(total: Tensor, count: Tensor, group: dist.ProcessGroup | None) 
     return (both[0] / both[1].clamp_min(1e-8)).to(total.dtype)
 
 
-def is_weights(log_ratio: Tensor, mask: Tensor, level: str, threshold: float | str, batch_normalize: bool = False,
-               group: dist.ProcessGroup | None = None) -> tuple[Tensor, dict[str, float]]:
+def is_weights(log_ratio: Tensor, mask: Tensor, level: str, upper: float, lower: float | None = None,
+               batch_normalize: bool = False, group: dist.ProcessGroup | None = None) -> tuple[Tensor, dict[str, float]]:
     """Importance weights pi_actor / pi_engine from log_ratio = log pi_actor - log pi_engine, (B, T).
 
     level "token": w_t = exp(log_ratio_t); "sequence": every token of a sequence gets exp(sum of its
-    log-ratios). Threshold a number: TIS, w = min(w, threshold); "lower_upper": IcePop, w = 0 outside
-    [lower, upper]. batch_normalize divides by the mean weight (over tokens, or over sequences) of
-    the batch every rank of `group` holds. Returns (weights (B, T), 0 on padding, detached; metrics).
+    log-ratios). lower None: TIS, w = min(w, upper); else IcePop, w = 0 outside [lower, upper]
+    (config.parse_is_threshold reads both from rollout_is_threshold). batch_normalize divides by the mean
+    weight (over tokens, or over sequences) of the batch every rank of `group` holds. Returns (weights
+    (B, T), 0 on padding, detached; metrics).
     """
-    upper, lower = parse_is_threshold(threshold)
     mask_f = mask.to(log_ratio.dtype)  # (B, T)
     if level == "token":
         log_w = log_ratio  # (B, T)
-        raw = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp() * mask_f  # (B, T)
+        raw = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp() * mask_f  # (B, T)
     elif level == "sequence":
         log_w = masked_sum(log_ratio, mask, axis=-1)[:, None]  # (B, 1) log of the product over the sequence
-        raw = log_w.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp() * mask_f  # (B, T) broadcast over the tokens
+        raw = log_w.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp() * mask_f  # (B, T) broadcast over the tokens
     else:
         raise ValueError(f"rollout_is={level!r}; valid: token, sequence")
     if lower is None:
@@ -106,7 +132,7 @@ def is_metrics(weights: Tensor, raw: Tensor, log_w: Tensor, mask: Tensor, level:
     lower = 1.0 / upper if lower is None else lower
     out: dict[str, float] = {"rollout_is_mean": masked_mean(weights, mask).item()}
     if level == "sequence":
-        out["rollout_is_max"] = math.exp(min(log_w.max().item(), SAFETY_BOUND))
+        out["rollout_is_max"] = math.exp(min(log_w.max().item(), LOG_RATIO_BOUND))
         out["rollout_is_min"] = math.exp(log_w.min().item())
         out["rollout_is_ratio_fraction_high"] = (log_w > math.log(upper)).float().mean().item()
         out["rollout_is_ratio_fraction_low"] = (log_w < math.log(lower)).float().mean().item()
@@ -133,9 +159,10 @@ def is_metrics(weights: Tensor, raw: Tensor, log_w: Tensor, mask: Tensor, level:
 # --- rejection sampling --------------------------------------------------------------------------
 
 
-def rejection_mask(log_ratio: Tensor, mask: Tensor, options: str, thresholds: float | str | None
+def rejection_mask(log_ratio: Tensor, mask: Tensor, bounds: dict[str, tuple[float | None, float]]
                    ) -> tuple[Tensor, dict[str, float]]:
-    """verl's rollout_rs: the response mask with rejected tokens set to 0, and metrics.
+    """verl's rollout_rs: the response mask with rejected tokens set to 0, and metrics. bounds: {option:
+    (lower, upper)} (config.parse_rs_thresholds of rollout_rs and rollout_rs_threshold).
 
     Per token, k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r (r = pi_actor / pi_engine, log r
     clamped to +-20). token_k*: the token's own value; seq_sum / seq_mean / seq_max: that of its
@@ -144,8 +171,7 @@ def rejection_mask(log_ratio: Tensor, mask: Tensor, options: str, thresholds: fl
     """
     if log_ratio.shape[0] == 0:
         return mask, {}
-    bounds = parse_rs_thresholds(options, thresholds)
-    log_r = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B, T)
+    log_r = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
     per_token = {"k1": -log_r, "k2": 0.5 * log_r.square(), "k3": log_r.exp() - 1.0 - log_r}  # (B, T) each
     valid_token, valid_seq = mask.bool(), mask.sum(-1) > 0  # (B, T), (B,)
     keep_all = torch.ones_like(valid_token)  # (B, T)
@@ -223,7 +249,7 @@ def offpolicy_metrics(actor_log_probs: Tensor, rollout_log_probs: Tensor, mask: 
     rollout_mean = masked_mean(rollout_log_probs, mask, axis=-1)  # (B,)
     log_ratio = actor_log_probs - rollout_log_probs  # (B, T)
     log_ppl_diff = rollout_mean - actor_mean  # (B,) log(actor ppl / engine ppl)
-    seq_log_ratio = masked_sum(log_ratio, mask, axis=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B,)
+    seq_log_ratio = masked_sum(log_ratio, mask, axis=-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B,)
     return {
         "training_ppl": (-actor_mean).exp().mean().item(),
         "training_log_ppl": (-actor_mean).mean().item(),
@@ -236,7 +262,7 @@ def offpolicy_metrics(actor_log_probs: Tensor, rollout_log_probs: Tensor, mask: 
         "log_ppl_diff_max": log_ppl_diff.max().item(),
         "log_ppl_diff_min": log_ppl_diff.min().item(),
         "ppl_ratio": log_ppl_diff.exp().mean().item(),
-        "chi2_token": (masked_mean(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp().square(), mask) - 1.0).item(),
+        "chi2_token": (masked_mean(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp().square(), mask) - 1.0).item(),
         "chi2_seq": ((2.0 * seq_log_ratio).exp().mean() - 1.0).item(),
     }
 
@@ -244,53 +270,54 @@ def offpolicy_metrics(actor_log_probs: Tensor, rollout_log_probs: Tensor, mask: 
 # --- the whole correction ------------------------------------------------------------------------
 
 
-def rollout_correction(actor_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor, rc_cfg: Any,
+def rollout_correction(actor_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor, spec: Correction,
                        group: dist.ProcessGroup | None = None) -> tuple[Tensor | None, Tensor, dict[str, float]]:
     """IS weights (None unless rollout_is), the response mask after rejection (rollout_rs), and every
-    metric as rollout_corr/<name>. rc_cfg: algorithm.rollout_correction (rollout_is, rollout_is_threshold,
-    rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold); `group` only reaches the batch
-    normalisation. (B, T) tensors; actor_log_probs is the actor's side, under the engine's truncation."""
+    metric as rollout_corr/<name>. `group` only reaches the batch normalisation. (B, T) tensors;
+    actor_log_probs is the actor's side, under the engine's truncation."""
     if not mask.any():
         raise ValueError("rollout correction needs at least one response token; the response mask is empty")
     log_ratio = (actor_log_probs - rollout_log_probs).detach()  # (B, T) log pi_actor / pi_engine
     weights, metrics = None, {}
-    if rc_cfg.rollout_is is not None:
-        weights, metrics = is_weights(log_ratio, mask, rc_cfg.rollout_is, rc_cfg.rollout_is_threshold,
-                                      rc_cfg.rollout_is_batch_normalize, group)
+    if spec.is_level is not None:
+        weights, metrics = is_weights(log_ratio, mask, spec.is_level, spec.is_upper, spec.is_lower,
+                                      spec.is_batch_normalize, group)
     kept = mask
-    if rc_cfg.rollout_rs is not None:
-        kept, rs = rejection_mask(log_ratio, mask, rc_cfg.rollout_rs, rc_cfg.rollout_rs_threshold)
+    if spec.rs_bounds:
+        kept, rs = rejection_mask(log_ratio, mask, spec.rs_bounds)
         metrics.update(rs)
     metrics.update(offpolicy_metrics(actor_log_probs.detach(), rollout_log_probs, mask))
     return weights, kept, {f"rollout_corr/{k}": v for k, v in metrics.items()}
 
 
-def correct_batch(actor_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor, rc_cfg: Any,
+def correct_batch(actor_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor, spec: Correction,
                   group: dist.ProcessGroup) -> tuple[Tensor | None, Tensor, dict[str, float]]:
     """Decoupled mode, once per step: rollout_correction over the step's whole batch, which the ranks
     of `group` hold between them in equal, distinct (B, T) shares (verl's driver holds it all), so the metrics
     and the batch normalisation are those of the whole batch on every rank. Returns this rank's rows.
     Collective."""
     weights, kept, metrics = rollout_correction(gather_rows(actor_log_probs, group), gather_rows(rollout_log_probs, group),
-                                                gather_rows(mask, group), rc_cfg)
+                                                gather_rows(mask, group), spec)
     return None if weights is None else my_rows(weights, group), my_rows(kept, group), metrics
 
 
-def correct_micro_batch(log_prob: Tensor, rollout_log_probs: Tensor, mask: Tensor, rc_cfg: Any,
+def correct_micro_batch(log_prob: Tensor, rollout_log_probs: Tensor, mask: Tensor, spec: Correction,
                         group: dist.ProcessGroup | None = None) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
     """Bypass mode, in the loss: pi_theta (detached) against the engine on one micro batch, as verl's
     bypass_mode loss does; the batch normalisation spans that micro batch on every rank of `group`
     (the ranks holding distinct samples; all of them run as many micro batches). Metrics come back
     as tensors, for run_updates to average over micro batches."""
-    weights, kept, metrics = rollout_correction(log_prob.detach(), rollout_log_probs, mask, rc_cfg, group)
+    weights, kept, metrics = rollout_correction(log_prob.detach(), rollout_log_probs, mask, spec, group)
     return weights, kept, {k: torch.tensor(v) for k, v in metrics.items()}
 
 
 def reinforce_policy_loss(rollout_log_probs: Tensor, log_prob: Tensor, advantages: Tensor, mask: Tensor,
-                          weights: Tensor | None, loss_agg_mode: str, **scale: Any) -> tuple[Tensor, Tensor]:
+                          weights: Tensor | None, loss_agg_mode: str, scale: LossScale | None = None
+                          ) -> tuple[Tensor, Tensor]:
     """Bypass mode's loss_type=reinforce: -A * log pi_theta, times the IS weights when given (no
-    clipping). Returns (pg_loss, ppo_kl = mean of log pi_engine - log pi_theta); scale goes to agg_loss."""
+    clipping). Returns (pg_loss aggregated under `scale` (None: the micro batch's own counts), ppo_kl = mean
+    of log pi_engine - log pi_theta)."""
     losses = -advantages * log_prob  # (B, T)
     if weights is not None:
         losses = losses * weights
-    return agg_loss(losses, mask, loss_agg_mode, **scale), masked_mean(rollout_log_probs - log_prob.detach(), mask)
+    return (scale or LossScale()).agg(losses, mask, loss_agg_mode), masked_mean(rollout_log_probs - log_prob.detach(), mask)

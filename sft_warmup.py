@@ -27,6 +27,7 @@ import argparse
 import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,72 +133,75 @@ class ToolTask:
         return ids + final, trained + [1] * len(final)
 
 
-@torch.no_grad()
+def hf_sampler(model: Any, temperature: float, stop_ids: set[int], pad_id: int) -> Callable[..., list[Any]]:
+    """The multi-turn loop's sampler (agent_loop.Sampler) with HF forwards, token by token over the batch:
+    each prompt's own seeded generator, until a stop id (kept) or its max_tokens."""
+    import rollout
+
+    @torch.no_grad()
+    def sample(prompts: list[list[int]], seeds: list[int], max_tokens: list[int]) -> list[rollout.Turn]:
+        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        turns = [rollout.Turn([], [], "length") for _ in prompts]
+        active = [i for i, limit in enumerate(max_tokens) if limit > 0]
+        while active:
+            seqs = [list(prompts[i]) + turns[i].token_ids for i in active]
+            width = max(map(len, seqs))
+            ids = torch.tensor([[pad_id] * (width - len(s)) + s for s in seqs])  # (b, width) left-padded
+            mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float()  # (b, V)
+            log_probs = torch.log_softmax(logits / (temperature or 1.0), -1)  # (b, V)
+            still = []
+            for row, i in enumerate(active):
+                if temperature == 0:
+                    token = int(logits[row].argmax())
+                else:
+                    token = int(torch.multinomial(log_probs[row].exp(), 1, generator=generators[i]))
+                turns[i].token_ids.append(token)
+                turns[i].log_probs.append(float(log_probs[row, token]))
+                if token in stop_ids:
+                    turns[i].finish_reason = "stop"
+                elif len(turns[i].token_ids) < max_tokens[i]:
+                    still.append(i)
+            active = still
+        return turns
+
+    return sample
+
+
 def simulate_tool_loop(model: Any, task: ToolTask, prompts: list[Any], *, temperature: float, max_response_length: int,
                        max_assistant_turns: int | None, max_user_turns: int | None, seed: int = 0) -> dict[str, float]:
-    """The multi-turn rollout's loop (agent_loop.generate_multi_turn) with HF forwards, token by token:
-    assistant turns end on an end-of-turn id, each is parsed and answered by the environment, whose
-    observation ids are appended if they fit the trajectory's budget. Returns the rates RL starts from."""
+    """The multi-turn rollout's loop (agent_loop.generate_multi_turn) driven by HF forwards (hf_sampler) instead
+    of the engine: the same turns, ending rules and environment. Returns the rates RL starts from."""
+    import rollout
+    from agent_loop import TurnLimits, generate_multi_turn
     from rewards import default_compute_score
 
-    gen = torch.Generator().manual_seed(seed)
-    trajs = [{"prompt": p, "response": [], "turn": [], "assistant": 0, "user": 0, "calls": 0, "failed": 0,
-              "env": task.env(p), "done": False, "right_call": False} for p in prompts]
     pad = task.tokenizer.pad_token_id
-    while True:
-        active = [t for t in trajs if not t["done"]]
-        if not active:
-            break
-        seqs = [list(t["prompt"].token_ids) + t["response"] for t in active]
-        width = max(map(len, seqs))
-        ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs])
-        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float()
-        if temperature == 0:
-            tokens = logits.argmax(-1)
-        else:
-            tokens = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)[:, 0]
-        for t, token in zip(active, tokens.tolist(), strict=True):
-            t["response"].append(token)
-            t["turn"].append(token)
-            if token not in task.stop_ids:
-                t["done"] = len(t["response"]) >= max_response_length  # a turn cut by the budget
-                continue
-            t["assistant"] += 1
-            text = task.tokenizer.decode(t["turn"], skip_special_tokens=True)
-            t["turn"] = []
-            if len(t["response"]) >= max_response_length or (
-                    max_assistant_turns is not None and t["assistant"] >= max_assistant_turns):
-                t["done"] = True
-                continue
-            result = t["env"].step(text)
-            t["calls"] += result.num_calls
-            t["failed"] += result.num_failed_calls
-            t["right_call"] |= text == f"calc({t['prompt'].extra_info['expression']})"
-            obs = None if result.messages is None else task.renderer(result.messages)
-            if obs is None or (max_user_turns is not None and t["user"] >= max_user_turns) or \
-                    len(t["response"]) + len(obs) >= max_response_length:
-                t["done"] = True
-                continue
-            t["response"] += obs
-            t["user"] += 1
-    n = len(trajs)
-    scores = [float(default_compute_score(t["prompt"].data_source, task.tokenizer.decode(
-        t["response"], skip_special_tokens=True), t["prompt"].ground_truth)) for t in trajs]
-    called = [t for t in trajs if t["calls"]]
-    right = [t for t in called if t["right_call"] and not t["failed"]]
-    for t in trajs:
-        t["env"].close()
+    sampling = rollout.Sampling(n=1, temperature=temperature, max_tokens=max_response_length,
+                                stop_token_ids=tuple(task.stop_ids), pad_token_id=pad, seed=seed)
+    batch, stats = generate_multi_turn(
+        hf_sampler(model, temperature, task.stop_ids, pad), prompts, list(range(len(prompts))), sampling,
+        TurnLimits(max_assistant_turns, max_user_turns), step=0, make_env=task.env, renderer=task.renderer,
+        decode=lambda ids: task.tokenizer.decode(ids, skip_special_tokens=True))
+    n = len(prompts)
+    texts = task.tokenizer.batch_decode([r[m.bool()] for r, m in zip(
+        batch.responses, batch.attention_mask[:, -batch.responses.shape[1]:], strict=True)], skip_special_tokens=True)
+    scores = [float(default_compute_score(p.data_source, text, p.ground_truth)) for p, text in zip(prompts, texts,
+                                                                                                 strict=True)]
+    calls, failed = stats.tool_calls.tolist(), stats.tool_failures.tolist()
+    right = [bool(c) and not f and any(t["role"] == "assistant" and t["text"] == f"calc({p.extra_info['expression']})"
+                                       for t in turns)
+             for p, turns, c, f in zip(prompts, stats.turns, calls, failed, strict=True)]
+    num_called = sum(c > 0 for c in calls)
     return {
         "score": sum(scores) / n,
-        "call_frequency": sum(t["calls"] for t in trajs) / n,  # calls per sample (tools/call_frequency)
-        "called": len(called) / n,  # samples with a call
-        "right_call": len(right) / max(len(called), 1),  # of those: the call was the question, exactly
-        "copied": sum(s for t, s in zip(trajs, scores, strict=True) if t in right) / max(len(right), 1),
-        "score_without_tool": sum(s for t, s in zip(trajs, scores, strict=True) if not t["calls"]) /
-                              max(n - len(called), 1),
-        "num_turns": sum(t["user"] + t["assistant"] + 1 for t in trajs) / n,
+        "call_frequency": sum(calls) / n,  # calls per sample (tools/call_frequency)
+        "called": num_called / n,  # samples with a call
+        "right_call": sum(right) / max(num_called, 1),  # of those: the call was the question, exactly
+        "copied": sum(s for s, r in zip(scores, right, strict=True) if r) / max(sum(right), 1),
+        "score_without_tool": sum(s for s, c in zip(scores, calls, strict=True) if not c) / max(n - num_called, 1),
+        "num_turns": stats.num_turns.mean().item(),
     }
 
 

@@ -12,8 +12,9 @@ The device map is verl's (`python mesh_utils.py --config X`; with memory: `pytho
     # 2 nodes (SLURM): sbatch launch/slurm_multinode.sbatch configs/gsm8k_grpo_2node_6gpu.yaml
     # any key can be overridden: ... actor_rollout_ref.rollout.n=8 trainer.total_training_steps=100
 
-Reading order: `main` (the loop) -> `train_step` (steps 1-8) -> the functions each step calls.
-`build_run` makes the `Run`, every piece of state a run holds, listed once.
+The file reads in execution order: `Run` (every piece of state a run holds, listed once; the engine's in
+`Engine`) -> `train_step` (steps 1-8) -> `train` (the loop) and `main` -> the functions the steps call, in
+step order -> set-up (`build_run` makes the `Run` whole).
 
 The step's batch is a dict of tensors, one row per sample this rank trains on (B samples on this
 rank, P = max_prompt_length, R = max_response_length):
@@ -45,7 +46,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,9 +56,11 @@ import torch.distributed as dist
 import eval_metrics
 import ppo_core as core
 import reward_remote
+import rollout
 import rollout_correction
 import ulysses
 import watchdog
+from agent_loop import MultiTurnStats, TurnLimits, generate_multi_turn
 from checkpoint import find_resume_path, load_checkpoint, save_checkpoint, step_seed
 from config import (
     Config,
@@ -72,7 +75,7 @@ from config import (
 )
 from data import Prompt, PromptSampler, load_prompts
 from lora import LoraSpec, iter_sync_params, lora_config, sync_modules
-from memory_plan import LOADED, OffloadFlags, plan_moves
+from memory_plan import LOADED, PHASES, OffloadFlags, plan_moves
 from mesh_utils import (
     BatchPlan,
     DistEnv,
@@ -144,9 +147,6 @@ from tracking import (
 if TYPE_CHECKING:
     from vllm import LLM
 
-    from agent_loop import MultiTurnStats
-    from rollout import RolloutBatch
-
 Batch = dict[str, torch.Tensor]
 
 
@@ -162,17 +162,409 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # -----------------------------------------------------------------------------
-# The algorithm of one step: pure functions of tensors, plus the collectives named in their arguments
+# The run: every piece of state a run holds, listed once (build_run makes it whole)
 
 
-def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) scores -> (B, R) token-level scores: each at its response's last loss-mask token."""
-    length = response_mask.shape[-1]
-    last = length - 1 - response_mask.flip(-1).argmax(-1)  # (B,) the last 1 of each row
-    last = torch.where(response_mask.any(-1), last, 0)
-    token_level_scores = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
-    token_level_scores[torch.arange(len(scores)), last] = scores.to(token_level_scores)
-    return token_level_scores  # (B, R)
+@dataclass
+class Engine:
+    """The rollout engine and what talks to it, built whole by build_engine."""
+
+    llm: LLM
+    settings: dict[str, Any]  # what the engine was built with (engine_settings)
+    train_sampling: rollout.Sampling
+    val_sampling: rollout.Sampling
+    probe: list[int]  # a prompt whose greedy log-probs fingerprint the engine
+    actor_probe: Batch  # its last tokens, for the actor's side of that check
+    stale_check: rollout.StaleWeightsCheck
+    lora_modules: set[str] | None  # with LoRA: what syncs after the first (full) sync
+    synced_once: bool = False
+
+
+@dataclass
+class Run:
+    """Everything a run holds between steps; build_run makes it whole, train_step and train use it."""
+
+    cfg: Config
+    env: DistEnv
+    dims: ParallelDims
+    plan: BatchPlan
+    meshes: Meshes
+    dp_group: dist.ProcessGroup  # the ranks holding distinct samples: sums over the step's batch run here
+    sp_group: dist.ProcessGroup | None  # Ulysses: the ranks sharing each sample's sequence
+    out_dir: Path
+    tokenizer: Any
+    train_prompts: list[Prompt]
+    val_prompts: list[Prompt]
+    reward_fn: RewardFn
+    sampler: PromptSampler
+    total_steps: int
+    actor: torch.nn.Module
+    actor_optim: torch.optim.Optimizer
+    actor_sched: Any
+    actor_loss: ActorLoss
+    ref: torch.nn.Module | None  # the reference model for a KL term; with LoRA the actor, adapter off
+    reference_mode: Callable[[], contextlib.AbstractContextManager]
+    critic: torch.nn.Module | None
+    critic_optim: torch.optim.Optimizer | None
+    critic_sched: Any
+    kl_ctrl: core.FixedKLController
+    lora_spec: LoraSpec | None
+    param_dtype: torch.dtype
+    offload: OffloadFlags
+    old_log_probs_from: str  # "engine" | "update" | "forward" (old_log_prob_source)
+    rollout_data_dir: Path | None  # trainer.rollout_data_dir: each step's samples; None: not written
+    validation_data_dir: Path  # trainer.validation_data_dir (null: <out_dir>/val_generations)
+    start_step: int  # the checkpoint's step (resume), else 0
+    engine: Engine
+    tracker: Tracker
+    progress: watchdog.Progress  # off (watchdog.Progress(None)) unless build_run(watch=True)
+    placement: str  # the memory phase the models and engine are placed for (memory_plan.placement)
+    multi_turn: MultiTurn | None = None  # actor_rollout_ref.rollout.multi_turn.enable: tools and their replies
+    reward_model: RewardModel | None = None  # reward_model.enable: it scores the training samples
+    teacher: torch.nn.Module | None = None  # distillation.enabled: the frozen teacher, beside the reference
+    teacher_vocab_limit: int | None = None  # the ids its top-k may name: the tokenizer's (models.check_teacher)
+    consecutive_skips: int = 0
+
+    def checkpointed(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]]:
+        return checkpointed(self)
+
+
+def checkpointed(models: Models | Run) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]]:
+    """What a checkpoint holds of the models: the actor's and the critic's model, optimizer and schedule."""
+    out = {"actor": (models.actor, models.actor_optim, models.actor_sched)}
+    if models.critic is not None:
+        out["critic"] = (models.critic, models.critic_optim, models.critic_sched)
+    return out
+
+
+# -----------------------------------------------------------------------------
+# One step
+
+
+def train_step(run: Run, step: int) -> dict[str, float]:
+    """Steps 1-7 of one PPO / GRPO iteration; returns its metrics, reduced over ranks (verl's names).
+    Validation and the checkpoint (8) follow in train."""
+    cfg, plan = run.cfg, run.plan
+    algo_cfg, actor_cfg = cfg.algorithm, cfg.actor_rollout_ref.actor
+    metrics: dict[str, float] = {}
+    step_start = time.perf_counter()
+    # Everything random in this step derives from (seed, step, rank): a resumed step repeats exactly.
+    torch.manual_seed(step_seed(cfg.trainer.seed, step, run.env.rank))
+    # the shuffle of the update's mini batches: the same on the sp ranks sharing the samples
+    generator = torch.Generator().manual_seed(step_seed(cfg.trainer.seed, step, dist.get_rank(run.dp_group)))
+
+    # 1. weight sync: the engine samples from the current actor; check the update reached it
+    enter(run, step, "sync")  # every rank records its phases: a hang names the rank behind
+    metrics["timing_s/sync_weights"] = sync_weights(run)
+    enter(run, step, "generate")  # param_offload: the actor's (and critic's) shards to the host for the engine
+
+    # 2-3. generate and score: each rollout dp group samples n responses for its prompts, each rank
+    # keeps its slice and scores it. With algorithm.filter_groups (DAPO's dynamic sampling) generation
+    # batches repeat until train_batch_size prompts have groups whose metric differs.
+    if algo_cfg.filter_groups.enable:
+        rows, reward_extras, sampling_metrics = dynamic_sampling(
+            functools.partial(rollout_step, run, step, metrics=metrics), algo_cfg.filter_groups,
+            train_batch_size=cfg.data.train_batch_size)
+        metrics.update(sampling_metrics)
+    else:
+        rows, reward_extras = rollout_step(run, step, 0, metrics)
+    enter(run, step, "log_prob")  # free_cache_engine: the engine sleeps; param_offload: the shards come back
+    rows.pop("fn_scores")  # dynamic sampling's `score` metric has been read
+    batch = {k: v.to(run.env.device) for k, v in rows.items()}
+    if run.sp_group is not None:  # Ulysses: every rank of an sp group trains on the group's slices
+        batch = ulysses.gather_rows(batch, run.sp_group)
+        reward_extras = gather_items(reward_extras, run.sp_group)  # the extras stay beside their rows
+    check_generated_layout(batch["prompt_index"], plan.n, run.dp_group)
+    if cfg.trainer.balance_batch:  # verl's: as many tokens on every dp rank, for the forwards and the update
+        with timed(metrics, "balance_batch"):
+            batch, reward_extras, balance_metrics = balance_batch(batch, reward_extras, run.dp_group)
+        metrics.update(balance_metrics)
+    batch["token_level_scores"] = place_scores(batch.pop("scores"), batch["response_mask"])  # (B, R)
+
+    # 4. old log-probs (run.old_log_probs_from), reference log-probs, values: no-grad forwards
+    old = None
+    # trainer.critic_warmup: the actor is not updated before that step (verl's `critic_warmup <= global_steps`)
+    update_actor_now = step >= cfg.trainer.critic_warmup
+    if run.old_log_probs_from == "engine":  # bypass mode: one forward less
+        batch["old_log_probs"] = batch["rollout_log_probs"]
+    elif run.old_log_probs_from == "forward" or not update_actor_now:  # no update forward to take them from
+        with timed(metrics, "old_log_prob"):
+            old = old_policy_forward(run, batch)
+        batch["old_log_probs"] = old.old_log_probs
+        if old.sum_pi_squared is not None:  # the optimal token baseline's input
+            batch["sum_pi_squared"] = old.sum_pi_squared
+    if run.ref is not None:
+        spec = plan.ref_log_prob
+        with timed(metrics, "ref"), torch.no_grad(), run.reference_mode():
+            batch["ref_log_probs"] = compute_log_probs(
+                run.ref, batch, run.actor_loss.temperature, spec.micro_batch_size, max_token_len=spec.max_token_len,
+                use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group).log_probs
+    if run.teacher is not None:
+        with timed(metrics, "teacher"):
+            batch.update(teacher_log_probs(run, batch))
+    if run.critic is not None:
+        spec = plan.values
+        run.critic.eval()
+        with timed(metrics, "values"), torch.no_grad():
+            batch["values"] = compute_values(run.critic, batch, spec.micro_batch_size, max_token_len=spec.max_token_len,
+                                             use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group)
+
+    # 5. advantages
+    with timed(metrics, "adv"):
+        metrics.update(compute_advantages(batch, algo_cfg, run.kl_ctrl, run.dp_group, plan.total_samples,
+                                          plan.n))
+    # 5b. the sync check, and rollout correction (decoupled mode): the old actor against the engine over
+    # the whole step batch; IS weights for the policy loss, rejected tokens out of every loss
+    if old is not None:
+        metrics.update(check_old_policy(batch, old, run.actor_loss.correction, actor_cfg.loss_agg_mode,
+                                        run.dp_group))
+
+    # 6. updates: critic first (verl's order), then the actor; Adam's moments may live on the host between
+    enter(run, step, "update")  # optimizer_offload: Adam's state to the device for the steps
+    if run.critic is not None:
+        with timed(metrics, "update_critic"):
+            metrics.update(update_critic(run.critic, run.critic_optim, batch, plan.critic_update, generator,
+                                         cfg.critic.cliprange_value, cfg.data.max_response_length, run.dp_group,
+                                         run.sp_group))
+        run.critic_sched.step()
+    if update_actor_now:  # during the critic's warm-up no actor metric, and its schedule does not advance
+        with timed(metrics, "update_actor"):
+            actor_metrics, update_old = update_actor(run.actor, run.actor_optim, batch, run.actor_loss,
+                                                     plan.actor_update, generator, run.dp_group, run.sp_group,
+                                                     own_old_log_probs=run.old_log_probs_from == "update")
+        if update_old is not None:  # 5b's checks, from the update's forward
+            old = update_old
+            batch["old_log_probs"] = old.old_log_probs
+            metrics.update(check_old_policy(batch, old, run.actor_loss.correction, actor_cfg.loss_agg_mode,
+                                            run.dp_group))
+        metrics["actor/on_policy_shortcut"] = float(run.old_log_probs_from == "update")
+        metrics.update(actor_metrics)
+        metrics["actor/lr"] = run.actor_sched.get_last_lr()[0]
+        run.actor_sched.step()
+        run.consecutive_skips = run.consecutive_skips + 1 if actor_metrics.get("actor/skipped_steps", 0) else 0
+    move_to(run, "sync")  # optimizer_offload: Adam's state back to the host; ready for the next sync
+    if run.rollout_data_dir is not None:  # the step's samples, their advantages, the engine-vs-actor gaps
+        with timed(metrics, "dump_rollout_generations"):
+            dump_rollouts(run, step, batch, reward_extras, old)
+
+    # 7. metrics (verl's names), reduced over ranks
+    metrics["timing_s/step"] = time.perf_counter() - step_start
+    metrics.update(step_metrics(run, batch, metrics["timing_s/step"]))
+    metrics.setdefault("actor/skipped_steps", 0)
+    metrics = reduce_metrics(metrics, run.env.device)
+    metrics.update(mean_over_ranks(values_by_key(reward_extras), "reward_extra/", run.env.device))
+    metrics.update(count_batch(batch["prompt_index"], run.dp_group))
+    metrics["batch/ppo_mini_batch_size_per_rank"] = plan.actor_update.mini_batch_size
+    metrics["training/epoch"] = run.sampler.epoch
+    limit = cfg.trainer.max_consecutive_skipped_steps
+    if run.consecutive_skips >= limit:
+        raise RuntimeError(
+            f"{run.consecutive_skips} steps in a row had non-finite actor losses or gradients "
+            f"(trainer.max_consecutive_skipped_steps={limit}); stopping. "
+            f"Lower actor_rollout_ref.actor.optim.lr or check the reward function's values.")
+    return metrics
+
+
+# -----------------------------------------------------------------------------
+# The loop
+
+
+def train(run: Run) -> None:
+    """Validation before training, then every step from the checkpoint on, each followed by validation
+    and a checkpoint when they are due (8)."""
+    tc = run.cfg.trainer  # build_run placed the models for the first sync
+    if tc.val_before_train and run.val_prompts and run.start_step < run.total_steps:  # on resume, too
+        enter(run, run.start_step, "validate")
+        sync_weights(run)
+        val_metrics = run_validation(run, run.start_step)
+        print0(f"validation before training: val/score {val_metrics['val/score']:.3f}")
+        run.tracker.log(run.start_step, val_metrics)
+    for step in range(run.start_step + 1, run.total_steps + 1):
+        metrics = train_step(run, step)
+        last = step == run.total_steps
+        if run.val_prompts and tc.test_freq > 0 and (step % tc.test_freq == 0 or last):
+            enter(run, step, "validate")
+            sync_weights(run)  # validate the weights just trained, not the ones this step sampled from
+            with timed(metrics, "testing"):
+                metrics.update(run_validation(run, step))
+        run.tracker.log(step, metrics)
+        if tc.save_freq > 0 and (step % tc.save_freq == 0 or last):
+            enter(run, step, "save")
+            save(run, step)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    check_supported(cfg)  # the config-only checks (nccl_timeout among them) before the process group
+    env = init_distributed(timeout_s=cfg.actor_rollout_ref.nccl_timeout)
+    run = build_run(cfg, env, watch=True)
+    train(run)
+    run.progress.stop()
+    finish(run)
+    rollout.shutdown(run.engine.llm)  # stops the engine, then the process group, in the order vLLM needs
+
+
+# -----------------------------------------------------------------------------
+# Phase boundaries: the watchdog's progress line and the memory placement
+
+
+def enter(run: Run, step: int, phase: str) -> None:
+    """A phase boundary, in one verb: the rank's progress line (the watchdog names a hung rank and its phase)
+    and, for a memory phase (memory_plan.PHASES), the placement of models, optimizer states and engine."""
+    run.progress.enter(step, phase)
+    if phase in PHASES:
+        move_to(run, phase)
+
+
+def move_to(run: Run, phase: str) -> None:
+    """Place models, optimizer states and engine for `phase` (memory_plan.placement, from the offload flags)."""
+    place(run, run.offload, run.placement, phase, run.env.device, run.engine.llm)
+    run.placement = phase
+
+
+def place(models: Models | Run, offload: OffloadFlags, src: str, dst: str, device: torch.device,
+          llm: LLM | None) -> None:
+    """The moves from placement `src` to `dst` (memory_plan.plan_moves) of the actor, the critic, their
+    optimizer states and the engine, if there is one yet."""
+    # LoRA's syncs after the first send only the modules it changes: the engine keeps its other weights
+    level = rollout.sleep_level(partial_sync=bool(models.lora_spec))
+    apply_moves(plan_moves(offload, src, dst), {"actor": models.actor, "critic": models.critic},
+                {"actor": models.actor_optim, "critic": models.critic_optim}, device,
+                sleep_engine=functools.partial(rollout.sleep, llm, level) if llm is not None else None)
+
+
+# -----------------------------------------------------------------------------
+# 1. Weight sync
+
+
+def sync_weights(run: Run) -> float:
+    """Actor -> engine, then check that it landed (rollout.StaleWeightsCheck); the sync's seconds.
+    With LoRA the first sync sends every weight (merged), later ones only the modules LoRA changes."""
+    engine = run.engine
+    if run.lora_spec:
+        weights = iter_sync_params(run.actor, run.param_dtype, engine.lora_modules if engine.synced_once else None)
+    else:
+        weights = iter_full_params(run.actor, dtype=run.param_dtype)
+    seconds = rollout.sync_weights(engine.llm, weights, partial=bool(run.lora_spec) and engine.synced_once)
+    engine.synced_once = True
+    run.actor.eval()
+    with torch.no_grad():
+        actor_log_probs = compute_log_probs(run.actor, engine.actor_probe, 1.0, 1).log_probs  # (1, 4)
+    engine.stale_check.check(rollout.engine_fingerprint(engine.llm, engine.probe), actor_log_probs.double().cpu())
+    return seconds
+
+
+# -----------------------------------------------------------------------------
+# 2-3. Generate and score; DAPO's dynamic sampling
+
+
+def dynamic_sampling(generate_and_score: Callable[[int], tuple[Batch, list[dict[str, float]]]], filter_cfg: Config,
+                     *, train_batch_size: int) -> tuple[Batch, list[dict[str, float]], dict[str, float]]:
+    """DAPO's dynamic sampling (algorithm.filter_groups): generation batches k = 0, 1, ...
+    (generate_and_score(k) returns this rank's rows, scored) until train_batch_size prompts have groups
+    whose metric differs (ppo_core.group_has_spread); at most max_num_gen_batches (<= 0: no limit).
+    Every rank sees every sample's metric, so all keep the same prompts, the first train_batch_size in
+    generation order; rank r then keeps slice r of their samples, prompt-major (as plain generation).
+    Returns (this rank's rows, their extras, train/num_gen_batches and train/uniform_group_fraction)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    taken: set[int] = set()  # prompts kept this step
+    kept: list[tuple[Batch, list[dict[str, float]]]] = []  # this rank's kept rows, per generation batch
+    num_groups = num_uniform = 0
+    for gen_batch in itertools.count():
+        if 0 < filter_cfg.max_num_gen_batches <= gen_batch:
+            raise RuntimeError(
+                f"dynamic sampling: {gen_batch} generation batches (algorithm.filter_groups.max_num_gen_batches) "
+                f"gave {len(taken)} of the data.train_batch_size={train_batch_size} prompts whose samples differ in "
+                f"{filter_cfg.metric}; {num_uniform} of {num_groups} groups were uniform. Raise max_num_gen_batches "
+                f"or data.gen_batch_size (0: no limit), or use data the policy sometimes solves.")
+        rows, extras = generate_and_score(gen_batch)
+        values = filter_metric(rows["scores"], rows["fn_scores"], extras, filter_cfg.metric)  # (B,)
+        every_rank: list[Any] = [None] * world
+        dist.all_gather_object(every_rank, (rows["prompt_index"].tolist(), values.tolist()))
+        index = [i for rank_index, _ in every_rank for i in rank_index]  # the generation batch, prompt-major
+        spread = core.group_has_spread(torch.tensor([v for _, vs in every_rank for v in vs], dtype=torch.float64),
+                                       index)
+        now: set[int] = set()
+        for prompt, has_spread in dict(zip(index, spread.tolist(), strict=True)).items():  # each prompt once
+            num_groups, num_uniform = num_groups + 1, num_uniform + (not has_spread)
+            if has_spread and prompt not in taken and len(taken) < train_batch_size:
+                taken.add(prompt)
+                now.add(prompt)
+        keep = [i for i, prompt in enumerate(rows["prompt_index"].tolist()) if prompt in now]
+        kept.append(({k: v[keep] for k, v in rows.items()}, [extras[i] for i in keep]))
+        if len(taken) == train_batch_size:
+            break
+    every_rank = [None] * world
+    dist.all_gather_object(every_rank, kept)
+    parts = [every_rank[r][k] for k in range(len(kept)) for r in range(world)]  # prompt-major: batch by batch
+    samples = {key: torch.cat([part[key] for part, _ in parts]) for key in kept[0][0]}
+    all_extras = [e for _, part_extras in parts for e in part_extras]
+    per_rank = len(all_extras) // world  # train_batch_size x n / world (mesh_utils.plan_batches)
+    my_slice = slice(rank * per_rank, (rank + 1) * per_rank)
+    metrics = {"train/num_gen_batches": gen_batch + 1, "train/uniform_group_fraction": num_uniform / num_groups}
+    return {k: v[my_slice] for k, v in samples.items()}, all_extras[my_slice], metrics
+
+
+def rollout_step(run: Run, step: int, gen_batch: int,
+                 metrics: dict[str, float]) -> tuple[Batch, list[dict[str, float]]]:
+    """One generation batch for this rank, on the host: its rollout dp group's prompts, n samples each,
+    TP rank r's slice r of them, scored (`scores`, (B,)); for ReMax also `reward_baselines`, the score
+    of each prompt's greedy response."""
+    cfg, rollout_mesh = run.cfg, run.meshes.rollout
+    sampling = run.engine.train_sampling.for_batch(gen_batch)  # fresh seeds per generation batch
+    baseline_rollout = core.ADV_ESTIMATORS[cfg.algorithm.adv_estimator].baseline_rollout
+    with timed(metrics, "gen"):
+        prompt_indices = run.sampler.next_batch()  # the same on every rank
+        group_indices = rollout.shard_for_dp(prompt_indices, rollout_mesh.get_local_rank("dp"), run.dims.rollout_dp)
+        group_prompts = [run.train_prompts[i] for i in group_indices]
+        generated, turn_stats = generate(run, group_prompts, group_indices, step, sampling)  # prompt-major
+        if baseline_rollout == "greedy":
+            greedy, greedy_stats = generate(run, group_prompts, group_indices, step, sampling.greedy())
+    tp_rows = rollout.training_rows(len(generated), rollout_mesh.get_local_rank("infer_tp"), run.dims.infer_tp)
+    rows = dict(vars(generated.rows(tp_rows)))
+    score = functools.partial(score_samples, run.reward_fn, run.tokenizer, prompts=run.train_prompts,
+                              reward_cfg=cfg.reward_model, max_response_length=cfg.data.max_response_length)
+    if run.reward_model is not None:  # the learned reward model's score replaces the rule's (verl's rm_scores)
+        score = functools.partial(reward_model_scores, run)
+    if turn_stats is not None:  # multi-turn: per-sample counts travel with the rows, for the step's metrics
+        turn_stats = turn_stats.rows(tp_rows)
+        rows.update(num_turns=turn_stats.num_turns, tool_calls=turn_stats.tool_calls,
+                    tool_failures=turn_stats.tool_failures)
+        metrics["timing_s/tool"] = metrics.get("timing_s/tool", 0.0) + turn_stats.tool_seconds
+    with timed(metrics, "reward"), failing_together(RewardError, run.env.device):
+        # scores: the reward trained on; fn_scores: the function's own (they differ by the overlong penalty)
+        rows["scores"], rows["fn_scores"], extras = score(rows, rollout_info=turn_stats and turn_stats.reward_info)
+        if baseline_rollout == "greedy":
+            greedy_scores, _, _ = score(vars(greedy), rollout_info=greedy_stats and greedy_stats.reward_info)
+            baseline = dict(zip(greedy.prompt_index.tolist(), greedy_scores.tolist(), strict=True))
+            rows["reward_baselines"] = torch.tensor([baseline[i] for i in rows["prompt_index"].tolist()])  # (B,)
+    return rows, extras
+
+
+def generate(run: Run, prompts: list[Prompt], prompt_indices: list[int], step: int,
+             sampling: rollout.Sampling) -> tuple[rollout.RolloutBatch, MultiTurnStats | None]:
+    """The rollout seam, for training, ReMax's baseline and validation: this rollout dp group's prompts,
+    sampling.n responses each, prompt-major; every rank of the TP group makes the same call. With
+    multi_turn.enable the policy and its tools take turns (agent_loop.py), and per-sample stats come too."""
+    if run.multi_turn is None:
+        return rollout.generate(run.engine.llm, [p.token_ids for p in prompts], sampling, step=step,
+                                prompt_indices=prompt_indices), None
+    return generate_multi_turn(functools.partial(rollout.sample_turns, run.engine.llm, sampling), prompts, prompt_indices,
+                               sampling, run.multi_turn.limits, step=step, make_env=run.multi_turn.environment,
+                               renderer=run.multi_turn.renderer,
+                               decode=functools.partial(run.tokenizer.decode, skip_special_tokens=True),
+                               tp_group=run.meshes.rollout.get_group("infer_tp"))
+
+
+def reward_model_scores(run: Run, rows: dict[str, torch.Tensor], rollout_info: list[dict[str, Any]] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, float]]]:
+    """Step 3 with reward_model.enable: the reward model's score of each sample (B,), as both the reward
+    and the score (score_samples' two), and no extras. As in verl, whose reward managers return the
+    model's `rm_scores` as they are, the rule function, the DAPO manager's additions and rollout_info
+    do not enter (config refuses what would need them)."""
+    scores = run.reward_model.score(rows, run.train_prompts)  # (B,), collective over the FSDP mesh
+    return scores, scores, [{} for _ in range(len(scores))]
 
 
 def check_generated_layout(prompt_index: torch.Tensor, samples_per_prompt: int, dp_group: dist.ProcessGroup) -> None:
@@ -210,6 +602,92 @@ def balance_batch(batch: Batch, reward_extras: list[dict[str, float]], dp_group:
                "global_seqlen/minmax_diff": max(before) - min(before), "global_seqlen/balanced_min": min(after),
                "global_seqlen/balanced_max": max(after), "global_seqlen/mean": sum(after) / dp}
     return balanced, [extras[i] for i in parts[rank]], metrics
+
+
+def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) scores -> (B, R) token-level scores: each at its response's last loss-mask token."""
+    length = response_mask.shape[-1]
+    last = length - 1 - response_mask.flip(-1).argmax(-1)  # (B,) the last 1 of each row
+    last = torch.where(response_mask.any(-1), last, 0)
+    token_level_scores = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    token_level_scores[torch.arange(len(scores)), last] = scores.to(token_level_scores)
+    return token_level_scores  # (B, R)
+
+
+# -----------------------------------------------------------------------------
+# 4. Old log-probs (where they come from, decided once), the teacher's
+
+
+def old_log_prob_source(actor: torch.nn.Module, algo_cfg: Config, spec: UpdateSpec,
+                        samples_per_rank: int, calculate_sum_pi_squared: bool = False) -> tuple[str, str]:
+    """("engine" | "update" | "forward", why). engine: bypass mode, the engine's log-probs are the old
+    ones. update: one epoch of one mini batch, so the update's forward runs on the weights that sampled
+    the batch and its detached log-probs are the old ones (verl and TRL do the same; the ratio is 1).
+    forward: a separate no-grad forward, needed when something uses them before the update (KL in
+    reward, rollout correction's weights or rejections), or when training forwards differ (dropout)."""
+    rc_cfg = algo_cfg.rollout_correction
+    if rc_cfg.bypass_mode:
+        return "engine", "algorithm.rollout_correction.bypass_mode: the engine's log-probs are the old ones"
+    if calculate_sum_pi_squared:
+        return "forward", "actor.calculate_sum_pi_squared: the advantages need sum_v pi(v)^2 before the update"
+    if spec.epochs != 1:
+        return "forward", f"actor.ppo_epochs={spec.epochs}: later epochs train on updated weights"
+    if samples_per_rank > spec.mini_batch_size:
+        return "forward", (f"{samples_per_rank} samples per rank in mini batches of {spec.mini_batch_size} "
+                           f"(actor.ppo_mini_batch_size): later mini batches train on updated weights")
+    if algo_cfg.use_kl_in_reward:
+        return "forward", "algorithm.use_kl_in_reward: the advantages need the old log-probs before the update"
+    if rc_cfg.rollout_is is not None or rc_cfg.rollout_rs is not None:
+        return "forward", ("algorithm.rollout_correction.rollout_is / rollout_rs: the losses need the weights "
+                           "before the update")
+    dropout = [m.p for m in actor.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    if dropout or getattr(getattr(actor, "config", None), "attention_dropout", 0.0):
+        return "forward", "the actor has dropout: its training forward differs from a no-grad one"
+    return "update", "one epoch of one mini batch: the actor update's own forward"
+
+
+@dataclass
+class PolicyForward:
+    """The actor's outputs on the step's batch under the weights that sampled it, (B, R) each."""
+
+    old_log_probs: torch.Tensor
+    entropy: torch.Tensor
+    sampling_log_probs: torch.Tensor  # under the engine's top-k / top-p cut (old_log_probs without one)
+    sum_pi_squared: torch.Tensor | None = None  # sum_v pi(v)^2 per token, with actor.calculate_sum_pi_squared
+
+
+def old_policy_forward(run: Run, batch: Batch) -> PolicyForward:
+    """The separate no-grad forward of the actor that sampled the batch: old log-probs, entropy, and the
+    log-probs under the engine's top-k / top-p cut (for the comparisons with the engine's)."""
+    spec, truncation = run.plan.old_log_prob, run.actor_loss.truncation
+    run.actor.eval()
+    with torch.no_grad():
+        out = compute_log_probs(
+            run.actor, batch, run.actor_loss.temperature, spec.micro_batch_size, calc_entropy=True,
+            max_token_len=spec.max_token_len, use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group,
+            truncation=truncation, calc_sum_pi_squared=run.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
+    return PolicyForward(out.log_probs, out.entropy, out.log_probs if out.truncated is None else out.truncated,
+                         out.sum_pi_squared)
+
+
+def teacher_log_probs(run: Run, batch: Batch) -> Batch:
+    """The teacher's no-grad forward on the student's samples (distillation.enabled), cut as the reference
+    model's: its log-probs of the sampled tokens, teacher_log_probs (B, R), or with forward_kl_topk its top-k
+    over the tokenizer's ids, teacher_topk_log_probs and teacher_topk_ids (B, R, k). At temperature 1, as
+    verl's teacher (an engine's prompt log-probs) gives them, whatever the rollout's temperature."""
+    spec, topk = run.plan.teacher_log_prob, run.actor_loss.distillation.topk
+    with torch.no_grad():
+        out = compute_log_probs(
+            run.teacher, batch, 1.0, spec.micro_batch_size, max_token_len=spec.max_token_len,
+            use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group,
+            topk=(topk, run.teacher_vocab_limit) if topk is not None else None)
+    if topk is None:
+        return {"teacher_log_probs": out.log_probs}
+    return {"teacher_topk_log_probs": out.topk_values, "teacher_topk_ids": out.topk_ids}
+
+
+# -----------------------------------------------------------------------------
+# 5. Advantages; 5b. the sync check and rollout correction
 
 
 def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLController,
@@ -261,6 +739,170 @@ def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLCont
     return metrics
 
 
+def check_old_policy(batch: Batch, old: PolicyForward, correction: rollout_correction.Correction, loss_agg_mode: str,
+                     dp_group: dist.ProcessGroup) -> dict[str, float]:
+    """After the old log-probs, wherever they came from: the sync check (the engine's log-probs of its
+    samples against the actor's under the same cut), the old policy's entropy, and decoupled rollout
+    correction over the whole step batch (IS weights and rejections into `batch`, its diagnostics)."""
+    mask = batch["response_mask"]  # (B, R)
+    diff = rollout.logprob_diff(batch["rollout_log_probs"], old.sampling_log_probs, mask)
+    metrics = {"rollout/logprob_diff_mean": diff["logprob_diff_mean"],
+               "rollout/logprob_diff_max": diff["logprob_diff_max"],
+               "actor/entropy": core.agg_loss(old.entropy, mask.float(), loss_agg_mode).item()}
+    with timed(metrics, "rollout_corr"):
+        is_weights, batch["response_mask"], rc_metrics = rollout_correction.correct_batch(
+            old.sampling_log_probs, batch["rollout_log_probs"], mask, correction, dp_group)
+    metrics.update(rc_metrics)
+    if is_weights is not None:
+        batch["rollout_is_weights"] = is_weights  # (B, R)
+    return metrics
+
+
+# -----------------------------------------------------------------------------
+# 6. Updates: ppo_epochs x mini batches x micro batches, one loop for the actor and the critic
+
+
+def mini_batches(batch: Batch, spec: UpdateSpec, generator: torch.Generator) -> Iterator[list[Batch]]:
+    """Each optimizer step's mini batch as its list of micro batches: spec.epochs passes over this rank's
+    samples (a fresh order per pass when spec.shuffle), cut into runs of spec.micro_batch_size samples
+    or, with spec.max_token_len, balanced token budgets (as many on every rank; collective)."""
+    num_samples = batch["responses"].shape[0]
+    for _ in range(spec.epochs):
+        order = torch.randperm(num_samples, generator=generator) if spec.shuffle else torch.arange(num_samples)
+        for start in range(0, num_samples, spec.mini_batch_size):
+            rows = order[start:start + spec.mini_batch_size]
+            if spec.max_token_len is None:
+                size = spec.micro_batch_size
+                micro_rows = [rows[i:i + size] for i in range(0, len(rows), size)]
+            else:
+                micro_rows = [rows[part.cpu()] for part in token_budget_micro_batches(batch["attention_mask"][rows],
+                                                                                       spec.max_token_len)]
+            yield [{k: v[part] for k, v in batch.items()} for part in micro_rows]
+
+
+def set_gradient_reduction(model: torch.nn.Module, last_micro_batch: bool, accumulate_unsharded: bool) -> None:
+    """When this micro batch's backward reduces its gradients. By default (verl's way) every micro batch
+    reduce-scatters, so a rank only ever holds its gradient shard; under HSDP the all-reduce across
+    replicas still waits for the last one (FSDP2 sums the reduce-scattered shards meanwhile; a no-op
+    without HSDP). accumulate_unsharded (fsdp_config.accumulate_unsharded_grads): no reduction before
+    the last micro batch, the full unsharded fp32 gradient held on every rank until then."""
+    if accumulate_unsharded:
+        model.set_requires_gradient_sync(last_micro_batch)
+    else:
+        model.set_requires_all_reduce(last_micro_batch)
+
+
+LossFn = Callable[[Batch, core.LossScale], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss_fn: LossFn,
+                spec: UpdateSpec, generator: torch.Generator, dp_group: dist.ProcessGroup | None,
+                prefix: str) -> dict[str, float]:
+    """One optimizer step per mini batch (mini_batches), gradients accumulated over its micro batches.
+
+    loss_fn(micro_batch, scale) -> (loss, terms), where scale (a ppo_core.LossScale) holds the mini batch's
+    token and sequence counts over dp_group (the ranks holding distinct samples; all ranks when None) and its size, so the
+    gradient does not depend on the cut (ppo_core's docstring). Terms named `*_loss` are shares of the
+    mini batch's loss, summed over micro batches; others are averaged; then all over optimizer steps
+    (`*/loss` too: distillation/loss)."""
+    model.train()
+    dp_size = dist.get_world_size(dp_group)
+    metrics: dict[str, float] = {}
+    sums: dict[str, float] = {}
+    num_steps = 0
+    for micro_batches in mini_batches(batch, spec, generator):
+        num_tokens, num_seqs = core.global_num_tokens_and_seqs([mb["response_mask"] for mb in micro_batches],
+                                                                 group=dp_group)
+        scale = core.LossScale(num_tokens, num_seqs, dp_size)
+        for i, mb in enumerate(micro_batches):
+            set_gradient_reduction(model, last_micro_batch=i == len(micro_batches) - 1,
+                                   accumulate_unsharded=spec.accumulate_unsharded_grads)
+            loss, terms = loss_fn(mb, scale)
+            # A non-finite loss still goes through backward: its NaN reaches every rank's gradient
+            # through the reduce-scatter, so all ranks skip the step together (optimizer_step).
+            loss.backward()
+            for name, value in terms.items():
+                share = value.item() if name.endswith(("_loss", "/loss")) else value.item() / len(micro_batches)
+                sums[name] = sums.get(name, 0.0) + share
+        optimizer_step(model, optimizer, spec.grad_clip, prefix, metrics)
+        num_steps += 1
+    metrics.update({k: v / num_steps for k, v in sums.items()})
+    return metrics
+
+
+def _actor_micro_batch(actor: torch.nn.Module, loss: ActorLoss, loss_agg_mode: str, use_remove_padding: bool,
+                       groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None], generator: torch.Generator,
+                       forwards: list[tuple[torch.Tensor, ...]] | None, mb: Batch,
+                       scale: core.LossScale) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The actor's forward and loss on one micro batch (run_updates' loss_fn, through functools.partial).
+    With `forwards` (a list) this forward is the old policy's: its log-probs, detached, are the old ones,
+    and (rows, log-probs, entropy, cut log-probs) are appended for the caller."""
+    dp_group, sp_group = groups
+    own_old = forwards is not None
+    topk_ids = mb.get("teacher_topk_ids")  # (b, R, k): forward_kl_topk reads the student's log-probs there
+    out = compute_log_probs(
+        actor, mb, loss.temperature, len(mb["responses"]), loss.entropy_coeff != 0 or own_old,
+        use_remove_padding=use_remove_padding, sp_group=sp_group,
+        truncation=loss.truncation if own_old else None, topk_ids=topk_ids)  # one forward
+    log_prob, entropy = out.log_probs, out.entropy  # (b, R) each
+    if own_old:
+        mb = dict(mb, old_log_probs=log_prob.detach())
+        sampling_log_prob = log_prob if out.truncated is None else out.truncated  # (b, R) under the engine's cut, if any
+        forwards.append((mb["row_index"], log_prob.detach(), entropy.detach(), sampling_log_prob.detach()))
+    return actor_loss(mb, log_prob, entropy, loss, loss_agg_mode, replace(scale, scale_factor=loss.loss_scale_factor),
+                      generator, dp_group, student_topk=out.gathered)
+
+
+def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss: ActorLoss,
+                 spec: UpdateSpec, generator: torch.Generator, dp_group: dist.ProcessGroup | None = None,
+                 sp_group: dist.ProcessGroup | None = None,
+                 own_old_log_probs: bool = False) -> tuple[dict[str, float], PolicyForward | None]:
+    """The actor's update (run_updates over actor_loss). The batch's rollout_is_weights (decoupled rollout
+    correction) weigh the policy loss. With own_old_log_probs (one epoch of one mini batch: the forward
+    runs on the weights that sampled the batch) the old log-probs are the update forward's own, and its
+    outputs come back as a PolicyForward in batch order; else the batch must carry old_log_probs."""
+    num_samples = batch["responses"].shape[0]
+    if own_old_log_probs and (spec.epochs != 1 or num_samples > spec.mini_batch_size):
+        raise ValueError(f"update_actor(own_old_log_probs=True) needs one epoch of one mini batch; got "
+                         f"{spec.epochs} epochs, {num_samples} samples in mini batches of {spec.mini_batch_size}")
+    forwards: list[tuple[torch.Tensor, ...]] | None = [] if own_old_log_probs else None
+    if own_old_log_probs:
+        batch = dict(batch, row_index=torch.arange(num_samples, device=batch["responses"].device))  # (B,)
+    loss_fn = functools.partial(_actor_micro_batch, actor, loss, spec.loss_agg_mode, spec.use_remove_padding,
+                                (dp_group, sp_group), generator, forwards)
+    metrics = run_updates(actor, optimizer, batch, loss_fn, spec, generator, dp_group, "actor")
+    if forwards is None:
+        return metrics, None
+    order = torch.argsort(torch.cat([out[0] for out in forwards]))  # micro batch order -> batch order
+    outputs = [torch.cat([out[i] for out in forwards])[order] for i in (1, 2, 3)]  # (B, R) each
+    return metrics, PolicyForward(*outputs)
+
+
+def _critic_micro_batch(critic: torch.nn.Module, spec: UpdateSpec, cliprange_value: float, loss_scale_factor: int,
+                        sp_group: dist.ProcessGroup | None, mb: Batch,
+                        scale: core.LossScale) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The critic's forward and clipped value loss against the returns on one micro batch."""
+    vpreds = compute_values(critic, mb, len(mb["responses"]), use_remove_padding=spec.use_remove_padding,
+                            sp_group=sp_group)  # (b, R)
+    vf_loss, vf_clipfrac = core.compute_value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
+                                                   cliprange_value, spec.loss_agg_mode,
+                                                   **replace(scale, scale_factor=loss_scale_factor).counts())
+    return vf_loss, {"critic/vf_loss": vf_loss, "critic/vf_clipfrac": vf_clipfrac}
+
+
+def update_critic(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, spec: UpdateSpec,
+                  generator: torch.Generator, cliprange_value: float, loss_scale_factor: int,
+                  dp_group: dist.ProcessGroup | None = None,
+                  sp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """The critic's update: the clipped value loss (critic.cliprange_value), run_updates' loop."""
+    loss_fn = functools.partial(_critic_micro_batch, critic, spec, cliprange_value, loss_scale_factor, sp_group)
+    return run_updates(critic, optimizer, batch, loss_fn, spec, generator, dp_group, "critic")
+
+
+# -----------------------------------------------------------------------------
+# 6. The actor's loss: pure functions of tensors
+
+
 @dataclass(frozen=True)
 class DistillationLoss:
     """What on-policy distillation's term reads (distillation.distillation_loss), resolved once."""
@@ -302,13 +944,15 @@ class ActorLoss:
     kl_loss_type: str
     temperature: float  # rollout.temperature: the log-probs are of logits / temperature
     loss_scale_factor: int  # data.max_response_length, for seq-mean-token-sum-norm
-    bypass: Config | None = None  # algorithm.rollout_correction in bypass mode: pi_theta against the engine
+    bypass: bool = False  # algorithm.rollout_correction.bypass_mode: the correction runs here, pi_theta against the engine
     truncation: tuple[int, float] | None = None  # the engine's (top_k, top_p) cut, when it samples from one
     distillation: DistillationLoss | None = None  # distillation.enabled: the teacher's term
+    # algorithm.rollout_correction, parsed: in bypass mode the loss's, else check_old_policy's (decoupled mode)
+    correction: rollout_correction.Correction = field(default_factory=rollout_correction.Correction)
 
     @classmethod
     def from_config(cls, cfg: Config) -> ActorLoss:
-        actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+        actor, rollout_cfg = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
         mode = actor.policy_loss.loss_mode
         low, high = (actor.clip_ratio if c is None else c for c in (actor.clip_ratio_low, actor.clip_ratio_high))
         params = dict(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=actor.clip_ratio_c,
@@ -316,44 +960,44 @@ class ActorLoss:
                          for key in core.POLICY_LOSSES[mode].keys})
         rc_cfg = cfg.algorithm.rollout_correction
         return cls(mode, params, actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None,
-                   actor.kl_loss_type, rollout.temperature, cfg.data.max_response_length,
-                   rc_cfg if rc_cfg.bypass_mode else None,
-                   (rollout.top_k, rollout.top_p) if sampling_truncates(rollout) else None,
-                   DistillationLoss.from_config(cfg))
+                   actor.kl_loss_type, rollout_cfg.temperature, cfg.data.max_response_length,
+                   rc_cfg.bypass_mode,
+                   (rollout_cfg.top_k, rollout_cfg.top_p) if sampling_truncates(rollout_cfg) else None,
+                   DistillationLoss.from_config(cfg), rollout_correction.Correction.from_config(rc_cfg))
 
 
 def actor_loss(mb: Batch, log_prob: torch.Tensor, entropy: torch.Tensor | None, loss: ActorLoss, loss_agg_mode: str,
-               scale: dict[str, Any], generator: torch.Generator,
+               scale: core.LossScale, generator: torch.Generator,
                dp_group: dist.ProcessGroup | None = None, *,
                student_topk: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro batch's policy loss (actor.policy_loss.loss_mode), minus the entropy bonus, plus the KL
-    loss to the reference model; `scale` goes to ppo_core's losses (its docstring). log_prob,
+    loss to the reference model, each aggregated under `scale` (ppo_core's docstring). log_prob,
     entropy: (b, R) of this forward. In bypass mode the correction runs here, pi_theta against the engine.
     With distillation, its term (distillation_term) is added, or with use_task_rewards=false replaces the rest;
     student_topk (b, R, k): this forward's log-probs of the teacher's top-k tokens (forward_kl_topk)."""
     mask = mb["response_mask"]  # (b, R)
     pg_mask, is_weights, terms = mask, mb.get("rollout_is_weights"), {}  # (b, R) each
-    bypass = loss.bypass
+    bypass = loss.correction if loss.bypass else None
     if bypass is not None:  # old_log_probs are the engine's: weights and rejection of pi_theta against them
         is_weights, pg_mask, terms = rollout_correction.correct_micro_batch(log_prob, mb["old_log_probs"], mask,
                                                                             bypass, dp_group)
     if bypass is not None and bypass.loss_type == "reinforce":  # no clipping: the weights do the correcting
         pg_loss, ppo_kl = rollout_correction.reinforce_policy_loss(mb["old_log_probs"], log_prob, mb["advantages"],
-                                                                   pg_mask, is_weights, loss_agg_mode, **scale)
+                                                                   pg_mask, is_weights, loss_agg_mode, scale)
         terms.update({"actor/pg_loss": pg_loss, "actor/ppo_kl": ppo_kl})
     else:  # in bypass mode the ratio already is pi_theta / pi_engine: no weights on top (verl's ppo_clip)
         pg_loss, pg_metrics = core.policy_loss(
             loss.loss_mode, mb["old_log_probs"], log_prob, mb["advantages"], pg_mask, loss_agg_mode,
-            **loss.loss_params, generator=generator, **scale,
+            **loss.loss_params, generator=generator, scale=scale,
             rollout_is_weights=None if bypass is not None else is_weights)
         terms.update({"actor/pg_loss": pg_loss, **pg_metrics})
     total = pg_loss
     if entropy is not None and loss.entropy_coeff != 0:
-        terms["actor/entropy_loss"] = core.agg_loss(entropy, mask, loss_agg_mode, **scale)
+        terms["actor/entropy_loss"] = scale.agg(entropy, mask, loss_agg_mode)
         total = total - loss.entropy_coeff * terms["actor/entropy_loss"]
     if loss.kl_loss_coef is not None:
         kl = core.kl_penalty(log_prob, mb["ref_log_probs"], loss.kl_loss_type)  # (b, R)
-        terms["actor/kl_loss"] = core.agg_loss(kl, mask, loss_agg_mode, **scale)
+        terms["actor/kl_loss"] = scale.agg(kl, mask, loss_agg_mode)
         total = total + loss.kl_loss_coef * terms["actor/kl_loss"]
     distill = loss.distillation
     if distill is not None:
@@ -364,7 +1008,7 @@ def actor_loss(mb: Batch, log_prob: torch.Tensor, entropy: torch.Tensor | None, 
 
 
 def distillation_term(mb: Batch, log_prob: torch.Tensor, student_topk: torch.Tensor | None, distill: DistillationLoss,
-                      loss_agg_mode: str, scale: dict[str, Any], is_weights: torch.Tensor | None,
+                      loss_agg_mode: str, scale: core.LossScale, is_weights: torch.Tensor | None,
                       terms: dict[str, torch.Tensor]) -> torch.Tensor:
     """On-policy distillation's share of the micro batch's loss (ppo_core.distillation_loss), its metrics
     into `terms` (verl's distillation/* names): the student's log-probs (b, R), or of the teacher's top-k
@@ -376,469 +1020,51 @@ def distillation_term(mb: Batch, log_prob: torch.Tensor, student_topk: torch.Ten
         tokens, mb["old_log_probs"], log_prob, mb["response_mask"], loss_agg_mode,
         use_policy_gradient=distill.use_policy_gradient, loss_max_clamp=distill.loss_max_clamp,
         clip_ratio_low=distill.clip_ratio_low, clip_ratio_high=distill.clip_ratio_high,
-        rollout_is_weights=is_weights, **scale)
+        rollout_is_weights=is_weights, scale=scale)
     terms.update(metrics, **{"distillation/loss": term})
     return term
 
 
 # -----------------------------------------------------------------------------
-# Updates: ppo_epochs x mini batches x micro batches, one loop for the actor and the critic
+# 7. Metrics and the step's samples; 8. validation, checkpoint, the run's end
 
 
-def mini_batches(batch: Batch, spec: UpdateSpec, generator: torch.Generator) -> Iterator[list[Batch]]:
-    """Each optimizer step's mini batch as its list of micro batches: spec.epochs passes over this rank's
-    samples (a fresh order per pass when spec.shuffle), cut into runs of spec.micro_batch_size samples
-    or, with spec.max_token_len, balanced token budgets (as many on every rank; collective)."""
-    num_samples = batch["responses"].shape[0]
-    for _ in range(spec.epochs):
-        order = torch.randperm(num_samples, generator=generator) if spec.shuffle else torch.arange(num_samples)
-        for start in range(0, num_samples, spec.mini_batch_size):
-            rows = order[start:start + spec.mini_batch_size]
-            if spec.max_token_len is None:
-                size = spec.micro_batch_size
-                micro_rows = [rows[i:i + size] for i in range(0, len(rows), size)]
-            else:
-                micro_rows = [rows[part.cpu()] for part in token_budget_micro_batches(batch["attention_mask"][rows],
-                                                                                       spec.max_token_len)]
-            yield [{k: v[part] for k, v in batch.items()} for part in micro_rows]
-
-
-def set_gradient_reduction(model: torch.nn.Module, last_micro_batch: bool, accumulate_unsharded: bool) -> None:
-    """When this micro batch's backward reduces its gradients. By default (verl's way) every micro batch
-    reduce-scatters, so a rank only ever holds its gradient shard; under HSDP the all-reduce across
-    replicas still waits for the last one (FSDP2 sums the reduce-scattered shards meanwhile; a no-op
-    without HSDP). accumulate_unsharded (fsdp_config.accumulate_unsharded_grads): no reduction before
-    the last micro batch, the full unsharded fp32 gradient held on every rank until then."""
-    if accumulate_unsharded:
-        model.set_requires_gradient_sync(last_micro_batch)
-    else:
-        model.set_requires_all_reduce(last_micro_batch)
-
-
-LossFn = Callable[[Batch, dict[str, Any]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss_fn: LossFn,
-                spec: UpdateSpec, generator: torch.Generator, dp_group: dist.ProcessGroup | None,
-                prefix: str) -> dict[str, float]:
-    """One optimizer step per mini batch (mini_batches), gradients accumulated over its micro batches.
-
-    loss_fn(micro_batch, scale) -> (loss, terms), where scale holds the mini batch's token and sequence
-    counts over dp_group (the ranks holding distinct samples; all ranks when None) and its size, so the
-    gradient does not depend on the cut (ppo_core's docstring). Terms named `*_loss` are shares of the
-    mini batch's loss, summed over micro batches; others are averaged; then all over optimizer steps
-    (`*/loss` too: distillation/loss)."""
-    model.train()
-    dp_size = dist.get_world_size(dp_group)
-    metrics: dict[str, float] = {}
-    sums: dict[str, float] = {}
-    num_steps = 0
-    for micro_batches in mini_batches(batch, spec, generator):
-        num_tokens, num_seqs = core.global_num_tokens_and_seqs([mb["response_mask"] for mb in micro_batches],
-                                                                 group=dp_group)
-        scale = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, dp_size=dp_size)
-        for i, mb in enumerate(micro_batches):
-            set_gradient_reduction(model, last_micro_batch=i == len(micro_batches) - 1,
-                                   accumulate_unsharded=spec.accumulate_unsharded_grads)
-            loss, terms = loss_fn(mb, scale)
-            # A non-finite loss still goes through backward: its NaN reaches every rank's gradient
-            # through the reduce-scatter, so all ranks skip the step together (optimizer_step).
-            loss.backward()
-            for name, value in terms.items():
-                share = value.item() if name.endswith(("_loss", "/loss")) else value.item() / len(micro_batches)
-                sums[name] = sums.get(name, 0.0) + share
-        optimizer_step(model, optimizer, spec.grad_clip, prefix, metrics)
-        num_steps += 1
-    metrics.update({k: v / num_steps for k, v in sums.items()})
+def step_metrics(run: Run, batch: Batch, step_seconds: float) -> dict[str, float]:
+    """This rank's step statistics (verl's names), before the reduction over ranks."""
+    metrics = batch_metrics(batch, run.cfg.data.max_prompt_length, run.dp_group)
+    # tokens per second per rank: an sp group shares its samples' tokens
+    metrics["perf/throughput"] = batch["attention_mask"].sum().item() / run.dims.sp / step_seconds
+    metrics["perf/max_memory_gb"] = peak_memory_gb(run.env.device)
+    # of the actor's and reference model's forwards (the critic's follow critic.model.use_remove_padding)
+    metrics["perf/padding_fraction"] = padding_fraction(batch["attention_mask"],
+                                                        run.cfg.actor_rollout_ref.model.use_remove_padding)
+    if "num_turns" in batch:  # multi-turn (verl's and TRL's names); the failure share over every rank's calls
+        metrics.update(stats("num_turns", batch["num_turns"]))
+        metrics["tools/call_frequency"] = batch["tool_calls"].float().mean().item()
+        counts = torch.stack([batch["tool_failures"].sum(), batch["tool_calls"].sum()]).double()
+        dist.all_reduce(counts, group=run.dp_group)
+        metrics["tools/failure_frequency"] = (counts[0] / counts[1].clamp(min=1)).item()
     return metrics
 
 
-@dataclass
-class PolicyForward:
-    """The actor's outputs on the step's batch under the weights that sampled it, (B, R) each."""
-
-    old_log_probs: torch.Tensor
-    entropy: torch.Tensor
-    sampling_log_probs: torch.Tensor  # under the engine's top-k / top-p cut (old_log_probs without one)
-    sum_pi_squared: torch.Tensor | None = None  # sum_v pi(v)^2 per token, with actor.calculate_sum_pi_squared
-
-
-def _actor_micro_batch(actor: torch.nn.Module, loss: ActorLoss, loss_agg_mode: str, use_remove_padding: bool,
-                       groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None], generator: torch.Generator,
-                       forwards: list[tuple[torch.Tensor, ...]] | None, mb: Batch,
-                       scale: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The actor's forward and loss on one micro batch (run_updates' loss_fn, through functools.partial).
-    With `forwards` (a list) this forward is the old policy's: its log-probs, detached, are the old ones,
-    and (rows, log-probs, entropy, cut log-probs) are appended for the caller."""
-    dp_group, sp_group = groups
-    own_old = forwards is not None
-    topk_ids = mb.get("teacher_topk_ids")  # (b, R, k): forward_kl_topk reads the student's log-probs there
-    log_prob, entropy, *truncated = compute_log_probs(
-        actor, mb, loss.temperature, len(mb["responses"]), loss.entropy_coeff != 0 or own_old,
-        use_remove_padding=use_remove_padding, sp_group=sp_group,
-        truncation=loss.truncation if own_old else None, topk_ids=topk_ids)  # (b, R) each, one forward
-    student_topk = truncated.pop() if topk_ids is not None else None  # (b, R, k)
-    if own_old:
-        mb = dict(mb, old_log_probs=log_prob.detach())
-        sampling_log_prob = truncated[0] if truncated else log_prob  # (b, R) under the engine's cut, if any
-        forwards.append((mb["row_index"], log_prob.detach(), entropy.detach(), sampling_log_prob.detach()))
-    return actor_loss(mb, log_prob, entropy, loss, loss_agg_mode, dict(scale, loss_scale_factor=loss.loss_scale_factor),
-                      generator, dp_group, student_topk=student_topk)
-
-
-def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss: ActorLoss,
-                 spec: UpdateSpec, generator: torch.Generator, dp_group: dist.ProcessGroup | None = None,
-                 sp_group: dist.ProcessGroup | None = None,
-                 own_old_log_probs: bool = False) -> tuple[dict[str, float], PolicyForward | None]:
-    """The actor's update (run_updates over actor_loss). The batch's rollout_is_weights (decoupled rollout
-    correction) weigh the policy loss. With own_old_log_probs (one epoch of one mini batch: the forward
-    runs on the weights that sampled the batch) the old log-probs are the update forward's own, and its
-    outputs come back as a PolicyForward in batch order; else the batch must carry old_log_probs."""
-    num_samples = batch["responses"].shape[0]
-    if own_old_log_probs and (spec.epochs != 1 or num_samples > spec.mini_batch_size):
-        raise ValueError(f"update_actor(own_old_log_probs=True) needs one epoch of one mini batch; got "
-                         f"{spec.epochs} epochs, {num_samples} samples in mini batches of {spec.mini_batch_size}")
-    forwards: list[tuple[torch.Tensor, ...]] | None = [] if own_old_log_probs else None
-    if own_old_log_probs:
-        batch = dict(batch, row_index=torch.arange(num_samples, device=batch["responses"].device))  # (B,)
-    loss_fn = functools.partial(_actor_micro_batch, actor, loss, spec.loss_agg_mode, spec.use_remove_padding,
-                                (dp_group, sp_group), generator, forwards)
-    metrics = run_updates(actor, optimizer, batch, loss_fn, spec, generator, dp_group, "actor")
-    if forwards is None:
-        return metrics, None
-    order = torch.argsort(torch.cat([out[0] for out in forwards]))  # micro batch order -> batch order
-    outputs = [torch.cat([out[i] for out in forwards])[order] for i in (1, 2, 3)]  # (B, R) each
-    return metrics, PolicyForward(*outputs)
-
-
-def _critic_micro_batch(critic: torch.nn.Module, spec: UpdateSpec, cliprange_value: float, loss_scale_factor: int,
-                        sp_group: dist.ProcessGroup | None, mb: Batch,
-                        scale: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The critic's forward and clipped value loss against the returns on one micro batch."""
-    vpreds = compute_values(critic, mb, len(mb["responses"]), use_remove_padding=spec.use_remove_padding,
-                            sp_group=sp_group)  # (b, R)
-    vf_loss, vf_clipfrac = core.compute_value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
-                                                   cliprange_value, spec.loss_agg_mode,
-                                                   **scale, loss_scale_factor=loss_scale_factor)
-    return vf_loss, {"critic/vf_loss": vf_loss, "critic/vf_clipfrac": vf_clipfrac}
-
-
-def update_critic(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, spec: UpdateSpec,
-                  generator: torch.Generator, cliprange_value: float, loss_scale_factor: int,
-                  dp_group: dist.ProcessGroup | None = None,
-                  sp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """The critic's update: the clipped value loss (critic.cliprange_value), run_updates' loop."""
-    loss_fn = functools.partial(_critic_micro_batch, critic, spec, cliprange_value, loss_scale_factor, sp_group)
-    return run_updates(critic, optimizer, batch, loss_fn, spec, generator, dp_group, "critic")
-
-
-# -----------------------------------------------------------------------------
-# Where the old log-probs come from, decided once
-
-
-def old_log_prob_source(actor: torch.nn.Module, algo_cfg: Config, spec: UpdateSpec,
-                        samples_per_rank: int, calculate_sum_pi_squared: bool = False) -> tuple[str, str]:
-    """("engine" | "update" | "forward", why). engine: bypass mode, the engine's log-probs are the old
-    ones. update: one epoch of one mini batch, so the update's forward runs on the weights that sampled
-    the batch and its detached log-probs are the old ones (verl and TRL do the same; the ratio is 1).
-    forward: a separate no-grad forward, needed when something uses them before the update (KL in
-    reward, rollout correction's weights or rejections), or when training forwards differ (dropout)."""
-    rc_cfg = algo_cfg.rollout_correction
-    if rc_cfg.bypass_mode:
-        return "engine", "algorithm.rollout_correction.bypass_mode: the engine's log-probs are the old ones"
-    if calculate_sum_pi_squared:
-        return "forward", "actor.calculate_sum_pi_squared: the advantages need sum_v pi(v)^2 before the update"
-    if spec.epochs != 1:
-        return "forward", f"actor.ppo_epochs={spec.epochs}: later epochs train on updated weights"
-    if samples_per_rank > spec.mini_batch_size:
-        return "forward", (f"{samples_per_rank} samples per rank in mini batches of {spec.mini_batch_size} "
-                           f"(actor.ppo_mini_batch_size): later mini batches train on updated weights")
-    if algo_cfg.use_kl_in_reward:
-        return "forward", "algorithm.use_kl_in_reward: the advantages need the old log-probs before the update"
-    if rc_cfg.rollout_is is not None or rc_cfg.rollout_rs is not None:
-        return "forward", ("algorithm.rollout_correction.rollout_is / rollout_rs: the losses need the weights "
-                           "before the update")
-    dropout = [m.p for m in actor.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
-    if dropout or getattr(getattr(actor, "config", None), "attention_dropout", 0.0):
-        return "forward", "the actor has dropout: its training forward differs from a no-grad one"
-    return "update", "one epoch of one mini batch: the actor update's own forward"
-
-
-def check_old_policy(batch: Batch, old: PolicyForward, rc_cfg: Config, loss_agg_mode: str,
-                     dp_group: dist.ProcessGroup) -> dict[str, float]:
-    """After the old log-probs, wherever they came from: the sync check (the engine's log-probs of its
-    samples against the actor's under the same cut), the old policy's entropy, and decoupled rollout
-    correction over the whole step batch (IS weights and rejections into `batch`, its diagnostics)."""
-    from rollout import logprob_diff
-
-    mask = batch["response_mask"]  # (B, R)
-    diff = logprob_diff(batch["rollout_log_probs"], old.sampling_log_probs, mask)
-    metrics = {"rollout/logprob_diff_mean": diff["logprob_diff_mean"],
-               "rollout/logprob_diff_max": diff["logprob_diff_max"],
-               "actor/entropy": core.agg_loss(old.entropy, mask.float(), loss_agg_mode).item()}
-    with timed(metrics, "rollout_corr"):
-        is_weights, batch["response_mask"], rc_metrics = rollout_correction.correct_batch(
-            old.sampling_log_probs, batch["rollout_log_probs"], mask, rc_cfg, dp_group)
-    metrics.update(rc_metrics)
-    if is_weights is not None:
-        batch["rollout_is_weights"] = is_weights  # (B, R)
-    return metrics
-
-
-# -----------------------------------------------------------------------------
-# DAPO's dynamic sampling
-
-
-def dynamic_sampling(generate_and_score: Callable[[int], tuple[Batch, list[dict[str, float]]]], filter_cfg: Config,
-                     *, train_batch_size: int) -> tuple[Batch, list[dict[str, float]], dict[str, float]]:
-    """DAPO's dynamic sampling (algorithm.filter_groups): generation batches k = 0, 1, ...
-    (generate_and_score(k) returns this rank's rows, scored) until train_batch_size prompts have groups
-    whose metric differs (ppo_core.group_has_spread); at most max_num_gen_batches (<= 0: no limit).
-    Every rank sees every sample's metric, so all keep the same prompts, the first train_batch_size in
-    generation order; rank r then keeps slice r of their samples, prompt-major (as plain generation).
-    Returns (this rank's rows, their extras, train/num_gen_batches and train/uniform_group_fraction)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    taken: set[int] = set()  # prompts kept this step
-    kept: list[tuple[Batch, list[dict[str, float]]]] = []  # this rank's kept rows, per generation batch
-    num_groups = num_uniform = 0
-    for gen_batch in itertools.count():
-        if 0 < filter_cfg.max_num_gen_batches <= gen_batch:
-            raise RuntimeError(
-                f"dynamic sampling: {gen_batch} generation batches (algorithm.filter_groups.max_num_gen_batches) "
-                f"gave {len(taken)} of the data.train_batch_size={train_batch_size} prompts whose samples differ in "
-                f"{filter_cfg.metric}; {num_uniform} of {num_groups} groups were uniform. Raise max_num_gen_batches "
-                f"or data.gen_batch_size (0: no limit), or use data the policy sometimes solves.")
-        rows, extras = generate_and_score(gen_batch)
-        values = filter_metric(rows["scores"], rows["fn_scores"], extras, filter_cfg.metric)  # (B,)
-        every_rank: list[Any] = [None] * world
-        dist.all_gather_object(every_rank, (rows["prompt_index"].tolist(), values.tolist()))
-        index = [i for rank_index, _ in every_rank for i in rank_index]  # the generation batch, prompt-major
-        spread = core.group_has_spread(torch.tensor([v for _, vs in every_rank for v in vs], dtype=torch.float64),
-                                       index)
-        now: set[int] = set()
-        for prompt, has_spread in dict(zip(index, spread.tolist(), strict=True)).items():  # each prompt once
-            num_groups, num_uniform = num_groups + 1, num_uniform + (not has_spread)
-            if has_spread and prompt not in taken and len(taken) < train_batch_size:
-                taken.add(prompt)
-                now.add(prompt)
-        keep = [i for i, prompt in enumerate(rows["prompt_index"].tolist()) if prompt in now]
-        kept.append(({k: v[keep] for k, v in rows.items()}, [extras[i] for i in keep]))
-        if len(taken) == train_batch_size:
-            break
-    every_rank = [None] * world
-    dist.all_gather_object(every_rank, kept)
-    parts = [every_rank[r][k] for k in range(len(kept)) for r in range(world)]  # prompt-major: batch by batch
-    samples = {key: torch.cat([part[key] for part, _ in parts]) for key in kept[0][0]}
-    all_extras = [e for _, part_extras in parts for e in part_extras]
-    per_rank = len(all_extras) // world  # train_batch_size x n / world (mesh_utils.plan_batches)
-    my_slice = slice(rank * per_rank, (rank + 1) * per_rank)
-    metrics = {"train/num_gen_batches": gen_batch + 1, "train/uniform_group_fraction": num_uniform / num_groups}
-    return {k: v[my_slice] for k, v in samples.items()}, all_extras[my_slice], metrics
-
-
-# -----------------------------------------------------------------------------
-# The run: every piece of state, listed once, and the orchestration that takes it
-
-
-@dataclass
-class MultiTurn:
-    """What multi-turn rollouts need beside the engine (actor_rollout_ref.rollout.multi_turn)."""
-
-    section: Config
-    tools: dict[str, Any]  # name -> agent.BaseTool
-    schemas: list[dict[str, Any]]  # the tools' schemas, rendered into every prompt
-    renderer: Any  # agent.ObservationRenderer: a reply -> the ids that follow the assistant's turn
-    stop_token_ids: list[int]  # what ends an assistant turn
-    environment_class: type | None = None  # multi_turn.environment; None: agent.ToolEnvironment
-
-    def environment(self, row: Prompt) -> Any:
-        """A fresh environment for one trajectory of `row`, reset."""
-        import agent
-
-        if self.environment_class is not None:
-            env = self.environment_class()
-        else:
-            env = agent.ToolEnvironment.from_config(self.section, self.tools)
-        env.reset(row)
-        return env
-
-
-def load_multi_turn(cfg: Config, tokenizer: Any) -> MultiTurn | None:
-    """The tools (verl's tool_config_path YAML, function_tool_path functions) and the chat template's
-    observation renderer, when multi-turn rollouts are on."""
-    section = cfg.actor_rollout_ref.rollout.multi_turn
-    if not section.enable:
-        return None
-    import agent
-
-    tools = (agent.load_tools(section.tool_config_path, section.function_tool_path)
-             if section.tool_config_path or section.function_tool_path else {})
-    schemas = agent.tool_schemas(tools)
-    environment_class = agent.load_environment_class(section.environment) if section.environment else None
-    return MultiTurn(section, tools, schemas, agent.ObservationRenderer(tokenizer, schemas or None),
-                     agent.end_of_turn_ids(tokenizer), environment_class)
-
-
-@dataclass
-class Run:
-    """Everything a run holds between steps; build_run makes it, train_step and main use it."""
-
-    cfg: Config
-    env: DistEnv
-    dims: ParallelDims
-    plan: BatchPlan
-    meshes: Meshes
-    dp_group: dist.ProcessGroup  # the ranks holding distinct samples: sums over the step's batch run here
-    sp_group: dist.ProcessGroup | None  # Ulysses: the ranks sharing each sample's sequence
-    out_dir: Path
-    tokenizer: Any
-    train_prompts: list[Prompt]
-    val_prompts: list[Prompt]
-    reward_fn: RewardFn
-    sampler: PromptSampler
-    total_steps: int
-    actor: torch.nn.Module
-    actor_optim: torch.optim.Optimizer
-    actor_sched: Any
-    actor_loss: ActorLoss
-    ref: torch.nn.Module | None  # the reference model for a KL term; with LoRA the actor, adapter off
-    reference_mode: Callable[[], contextlib.AbstractContextManager]
-    critic: torch.nn.Module | None
-    critic_optim: torch.optim.Optimizer | None
-    critic_sched: Any
-    kl_ctrl: core.FixedKLController
-    lora_spec: LoraSpec | None
-    param_dtype: torch.dtype
-    offload: OffloadFlags
-    old_log_probs_from: str  # "engine" | "update" | "forward" (old_log_prob_source)
-    rollout_data_dir: Path | None  # trainer.rollout_data_dir: each step's samples; None: not written
-    validation_data_dir: Path  # trainer.validation_data_dir (null: <out_dir>/val_generations)
-    start_step: int = 0
-    llm: LLM | None = None
-    engine_settings: dict[str, Any] = field(default_factory=dict)  # what the engine was built with
-    train_sampling: dict[str, Any] = field(default_factory=dict)
-    val_sampling: dict[str, Any] = field(default_factory=dict)
-    probe: list[int] = field(default_factory=list)  # a prompt whose greedy log-probs fingerprint the engine
-    actor_probe: Batch = field(default_factory=dict)  # its last tokens, for the actor's side of that check
-    stale_check: Any = None  # rollout.StaleWeightsCheck
-    lora_modules: set[str] | None = None  # with LoRA: what syncs after the first (full) sync
-    multi_turn: MultiTurn | None = None  # actor_rollout_ref.rollout.multi_turn.enable: tools and their replies
-    reward_model: RewardModel | None = None  # reward_model.enable: it scores the training samples
-    teacher: torch.nn.Module | None = None  # distillation.enabled: the frozen teacher, beside the reference
-    teacher_vocab_limit: int | None = None  # the ids its top-k may name: the tokenizer's (models.check_teacher)
-    tracker: Tracker | None = None
-    progress: watchdog.Progress = field(default_factory=lambda: watchdog.Progress(None))  # off until started
-    placement: str = LOADED  # the memory phase the models and engine are placed for (memory_plan.placement)
-    synced_once: bool = False
-    consecutive_skips: int = 0
-
-    def checkpointed(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]]:
-        models = {"actor": (self.actor, self.actor_optim, self.actor_sched)}
-        if self.critic is not None:
-            models["critic"] = (self.critic, self.critic_optim, self.critic_sched)
-        return models
-
-
-def move_to(run: Run, phase: str) -> None:
-    """Place models, optimizer states and engine for `phase` (memory_plan.placement, from the offload flags)."""
-    import rollout
-
-    # LoRA's syncs after the first send only the modules it changes: the engine keeps its other weights
-    level = rollout.sleep_level(partial_sync=bool(run.lora_spec))
-    apply_moves(plan_moves(run.offload, run.placement, phase), {"actor": run.actor, "critic": run.critic},
-                {"actor": run.actor_optim, "critic": run.critic_optim}, run.env.device,
-                sleep_engine=functools.partial(rollout.sleep, run.llm, level))
-    run.placement = phase
-
-
-def sync_weights(run: Run) -> float:
-    """Actor -> engine, then check that it landed (rollout.StaleWeightsCheck); the sync's seconds.
-    With LoRA the first sync sends every weight (merged), later ones only the modules LoRA changes."""
-    import rollout
-
-    if run.lora_spec:
-        weights = iter_sync_params(run.actor, run.param_dtype, run.lora_modules if run.synced_once else None)
-    else:
-        weights = iter_full_params(run.actor, dtype=run.param_dtype)
-    seconds = rollout.sync_weights(run.llm, weights, partial=bool(run.lora_spec) and run.synced_once)
-    run.synced_once = True
-    run.actor.eval()
-    with torch.no_grad():
-        actor_log_probs, _ = compute_log_probs(run.actor, run.actor_probe, 1.0, 1)  # (1, 4)
-    run.stale_check.check(rollout.engine_fingerprint(run.llm, run.probe), actor_log_probs.double().cpu())
-    return seconds
-
-
-def generate(run: Run, prompts: list[Prompt], prompt_indices: list[int], step: int,
-             sampling: dict[str, Any]) -> tuple[RolloutBatch, MultiTurnStats | None]:
-    """The rollout seam, for training, ReMax's baseline and validation: this rollout dp group's prompts,
-    sampling["n"] responses each, prompt-major; every rank of the TP group makes the same call. With
-    multi_turn.enable the policy and its tools take turns (agent_loop.py), and per-sample stats come too."""
-    import rollout
-
-    if run.multi_turn is None:
-        return rollout.generate(run.llm, [p.token_ids for p in prompts], step=step, prompt_indices=prompt_indices,
-                                **sampling), None
-    from agent_loop import MultiTurnSettings, generate_multi_turn
-
-    section = run.multi_turn.section
-    settings = MultiTurnSettings(
-        n=sampling["n"], temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=sampling["top_k"],
-        max_response_length=sampling["max_tokens"], max_prompt_length=sampling["max_prompt_length"],
-        pad_token_id=sampling["pad_token_id"], stop_token_ids=run.multi_turn.stop_token_ids, seed=sampling["seed"],
-        max_assistant_turns=section.max_assistant_turns, max_user_turns=section.max_user_turns)
-    return generate_multi_turn(run.llm, prompts, prompt_indices, settings, step=step,
-                               make_env=run.multi_turn.environment, renderer=run.multi_turn.renderer,
-                               decode=functools.partial(run.tokenizer.decode, skip_special_tokens=True),
-                               tp_group=run.meshes.rollout.get_group("infer_tp"))
-
-
-def rollout_step(run: Run, step: int, gen_batch: int,
-                 metrics: dict[str, float]) -> tuple[Batch, list[dict[str, float]]]:
-    """One generation batch for this rank, on the host: its rollout dp group's prompts, n samples each,
-    TP rank r's slice r of them, scored (`scores`, (B,)); for ReMax also `reward_baselines`, the score
-    of each prompt's greedy response."""
-    import rollout
-
-    cfg, rollout_mesh = run.cfg, run.meshes.rollout
-    sampling = dict(run.train_sampling, seed=run.train_sampling["seed"] + 1_000_003 * gen_batch)  # fresh per batch
-    baseline_rollout = core.ADV_ESTIMATORS[cfg.algorithm.adv_estimator].baseline_rollout
-    with timed(metrics, "gen"):
-        prompt_indices = run.sampler.next_batch()  # the same on every rank
-        group_indices = rollout.shard_for_dp(prompt_indices, rollout_mesh.get_local_rank("dp"), run.dims.rollout_dp)
-        group_prompts = [run.train_prompts[i] for i in group_indices]
-        generated, turn_stats = generate(run, group_prompts, group_indices, step, sampling)  # prompt-major
-        if baseline_rollout == "greedy":
-            greedy, greedy_stats = generate(run, group_prompts, group_indices, step, dict(sampling, n=1, temperature=0.0))
-    tp_rows = rollout.training_rows(len(generated), rollout_mesh.get_local_rank("infer_tp"), run.dims.infer_tp)
-    rows = dict(vars(generated.rows(tp_rows)))
-    score = functools.partial(score_samples, run.reward_fn, run.tokenizer, prompts=run.train_prompts,
-                              reward_cfg=cfg.reward_model, max_response_length=cfg.data.max_response_length)
-    if run.reward_model is not None:  # the learned reward model's score replaces the rule's (verl's rm_scores)
-        score = functools.partial(reward_model_scores, run)
-    if turn_stats is not None:  # multi-turn: per-sample counts travel with the rows, for the step's metrics
-        turn_stats = turn_stats.rows(tp_rows)
-        rows.update(num_turns=turn_stats.num_turns, tool_calls=turn_stats.tool_calls,
-                    tool_failures=turn_stats.tool_failures)
-        metrics["timing_s/tool"] = metrics.get("timing_s/tool", 0.0) + turn_stats.tool_seconds
-    with timed(metrics, "reward"), failing_together(RewardError, run.env.device):
-        # scores: the reward trained on; fn_scores: the function's own (they differ by the overlong penalty)
-        rows["scores"], rows["fn_scores"], extras = score(rows, rollout_info=turn_stats and turn_stats.reward_info)
-        if baseline_rollout == "greedy":
-            greedy_scores, _, _ = score(vars(greedy), rollout_info=greedy_stats and greedy_stats.reward_info)
-            baseline = dict(zip(greedy.prompt_index.tolist(), greedy_scores.tolist(), strict=True))
-            rows["reward_baselines"] = torch.tensor([baseline[i] for i in rows["prompt_index"].tolist()])  # (B,)
-    return rows, extras
-
-
-def reward_model_scores(run: Run, rows: dict[str, torch.Tensor], rollout_info: list[dict[str, Any]] | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, float]]]:
-    """Step 3 with reward_model.enable: the reward model's score of each sample (B,), as both the reward
-    and the score (score_samples' two), and no extras. As in verl, whose reward managers return the
-    model's `rm_scores` as they are, the rule function, the DAPO manager's additions and rollout_info
-    do not enter (config refuses what would need them)."""
-    scores = run.reward_model.score(rows, run.train_prompts)  # (B,), collective over the FSDP mesh
-    return scores, scores, [{} for _ in range(len(scores))]
+def dump_rollouts(run: Run, step: int, batch: Batch, reward_extras: list[dict[str, float]],
+                  old: PolicyForward | None) -> None:
+    """The step's samples to <trainer.rollout_data_dir>/<step>.jsonl (tracking.write_samples: verl's fields,
+    and per token the advantage and, when the old log-probs are the actor's, the engine's log-prob minus
+    the actor's under the same top-k / top-p cut). Each rank builds its rows' records (the decoding is
+    spread over the ranks) and rank 0 gathers and writes them: one file per step, as verl's, on any file
+    system. The ranks of rank 0's train dp group hold every sample once (under Ulysses the sp ranks share
+    rows); reward_extras are this rank's rows' own, in their order. Collective."""
+    if 0 not in dist.get_process_group_ranks(run.dp_group):
+        return  # an sp rank whose rows rank 0's group already holds
+    response_tokens = batch["attention_mask"][:, -batch["responses"].shape[1]:].bool()  # (B, R) the real ones
+    outputs = run.tokenizer.batch_decode([r[m] for r, m in zip(batch["responses"], response_tokens, strict=True)],
+                                         skip_special_tokens=True)  # the texts the reward function read
+    records = sample_records(step, [run.train_prompts[i] for i in batch["prompt_index"].tolist()], outputs,
+                             batch["token_level_scores"].sum(-1).tolist(), reward_extras)
+    gap = None if old is None else batch["rollout_log_probs"] - old.sampling_log_probs  # (B, R)
+    add_token_fields(records, run.tokenizer, batch, gap)
+    write_samples(records, run.rollout_data_dir, step, run.dp_group)
 
 
 def run_validation(run: Run, step: int) -> dict[str, float]:
@@ -851,7 +1077,7 @@ def run_validation(run: Run, step: int) -> dict[str, float]:
     rollout_mesh, prompts = run.meshes.rollout, run.val_prompts
     dp, dp_rank = rollout_mesh.size(0), rollout_mesh.get_local_rank("dp")
     indices = list(range(len(prompts) * dp_rank // dp, len(prompts) * (dp_rank + 1) // dp))
-    generated, turn_stats = generate(run, [prompts[i] for i in indices], indices, step, run.val_sampling)
+    generated, turn_stats = generate(run, [prompts[i] for i in indices], indices, step, run.engine.val_sampling)
     rows = [prompts[i] for i in generated.prompt_index.tolist()]
     response_tokens = generated.attention_mask[:, -generated.responses.shape[1]:]  # (B, R)
     with failing_together(RewardError, run.env.device):
@@ -880,214 +1106,43 @@ def run_validation(run: Run, step: int) -> dict[str, float]:
     return metrics
 
 
-# -----------------------------------------------------------------------------
-# One step
+def save(run: Run, step: int) -> None:
+    """A sharded, atomic checkpoint; older ones pruned only after the new one is complete."""
+    start = time.perf_counter()
+    path = save_checkpoint(run.out_dir, step, run.checkpointed(),
+                           {"sampler": run.sampler.state_dict(), "kl_ctrl": run.kl_ctrl.state_dict()},
+                           hf_source=(run.actor.config, run.tokenizer, *lora_config(run.actor)),
+                           keep=run.cfg.trainer.max_actor_ckpt_to_keep)
+    print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
 
 
-def train_step(run: Run, step: int) -> dict[str, float]:
-    """Steps 1-7 of one PPO / GRPO iteration; returns its metrics, reduced over ranks (verl's names).
-    Validation and the checkpoint (8) follow in main."""
-    cfg, plan = run.cfg, run.plan
-    algo_cfg, actor_cfg = cfg.algorithm, cfg.actor_rollout_ref.actor
-    metrics: dict[str, float] = {}
-    step_start = time.perf_counter()
-    # Everything random in this step derives from (seed, step, rank): a resumed step repeats exactly.
-    torch.manual_seed(step_seed(cfg.trainer.seed, step, run.env.rank))
-    # the shuffle of the update's mini batches: the same on the sp ranks sharing the samples
-    generator = torch.Generator().manual_seed(step_seed(cfg.trainer.seed, step, dist.get_rank(run.dp_group)))
-
-    # 1. weight sync: the engine samples from the current actor; check the update reached it
-    run.progress.enter(step, "sync")  # every rank records its phases: a hang names the rank behind
-    metrics["timing_s/sync_weights"] = sync_weights(run)
-    run.progress.enter(step, "generate")
-    move_to(run, "generate")  # param_offload: the actor's (and critic's) shards to the host for the engine
-
-    # 2-3. generate and score: each rollout dp group samples n responses for its prompts, each rank
-    # keeps its slice and scores it. With algorithm.filter_groups (DAPO's dynamic sampling) generation
-    # batches repeat until train_batch_size prompts have groups whose metric differs.
-    if algo_cfg.filter_groups.enable:
-        rows, reward_extras, sampling_metrics = dynamic_sampling(
-            functools.partial(rollout_step, run, step, metrics=metrics), algo_cfg.filter_groups,
-            train_batch_size=cfg.data.train_batch_size)
-        metrics.update(sampling_metrics)
-    else:
-        rows, reward_extras = rollout_step(run, step, 0, metrics)
-    run.progress.enter(step, "log_prob")
-    move_to(run, "log_prob")  # free_cache_engine: the engine sleeps; param_offload: the shards come back
-    rows.pop("fn_scores")  # dynamic sampling's `score` metric has been read
-    batch = {k: v.to(run.env.device) for k, v in rows.items()}
-    if run.sp_group is not None:  # Ulysses: every rank of an sp group trains on the group's slices
-        batch = ulysses.gather_rows(batch, run.sp_group)
-        reward_extras = gather_items(reward_extras, run.sp_group)  # the extras stay beside their rows
-    check_generated_layout(batch["prompt_index"], plan.n, run.dp_group)
-    if cfg.trainer.balance_batch:  # verl's: as many tokens on every dp rank, for the forwards and the update
-        with timed(metrics, "balance_batch"):
-            batch, reward_extras, balance_metrics = balance_batch(batch, reward_extras, run.dp_group)
-        metrics.update(balance_metrics)
-    batch["token_level_scores"] = place_scores(batch.pop("scores"), batch["response_mask"])  # (B, R)
-
-    # 4. old log-probs (run.old_log_probs_from), reference log-probs, values: no-grad forwards
-    old = None
-    # trainer.critic_warmup: the actor is not updated before that step (verl's `critic_warmup <= global_steps`)
-    update_actor_now = step >= cfg.trainer.critic_warmup
-    if run.old_log_probs_from == "engine":  # bypass mode: one forward less
-        batch["old_log_probs"] = batch["rollout_log_probs"]
-    elif run.old_log_probs_from == "forward" or not update_actor_now:  # no update forward to take them from
-        with timed(metrics, "old_log_prob"):
-            old = old_policy_forward(run, batch)
-        batch["old_log_probs"] = old.old_log_probs
-        if old.sum_pi_squared is not None:  # the optimal token baseline's input
-            batch["sum_pi_squared"] = old.sum_pi_squared
-    if run.ref is not None:
-        spec = plan.ref_log_prob
-        with timed(metrics, "ref"), torch.no_grad(), run.reference_mode():
-            batch["ref_log_probs"], _ = compute_log_probs(
-                run.ref, batch, run.actor_loss.temperature, spec.micro_batch_size, max_token_len=spec.max_token_len,
-                use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group)
-    if run.teacher is not None:
-        with timed(metrics, "teacher"):
-            batch.update(teacher_log_probs(run, batch))
-    if run.critic is not None:
-        spec = plan.values
-        run.critic.eval()
-        with timed(metrics, "values"), torch.no_grad():
-            batch["values"] = compute_values(run.critic, batch, spec.micro_batch_size, max_token_len=spec.max_token_len,
-                                             use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group)
-
-    # 5. advantages
-    with timed(metrics, "adv"):
-        metrics.update(compute_advantages(batch, algo_cfg, run.kl_ctrl, run.dp_group, plan.total_samples,
-                                          plan.n))
-    # 5b. the sync check, and rollout correction (decoupled mode): the old actor against the engine over
-    # the whole step batch; IS weights for the policy loss, rejected tokens out of every loss
-    if old is not None:
-        metrics.update(check_old_policy(batch, old, algo_cfg.rollout_correction, actor_cfg.loss_agg_mode,
-                                        run.dp_group))
-
-    # 6. updates: critic first (verl's order), then the actor; Adam's moments may live on the host between
-    run.progress.enter(step, "update")
-    move_to(run, "update")  # optimizer_offload: Adam's state to the device for the steps
-    if run.critic is not None:
-        with timed(metrics, "update_critic"):
-            metrics.update(update_critic(run.critic, run.critic_optim, batch, plan.critic_update, generator,
-                                         cfg.critic.cliprange_value, cfg.data.max_response_length, run.dp_group,
-                                         run.sp_group))
-        run.critic_sched.step()
-    if update_actor_now:  # during the critic's warm-up no actor metric, and its schedule does not advance
-        with timed(metrics, "update_actor"):
-            actor_metrics, update_old = update_actor(run.actor, run.actor_optim, batch, run.actor_loss,
-                                                     plan.actor_update, generator, run.dp_group, run.sp_group,
-                                                     own_old_log_probs=run.old_log_probs_from == "update")
-        if update_old is not None:  # 5b's checks, from the update's forward
-            old = update_old
-            batch["old_log_probs"] = old.old_log_probs
-            metrics.update(check_old_policy(batch, old, algo_cfg.rollout_correction, actor_cfg.loss_agg_mode,
-                                            run.dp_group))
-        metrics["actor/on_policy_shortcut"] = float(run.old_log_probs_from == "update")
-        metrics.update(actor_metrics)
-        metrics["actor/lr"] = run.actor_sched.get_last_lr()[0]
-        run.actor_sched.step()
-        run.consecutive_skips = run.consecutive_skips + 1 if actor_metrics.get("actor/skipped_steps", 0) else 0
-    move_to(run, "sync")  # optimizer_offload: Adam's state back to the host; ready for the next sync
-    if run.rollout_data_dir is not None:  # the step's samples, their advantages, the engine-vs-actor gaps
-        with timed(metrics, "dump_rollout_generations"):
-            dump_rollouts(run, step, batch, reward_extras, old)
-
-    # 7. metrics (verl's names), reduced over ranks
-    metrics["timing_s/step"] = time.perf_counter() - step_start
-    metrics.update(step_metrics(run, batch, metrics["timing_s/step"]))
-    metrics.setdefault("actor/skipped_steps", 0)
-    metrics = reduce_metrics(metrics, run.env.device)
-    metrics.update(mean_over_ranks(values_by_key(reward_extras), "reward_extra/", run.env.device))
-    metrics.update(count_batch(batch["prompt_index"], run.dp_group))
-    metrics["batch/ppo_mini_batch_size_per_rank"] = plan.actor_update.mini_batch_size
-    metrics["training/epoch"] = run.sampler.epoch
-    limit = cfg.trainer.max_consecutive_skipped_steps
-    if run.consecutive_skips >= limit:
-        raise RuntimeError(
-            f"{run.consecutive_skips} steps in a row had non-finite actor losses or gradients "
-            f"(trainer.max_consecutive_skipped_steps={limit}); stopping. "
-            f"Lower actor_rollout_ref.actor.optim.lr or check the reward function's values.")
-    return metrics
-
-
-def dump_rollouts(run: Run, step: int, batch: Batch, reward_extras: list[dict[str, float]],
-                  old: PolicyForward | None) -> None:
-    """The step's samples to <trainer.rollout_data_dir>/<step>.jsonl (tracking.write_samples: verl's fields,
-    and per token the advantage and, when the old log-probs are the actor's, the engine's log-prob minus
-    the actor's under the same top-k / top-p cut). Each rank builds its rows' records (the decoding is
-    spread over the ranks) and rank 0 gathers and writes them: one file per step, as verl's, on any file
-    system. The ranks of rank 0's train dp group hold every sample once (under Ulysses the sp ranks share
-    rows); reward_extras are this rank's rows' own, in their order. Collective."""
-    if 0 not in dist.get_process_group_ranks(run.dp_group):
-        return  # an sp rank whose rows rank 0's group already holds
-    response_tokens = batch["attention_mask"][:, -batch["responses"].shape[1]:].bool()  # (B, R) the real ones
-    outputs = run.tokenizer.batch_decode([r[m] for r, m in zip(batch["responses"], response_tokens, strict=True)],
-                                         skip_special_tokens=True)  # the texts the reward function read
-    records = sample_records(step, [run.train_prompts[i] for i in batch["prompt_index"].tolist()], outputs,
-                             batch["token_level_scores"].sum(-1).tolist(), reward_extras)
-    gap = None if old is None else batch["rollout_log_probs"] - old.sampling_log_probs  # (B, R)
-    add_token_fields(records, run.tokenizer, batch, gap)
-    write_samples(records, run.rollout_data_dir, step, run.dp_group)
-
-
-def teacher_log_probs(run: Run, batch: Batch) -> Batch:
-    """The teacher's no-grad forward on the student's samples (distillation.enabled), cut as the reference
-    model's: its log-probs of the sampled tokens, teacher_log_probs (B, R), or with forward_kl_topk its top-k
-    over the tokenizer's ids, teacher_topk_log_probs and teacher_topk_ids (B, R, k). At temperature 1, as
-    verl's teacher (an engine's prompt log-probs) gives them, whatever the rollout's temperature."""
-    spec, topk = run.plan.teacher_log_prob, run.actor_loss.distillation.topk
-    with torch.no_grad():
-        log_probs, _, *top = compute_log_probs(
-            run.teacher, batch, 1.0, spec.micro_batch_size, max_token_len=spec.max_token_len,
-            use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group,
-            topk=(topk, run.teacher_vocab_limit) if topk is not None else None)
-    if topk is None:
-        return {"teacher_log_probs": log_probs}
-    return {"teacher_topk_log_probs": top[0], "teacher_topk_ids": top[1]}
-
-
-def old_policy_forward(run: Run, batch: Batch) -> PolicyForward:
-    """The separate no-grad forward of the actor that sampled the batch: old log-probs, entropy, and the
-    log-probs under the engine's top-k / top-p cut (for the comparisons with the engine's)."""
-    spec, truncation = run.plan.old_log_prob, run.actor_loss.truncation
-    run.actor.eval()
-    with torch.no_grad():
-        with_sum_sq = run.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
-        log_probs, entropy, *more = compute_log_probs(
-            run.actor, batch, run.actor_loss.temperature, spec.micro_batch_size, calc_entropy=True,
-            max_token_len=spec.max_token_len, use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group,
-            truncation=truncation, calc_sum_pi_squared=with_sum_sq)
-    return PolicyForward(log_probs, entropy, more[0] if truncation is not None else log_probs,
-                         more[-1] if with_sum_sq else None)
-
-
-def step_metrics(run: Run, batch: Batch, step_seconds: float) -> dict[str, float]:
-    """This rank's step statistics (verl's names), before the reduction over ranks."""
-    metrics = batch_metrics(batch, run.cfg.data.max_prompt_length, run.dp_group)
-    # tokens per second per rank: an sp group shares its samples' tokens
-    metrics["perf/throughput"] = batch["attention_mask"].sum().item() / run.dims.sp / step_seconds
-    metrics["perf/max_memory_gb"] = peak_memory_gb(run.env.device)
-    # of the actor's and reference model's forwards (the critic's follow critic.model.use_remove_padding)
-    metrics["perf/padding_fraction"] = padding_fraction(batch["attention_mask"],
-                                                        run.cfg.actor_rollout_ref.model.use_remove_padding)
-    if "num_turns" in batch:  # multi-turn (verl's and TRL's names); the failure share over every rank's calls
-        metrics.update(stats("num_turns", batch["num_turns"]))
-        metrics["tools/call_frequency"] = batch["tool_calls"].float().mean().item()
-        counts = torch.stack([batch["tool_failures"].sum(), batch["tool_calls"].sum()]).double()
-        dist.all_reduce(counts, group=run.dp_group)
-        metrics["tools/failure_frequency"] = (counts[0] / counts[1].clamp(min=1)).item()
-    return metrics
+def finish(run: Run) -> None:
+    """Close the logs, say which keys the run never read, write the summary. The engine keeps running
+    (rollout.shutdown stops it)."""
+    run.tracker.close()
+    out_dir = run.out_dir
+    if run.env.rank == 0:  # every key should have done something; say which did not (a typo'd intent, a dead key)
+        unread = unread_keys(run.cfg)
+        (out_dir / "config_unread.json").write_text(json.dumps(unread, indent=1))
+        ignored = sorted(set(unread) & set(non_defaults(run.cfg)))
+        if ignored:
+            print0(f"warning: this run never read these keys you set: {', '.join(ignored)}")
+    if run.env.rank == 0 and (out_dir / "metrics.jsonl").is_file():  # the run's summary, also in summary.txt
+        png = plot_metrics(out_dir / "metrics.jsonl", out_dir / "metrics.png")
+        text = f"{summary(out_dir / 'metrics.jsonl')}\n{machine(run.env.device, run.env.world_size)}\n"
+        (out_dir / "summary.txt").write_text(text)
+        print0(text + f"metrics: {out_dir / 'metrics.jsonl'}, plot: {png}, summary: {out_dir / 'summary.txt'}")
 
 
 # -----------------------------------------------------------------------------
 # Set-up: config -> process group -> meshes -> data -> models -> resume -> engine
 
 
-def build_run(cfg: Config, env: DistEnv, engine_of: Run | None = None) -> Run:
-    """Everything a run needs, in order; config errors come before anything heavy. With `engine_of`, the
-    rollout engine of that earlier run in this process is reused (its settings must equal this config's):
-    several runs in one program pay one engine start-up."""
+def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch: bool = False) -> Run:
+    """Everything a run needs, in order; config errors come before anything heavy. With `engine`, an
+    earlier run's engine (in this process) serves this run too, its sampling and probes made for this
+    config: the caller checks that it can (tests/run_cases.py). watch: start the hang watchdog
+    (trainer.hang_timeout_s) once the run is built."""
     dims, plan = validate(cfg, env.world_size)
     check_launch(dims, env)
     tc = cfg.trainer
@@ -1113,28 +1168,33 @@ def build_run(cfg: Config, env: DistEnv, engine_of: Run | None = None) -> Run:
     param_dtype, _ = default_dtypes(env.device_type)
     teacher_vocab_limit = check_distillation_teacher(cfg, tokenizer)
     models = load_models(cfg, meshes, env, total_steps)
-    models["reward_model"] = load_learned_reward_model(cfg, meshes, env, tokenizer)
-    source, why = old_log_prob_source(models["actor"], cfg.algorithm, plan.actor_update, plan.samples_per_rank,
+    reward_model = load_learned_reward_model(cfg, meshes, env, tokenizer)
+    source, why = old_log_prob_source(models.actor, cfg.algorithm, plan.actor_update, plan.samples_per_rank,
                                       cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
     print0(f"old log-probs: {source} ({why})")
-    run = Run(cfg=cfg, env=env, dims=dims, plan=plan, meshes=meshes, dp_group=train_dp_group(meshes),
-              sp_group=meshes.sp.get_group("sp") if meshes.sp is not None else None, out_dir=out_dir,
-              tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts, reward_fn=reward_fn,
-              sampler=sampler, total_steps=total_steps, actor_loss=ActorLoss.from_config(cfg),
-              param_dtype=param_dtype, offload=OffloadFlags.from_config(cfg), old_log_probs_from=source,
-              rollout_data_dir=Path(tc.rollout_data_dir) if tc.rollout_data_dir is not None else None,
-              validation_data_dir=Path(tc.validation_data_dir or out_dir / "val_generations"),
-              multi_turn=multi_turn, teacher_vocab_limit=teacher_vocab_limit, **models)
-    resume(run)
+    start_step = resume(cfg, out_dir, env.rank, checkpointed(models), sampler, models.kl_ctrl)
     # placed as for the first weight sync before the engine starts: vLLM sizes its KV cache from the
     # memory free then, so an offloaded critic must already be on the host
-    move_to(run, "sync")
-    build_engine(run, engine_of)
-    run.tracker = Tracker(out_dir, cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
-                          dict(cfg), total_steps, enabled=env.rank == 0)
+    offload = OffloadFlags.from_config(cfg)
+    place(models, offload, LOADED, "sync", env.device, None)
+    engine = build_engine(cfg, dims, env, meshes, tokenizer, train_prompts[0].token_ids, multi_turn, models,
+                          param_dtype, reuse=engine)
+    tracker = Tracker(out_dir, cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
+                      dict(cfg), total_steps, enabled=env.rank == 0)
     if env.rank == 0:
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
-    return run
+    # a rank that stops ends the job within trainer.hang_timeout_s, named, with every rank's stacks
+    progress = (watchdog.start(out_dir, env.rank, env.world_size, cfg.trainer.hang_timeout_s) if watch
+                else watchdog.Progress(None))
+    return Run(cfg=cfg, env=env, dims=dims, plan=plan, meshes=meshes, dp_group=train_dp_group(meshes),
+               sp_group=meshes.sp.get_group("sp") if meshes.sp is not None else None, out_dir=out_dir,
+               tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts, reward_fn=reward_fn,
+               sampler=sampler, total_steps=total_steps, actor_loss=ActorLoss.from_config(cfg),
+               param_dtype=param_dtype, offload=offload, old_log_probs_from=source,
+               rollout_data_dir=Path(tc.rollout_data_dir) if tc.rollout_data_dir is not None else None,
+               validation_data_dir=Path(tc.validation_data_dir or out_dir / "val_generations"),
+               start_step=start_step, engine=engine, tracker=tracker, progress=progress, placement="sync",
+               multi_turn=multi_turn, reward_model=reward_model, teacher_vocab_limit=teacher_vocab_limit, **vars(models))
 
 
 def load_data(cfg: Config, dims: ParallelDims,
@@ -1181,7 +1241,65 @@ def load_data(cfg: Config, dims: ParallelDims,
     return tokenizer, train_prompts, val_prompts, reward_fn, multi_turn
 
 
-def load_models(cfg: Config, meshes: Meshes, env: DistEnv, total_steps: int) -> dict[str, Any]:
+@dataclass
+class MultiTurn:
+    """What multi-turn rollouts need beside the engine (actor_rollout_ref.rollout.multi_turn)."""
+
+    section: Config
+    tools: dict[str, Any]  # name -> agent.BaseTool
+    schemas: list[dict[str, Any]]  # the tools' schemas, rendered into every prompt
+    renderer: Any  # agent.ObservationRenderer: a reply -> the ids that follow the assistant's turn
+    stop_token_ids: list[int]  # what ends an assistant turn
+    limits: TurnLimits  # multi_turn.max_assistant_turns, max_user_turns
+    environment_class: type | None = None  # multi_turn.environment; None: agent.ToolEnvironment
+
+    def environment(self, row: Prompt) -> Any:
+        """A fresh environment for one trajectory of `row`, reset."""
+        import agent
+
+        if self.environment_class is not None:
+            env = self.environment_class()
+        else:
+            env = agent.ToolEnvironment.from_config(self.section, self.tools)
+        env.reset(row)
+        return env
+
+
+def load_multi_turn(cfg: Config, tokenizer: Any) -> MultiTurn | None:
+    """The tools (verl's tool_config_path YAML, function_tool_path functions) and the chat template's
+    observation renderer, when multi-turn rollouts are on."""
+    section = cfg.actor_rollout_ref.rollout.multi_turn
+    if not section.enable:
+        return None
+    import agent
+
+    tools = (agent.load_tools(section.tool_config_path, section.function_tool_path)
+             if section.tool_config_path or section.function_tool_path else {})
+    schemas = agent.tool_schemas(tools)
+    environment_class = agent.load_environment_class(section.environment) if section.environment else None
+    return MultiTurn(section, tools, schemas, agent.ObservationRenderer(tokenizer, schemas or None),
+                     agent.end_of_turn_ids(tokenizer), TurnLimits(section.max_assistant_turns, section.max_user_turns),
+                     environment_class)
+
+
+@dataclass
+class Models:
+    """load_models' result: the actor and critic with their optimizers and schedules, and the frozen models."""
+
+    actor: torch.nn.Module
+    actor_optim: torch.optim.Optimizer
+    actor_sched: Any
+    ref: torch.nn.Module | None  # the reference model for a KL term; with LoRA the actor, adapter off
+    reference_mode: Callable[[], contextlib.AbstractContextManager]
+    teacher: torch.nn.Module | None  # distillation.enabled: the frozen teacher
+    critic: torch.nn.Module | None
+    critic_optim: torch.optim.Optimizer | None
+    critic_sched: Any
+    kl_ctrl: core.FixedKLController
+    lora_spec: LoraSpec | None
+
+
+def load_models(cfg: Config, meshes: Meshes, env: DistEnv, total_steps: int) -> Models:
     """Actor (+ reference model for a KL term, + teacher for distillation, + critic for GAE), FSDP2 on the FSDP
     mesh, with optimizers.
 
@@ -1221,9 +1339,9 @@ def load_models(cfg: Config, meshes: Meshes, env: DistEnv, total_steps: int) -> 
     kl_cfg = cfg.algorithm.kl_ctrl
     kl_ctrl = (core.AdaptiveKLController(kl_cfg.kl_coef, kl_cfg.target_kl, kl_cfg.horizon)
                if kl_cfg.type == "adaptive" else core.FixedKLController(kl_cfg.kl_coef))
-    return dict(actor=actor, actor_optim=actor_optim, actor_sched=actor_sched, ref=ref, reference_mode=reference_mode,
-                teacher=teacher, critic=critic, critic_optim=critic_optim, critic_sched=critic_sched, kl_ctrl=kl_ctrl,
-                lora_spec=lora_spec)
+    return Models(actor=actor, actor_optim=actor_optim, actor_sched=actor_sched, ref=ref, reference_mode=reference_mode,
+                  teacher=teacher, critic=critic, critic_optim=critic_optim, critic_sched=critic_sched, kl_ctrl=kl_ctrl,
+                  lora_spec=lora_spec)
 
 
 def check_distillation_teacher(cfg: Config, tokenizer: Any) -> int | None:
@@ -1255,158 +1373,71 @@ def load_learned_reward_model(cfg: Config, meshes: Meshes, env: DistEnv, tokeniz
     return rm
 
 
-def resume(run: Run) -> None:
-    """Load the latest complete checkpoint, if any (DCP reshards it to this world size)."""
-    tc = run.cfg.trainer
-    path = find_resume_path(tc.resume_mode, run.out_dir, tc.resume_from_path)
+def resume(cfg: Config, out_dir: Path, rank: int, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]],
+           sampler: PromptSampler, kl_ctrl: core.FixedKLController) -> int:
+    """Load the latest complete checkpoint, if any (DCP reshards it to this world size), into the models
+    (checkpointed), the prompt sampler and the KL controller; its step (0: none)."""
+    tc = cfg.trainer
+    path = find_resume_path(tc.resume_mode, out_dir, tc.resume_from_path)
+    start_step = 0
     if path is not None:
-        state = load_checkpoint(path, run.checkpointed())
-        run.start_step = state["step"]
-        run.sampler.load_state_dict(state["sampler"])
-        run.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        print0(f"resumed from {path} (step {run.start_step}, written by {state['world_size']} ranks)")
-    if run.env.rank == 0:
-        truncate_metrics(run.out_dir / "metrics.jsonl", run.start_step)
+        state = load_checkpoint(path, models)
+        start_step = state["step"]
+        sampler.load_state_dict(state["sampler"])
+        kl_ctrl.load_state_dict(state["kl_ctrl"])
+        print0(f"resumed from {path} (step {start_step}, written by {state['world_size']} ranks)")
+    if rank == 0:
+        truncate_metrics(out_dir / "metrics.jsonl", start_step)
+    return start_step
 
 
-def build_engine(run: Run, engine_of: Run | None = None) -> None:
-    """One vLLM shard per rank, TP over the rows of the rollout mesh, after the models are placed (or the
-    engine of `engine_of`, when it was built with the same settings); the sampling settings of training
-    and validation; the probes of the stale-weights check."""
-    import rollout  # imported here: vLLM takes seconds to import, and config errors should not wait
-
-    cfg, tokenizer = run.cfg, run.tokenizer
+def engine_settings(cfg: Config, dims: ParallelDims, device_type: str) -> dict[str, Any]:
+    """What the rollout engine is built with (rollout.build_rollout_engine's arguments)."""
     data_cfg, rollout_cfg, model_cfg = cfg.data, cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
     max_model_len = data_cfg.max_prompt_length + data_cfg.max_response_length
-    run.engine_settings = dict(
-        model_path=model_cfg.path, tensor_model_parallel_size=run.dims.infer_tp, max_model_len=max_model_len,
+    return dict(
+        model_path=model_cfg.path, tensor_model_parallel_size=dims.infer_tp, max_model_len=max_model_len,
         gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
-        dtype="bfloat16" if run.env.device_type == "cuda" else "float32", enforce_eager=rollout_cfg.enforce_eager,
+        dtype="bfloat16" if device_type == "cuda" else "float32", enforce_eager=rollout_cfg.enforce_eager,
         cpu_kv_cache_gib=rollout_cfg.cpu_kv_cache_space_gb, max_num_seqs=rollout_cfg.max_num_seqs,
         max_num_batched_tokens=max(rollout_cfg.max_num_batched_tokens, max_model_len),
         trust_remote_code=model_cfg.trust_remote_code)
-    if engine_of is None:
-        settings = dict(run.engine_settings)
-        run.llm = rollout.build_rollout_engine(settings.pop("model_path"), run.meshes.rollout,
-                                               **{k: v for k, v in settings.items() if k != "tensor_model_parallel_size"})
+
+
+def build_engine(cfg: Config, dims: ParallelDims, env: DistEnv, meshes: Meshes, tokenizer: Any, probe: list[int],
+                 multi_turn: MultiTurn | None, models: Models, param_dtype: torch.dtype,
+                 reuse: Engine | None = None) -> Engine:
+    """One vLLM shard per rank, TP over the rows of the rollout mesh, after the models are placed (or
+    `reuse`'s engine, when given); the sampling settings of training and validation; the probes of the
+    stale-weights check (`probe`: a training prompt's ids)."""
+    data_cfg, rollout_cfg = cfg.data, cfg.actor_rollout_ref.rollout
+    if reuse is None:
+        settings = engine_settings(cfg, dims, env.device_type)
+        built = dict(settings)
+        llm = rollout.build_rollout_engine(built.pop("model_path"), meshes.rollout,
+                                           **{k: v for k, v in built.items() if k != "tensor_model_parallel_size"})
     else:
-        # an engine built for longer sequences serves shorter ones, and another checkpoint of the same
-        # architecture is fine (the first sync replaces every weight); every other setting must be equal
-        at_most = ("max_model_len", "max_num_batched_tokens")
-
-        def serves(key: str, was: Any, now: Any) -> bool:
-            if key in at_most:
-                return now <= was
-            return now == was or (key == "model_path" and same_architecture(now, was, model_cfg.trust_remote_code))
-
-        differ = {k: (engine_of.engine_settings[k], v) for k, v in run.engine_settings.items()
-                  if not serves(k, engine_of.engine_settings[k], v)}
-        if differ:
-            raise ConfigError("cannot reuse the earlier run's rollout engine; these settings differ (then, now): "
-                              + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in differ.items())
-                              + f" (the engine serves a run whose {' and '.join(at_most)} are at most its own)")
-        move_to(engine_of, "generate")  # the engine awake, as a new run (placed LOADED) assumes
-        run.llm, run.engine_settings = engine_of.llm, engine_of.engine_settings
+        llm, settings = reuse.llm, reuse.settings
+    # a response ends at the EOS id; a multi-turn assistant turn at the chat template's end of turn
+    stop = multi_turn.stop_token_ids if multi_turn is not None else [tokenizer.eos_token_id]
     limits = dict(max_tokens=data_cfg.max_response_length, max_prompt_length=data_cfg.max_prompt_length,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                  stop_token_ids=tuple(stop), pad_token_id=tokenizer.pad_token_id)
     seed = cfg.trainer.seed
-    run.train_sampling = dict(n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
-                              top_k=rollout_cfg.top_k, seed=seed, **limits)
+    train_sampling = rollout.Sampling(n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
+                                      top_k=rollout_cfg.top_k, seed=seed, **limits)
     val = rollout_cfg.val_kwargs
     val_temperature = val.temperature
-    run.val_sampling = dict(n=val.n, temperature=val_temperature if val.do_sample else 0.0, top_p=val.top_p,
-                            top_k=val.top_k, seed=seed + 7919, **limits)
+    val_sampling = rollout.Sampling(n=val.n, temperature=val_temperature if val.do_sample else 0.0,
+                                    top_p=val.top_p, top_k=val.top_k, seed=seed + rollout.VALIDATION_SEED_OFFSET,
+                                    **limits)
     # A fixed prompt whose greedy log-probs fingerprint the engine's weights, and a fixed sequence (the
     # prompt's first tokens and its last few) whose log-probs under the actor say whether the actor moved.
-    run.probe = run.train_prompts[0].token_ids
-    tail = list(run.probe[-4:])
-    probe_batch = rollout.pad_rollout([run.probe], [tail], [[0.0] * len(tail)], [0], len(tail), tokenizer.pad_token_id)
-    run.actor_probe = {k: v.to(run.env.device) for k, v in vars(probe_batch).items()}
-    run.stale_check = rollout.StaleWeightsCheck(rollout.STALE_TOLERANCE[str(run.param_dtype).removeprefix("torch.")])
-    run.lora_modules = sync_modules(run.actor, rollout.packed_modules(run.llm)) if run.lora_spec else None
-
-
-def same_architecture(path: str, other: str, trust_remote_code: bool) -> bool:
-    """Whether two checkpoints' configs describe the same model (only weights may differ)."""
-    from transformers import AutoConfig
-
-    def shape(p: str) -> dict[str, Any]:
-        config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code).to_dict()
-        return {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version", "dtype")}
-
-    return shape(path) == shape(other)
-
-
-def save(run: Run, step: int) -> None:
-    """A sharded, atomic checkpoint; older ones pruned only after the new one is complete."""
-    start = time.perf_counter()
-    path = save_checkpoint(run.out_dir, step, run.checkpointed(),
-                           {"sampler": run.sampler.state_dict(), "kl_ctrl": run.kl_ctrl.state_dict()},
-                           hf_source=(run.actor.config, run.tokenizer, *lora_config(run.actor)),
-                           keep=run.cfg.trainer.max_actor_ckpt_to_keep)
-    print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
-
-
-def finish(run: Run) -> None:
-    """Close the logs, say which keys the run never read, write the summary. The engine keeps running
-    (rollout.shutdown stops it)."""
-    run.tracker.close()
-    out_dir = run.out_dir
-    if run.env.rank == 0:  # every key should have done something; say which did not (a typo'd intent, a dead key)
-        unread = unread_keys(run.cfg)
-        (out_dir / "config_unread.json").write_text(json.dumps(unread, indent=1))
-        ignored = sorted(set(unread) & set(non_defaults(run.cfg)))
-        if ignored:
-            print0(f"warning: this run never read these keys you set: {', '.join(ignored)}")
-    if run.env.rank == 0 and (out_dir / "metrics.jsonl").is_file():  # the run's summary, also in summary.txt
-        png = plot_metrics(out_dir / "metrics.jsonl", out_dir / "metrics.png")
-        text = f"{summary(out_dir / 'metrics.jsonl')}\n{machine(run.env.device, run.env.world_size)}\n"
-        (out_dir / "summary.txt").write_text(text)
-        print0(text + f"metrics: {out_dir / 'metrics.jsonl'}, plot: {png}, summary: {out_dir / 'summary.txt'}")
-
-
-# -----------------------------------------------------------------------------
-# The loop
-
-
-def train(run: Run) -> None:
-    """Validation before training, then every step from the checkpoint on, each followed by validation
-    and a checkpoint when they are due (8)."""
-    tc = run.cfg.trainer  # build_run placed the models for the first sync
-    if tc.val_before_train and run.val_prompts and run.start_step < run.total_steps:  # on resume, too
-        run.progress.enter(run.start_step, "validate")
-        sync_weights(run)
-        val_metrics = run_validation(run, run.start_step)
-        print0(f"validation before training: val/score {val_metrics['val/score']:.3f}")
-        run.tracker.log(run.start_step, val_metrics)
-    for step in range(run.start_step + 1, run.total_steps + 1):
-        metrics = train_step(run, step)
-        last = step == run.total_steps
-        if run.val_prompts and tc.test_freq > 0 and (step % tc.test_freq == 0 or last):
-            run.progress.enter(step, "validate")
-            sync_weights(run)  # validate the weights just trained, not the ones this step sampled from
-            with timed(metrics, "testing"):
-                metrics.update(run_validation(run, step))
-        run.tracker.log(step, metrics)
-        if tc.save_freq > 0 and (step % tc.save_freq == 0 or last):
-            run.progress.enter(step, "save")
-            save(run, step)
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    check_supported(cfg)  # the config-only checks (nccl_timeout among them) before the process group
-    env = init_distributed(timeout_s=cfg.actor_rollout_ref.nccl_timeout)
-    run = build_run(cfg, env)
-    # a rank that stops ends the job within trainer.hang_timeout_s, named, with every rank's stacks
-    run.progress = watchdog.start(run.out_dir, env.rank, env.world_size, cfg.trainer.hang_timeout_s)
-    train(run)
-    run.progress.stop()
-    finish(run)
-    import rollout  # loaded by now
-
-    rollout.shutdown(run.llm)  # stops the engine, then the process group, in the order vLLM needs
+    tail = list(probe[-4:])
+    probe_batch = rollout.pad_rollout([probe], [tail], [[0.0] * len(tail)], [0], len(tail), tokenizer.pad_token_id)
+    actor_probe = {k: v.to(env.device) for k, v in vars(probe_batch).items()}
+    stale_check = rollout.StaleWeightsCheck(rollout.STALE_TOLERANCE[str(param_dtype).removeprefix("torch.")])
+    lora_modules = sync_modules(models.actor, rollout.packed_modules(llm)) if models.lora_spec else None
+    return Engine(llm, settings, train_sampling, val_sampling, probe, actor_probe, stale_check, lora_modules)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ A model loaded with this attention and run without sp_group behaves exactly as "
 (attention.py: sdpa, run per sequence on a packed row).
 """
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -270,29 +272,27 @@ def _sliced_forward(model: nn.Module, sharded: ShardedBatch, sp_group: ProcessGr
                  packed_position_ids=sharded.packed_position_ids).logits
 
 
-def sequence_parallel_log_probs(
-    model: nn.Module, batch: dict[str, torch.Tensor], temperature: float, sp_group: ProcessGroup,
-    calc_entropy: bool = False, truncation: tuple[int, float] | None = None, calc_sum_pi_squared: bool = False,
-) -> tuple[torch.Tensor | None, ...]:
-    """Per position t, log p(token t+1) under logits / temperature, (B, T) on every rank of sp_group
-    (the last position's is meaningless), and the entropies if asked. For a padded batch of prompts
-    then R responses, the response log-probs are [:, -R-1:-1]. Grad flows if enabled. With
-    truncation=(top_k, top_p), a third (B, T): the log-probs under that cut of the same logits
-    (ppo_core.truncated_log_probs); with calc_sum_pi_squared, last, sum_v pi(v)^2 per position (B, T)."""
+def sequence_parallel_logits(model: nn.Module, batch: dict[str, torch.Tensor], temperature: float,
+                             sp_group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor,
+                                                              Callable[[torch.Tensor], torch.Tensor]]:
+    """This rank's slice of every sequence through the model: its logits / temperature (B, T_pad/sp, V),
+    each position's label (the next token, B, T_pad/sp), and `gather`, which takes a per-position result
+    of the slice (B, T_pad/sp, ...) to the whole (B, T, ...) on every rank of sp_group (gather_sequence)."""
     sharded = shard_batch(model.config, batch, sp_group)
     logits = _sliced_forward(model, sharded, sp_group).div_(temperature)  # (B, T_pad/sp, V)
-    token_log_probs, token_entropy = core.logprobs_and_entropy(logits, sharded.labels, calc_entropy)  # (B, T_pad/sp)
-    log_probs = gather_sequence(token_log_probs, sp_group, sharded.length)
-    entropy = None
-    if calc_entropy:
-        entropy = gather_sequence(token_entropy, sp_group, sharded.length)  # (B, T)
-    out = [log_probs, entropy]
-    if truncation is not None:
-        cut = core.truncated_log_probs(logits, sharded.labels, *truncation)  # (B, T_pad/sp)
-        out.append(gather_sequence(cut, sp_group, sharded.length))  # (B, T)
-    if calc_sum_pi_squared:
-        out.append(gather_sequence(core.sum_pi_squared_from_logits(logits), sp_group, sharded.length))  # (B, T)
-    return tuple(out)
+    return logits, sharded.labels, functools.partial(gather_sequence, group=sp_group, length=sharded.length)
+
+
+def sequence_parallel_log_probs(model: nn.Module, batch: dict[str, torch.Tensor], temperature: float,
+                                sp_group: ProcessGroup, calc_entropy: bool = False
+                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per position t, log p(token t+1) under logits / temperature, (B, T) on every rank of sp_group
+    (the last position's is meaningless), and the entropies (B, T) if asked, else None. For a padded
+    batch of prompts then R responses, the response log-probs are [:, -R-1:-1]. Grad flows if enabled.
+    Other heads of the same logits: sequence_parallel_logits (models.compute_log_probs reads them there)."""
+    logits, labels, gather = sequence_parallel_logits(model, batch, temperature, sp_group)
+    token_log_probs, token_entropy = core.logprobs_and_entropy(logits, labels, calc_entropy)  # (B, T_pad/sp) each
+    return gather(token_log_probs), gather(token_entropy) if calc_entropy else None
 
 
 def sequence_parallel_values(critic: nn.Module, batch: dict[str, torch.Tensor], sp_group: ProcessGroup) -> torch.Tensor:

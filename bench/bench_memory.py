@@ -87,12 +87,13 @@ def one_step(llm: LLM, actor: torch.nn.Module, ref: torch.nn.Module, optimizer: 
         if offload:
             models.offload_fsdp_model_to_cpu(actor)
             models.offload_optimizer(optimizer)
-        return ro.generate(llm, prompts, n=args.n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=args.max_tokens,
-                           eos_token_id=bc.EOS_TOKEN_ID, pad_token_id=bc.PAD_TOKEN_ID, seed=0, step=1)
+        return ro.generate(llm, prompts, ro.Sampling(n=args.n, temperature=1.0, max_tokens=args.max_tokens,
+                                                     stop_token_ids=(bc.EOS_TOKEN_ID,), pad_token_id=bc.PAD_TOKEN_ID),
+                           step=1)
 
     def log_probs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.no_grad():
-            return models.compute_log_probs(model, batch, 1.0, args.micro_batch)[0]
+            return models.compute_log_probs(model, batch, 1.0, args.micro_batch).log_probs
 
     def update(batch: dict[str, torch.Tensor]) -> None:
         if offload:
@@ -100,7 +101,7 @@ def one_step(llm: LLM, actor: torch.nn.Module, ref: torch.nn.Module, optimizer: 
         for start in range(0, batch["input_ids"].shape[0], args.micro_batch):
             rows = slice(start, start + args.micro_batch)
             micro = {k: v[rows] for k, v in batch.items()}
-            lp, _ = models.compute_log_probs(actor, micro, 1.0, args.micro_batch)  # (b, R)
+            lp = models.compute_log_probs(actor, micro, 1.0, args.micro_batch).log_probs  # (b, R)
             mask = batch["response_mask"][rows].float()
             ratio = torch.exp(lp - batch["old_log_probs"][rows])
             kl = lp - batch["ref_log_probs"][rows]

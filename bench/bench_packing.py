@@ -123,7 +123,7 @@ def bench_model(spec: str, args: argparse.Namespace) -> list[dict]:
             model.eval()
             with torch.no_grad():
                 return models.compute_log_probs(model, batch, 1.0, args.micro_batch, calc_entropy=True,
-                                                max_token_len=budget, use_remove_padding=packed)[0]
+                                                max_token_len=budget, use_remove_padding=packed).log_probs
 
         def update(packed: bool = packed, cut: list[torch.Tensor] = cut, record: list[int] | None = None) -> None:
             """record: the activation bytes of each micro batch, appended (slower: the untimed pass)."""
@@ -133,7 +133,7 @@ def bench_model(spec: str, args: argparse.Namespace) -> list[dict]:
             for rows_ in cut:
                 sub = {k: v[rows_] for k, v in batch.items()}
                 with saved_bytes(model) if record is not None else contextlib.nullcontext({}) as kept:
-                    lp, _ = models.compute_log_probs(model, sub, 1.0, len(rows_), use_remove_padding=packed)
+                    lp = models.compute_log_probs(model, sub, 1.0, len(rows_), use_remove_padding=packed).log_probs
                     loss = -(lp * response_mask[rows_]).sum() / tokens  # a token-mean loss's gradient
                 if record is not None:
                     record.append(sum(kept.values()))

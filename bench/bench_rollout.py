@@ -88,9 +88,9 @@ def generate_once(llm: LLM, prompts: list[list[int]],
     # cold, or the standalone repeats would reuse the prompts' cached KV blocks and look faster.
     llm.reset_prefix_cache()
     cpu = time.process_time()
-    seconds, batch = bc.timed(lambda: ro.generate(
-        llm, prompts, n=args.n, temperature=args.temperature, top_p=1.0, top_k=-1, max_tokens=args.max_tokens,
-        eos_token_id=bc.EOS_TOKEN_ID, pad_token_id=bc.PAD_TOKEN_ID, seed=args.seed, step=1))
+    sampling = ro.Sampling(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens,
+                           stop_token_ids=(bc.EOS_TOKEN_ID,), pad_token_id=bc.PAD_TOKEN_ID, seed=args.seed)
+    seconds, batch = bc.timed(lambda: ro.generate(llm, prompts, sampling, step=1))
     stats = length_stats(batch.response_mask.sum(-1).tolist(), seconds, time.process_time() - cpu, args.max_tokens)
     return stats, batch
 
@@ -142,7 +142,7 @@ def train_step(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     mask = micro_batch["response_mask"].float()  # (b, R)
 
     def step() -> None:
-        log_probs, _ = compute_log_probs(actor, micro_batch, temperature=1.0, micro_batch_size=8)  # (b, R)
+        log_probs = compute_log_probs(actor, micro_batch, temperature=1.0, micro_batch_size=8).log_probs  # (b, R)
         loss = -(log_probs * mask).sum() / mask.sum().clamp(min=1)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(actor.parameters(), 1.0)
@@ -187,8 +187,8 @@ def bench_model(label: str, path: Path, meshes: Meshes, env: DistEnv,
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=param_dtype).to(device).eval()
     ro.sync_weights(llm, ((n, t.detach()) for n, t in hf.named_parameters()))  # dummy weights -> the checkpoint
     prompts = bc.random_prompts(args.prompts, hf.config.vocab_size, PROMPT_LEN, args.seed)
-    ro.generate(llm, prompts, n=args.n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=16,
-                eos_token_id=bc.EOS_TOKEN_ID, pad_token_id=bc.PAD_TOKEN_ID, seed=args.seed + 1)  # warm-up
+    ro.generate(llm, prompts, ro.Sampling(n=args.n, temperature=1.0, max_tokens=16, stop_token_ids=(bc.EOS_TOKEN_ID,),
+                                          pad_token_id=bc.PAD_TOKEN_ID, seed=args.seed + 1))  # warm-up
     result: dict = {"model": label, "params_m": sum(p.numel() for p in hf.parameters()) / 1e6,
                     "prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens}
 

@@ -100,12 +100,12 @@ def _worker(rank: int, args: argparse.Namespace, path: str, init_file: str, out:
             def log_prob(batch: dict = batch, sp_group: object = sp_group) -> torch.Tensor:
                 with torch.no_grad():
                     return models.compute_log_probs(model, batch, 1.0, len(batch["input_ids"]), calc_entropy=True,
-                                                    use_remove_padding=True, sp_group=sp_group)[0]
+                                                    use_remove_padding=True, sp_group=sp_group).log_probs
 
             def update(batch: dict = batch, sp_group: object = sp_group, response_mask: torch.Tensor = response_mask):
                 model.zero_grad(set_to_none=True)
-                lp, _ = models.compute_log_probs(model, batch, 1.0, len(batch["input_ids"]), use_remove_padding=True,
-                                                 sp_group=sp_group)
+                lp = models.compute_log_probs(model, batch, 1.0, len(batch["input_ids"]), use_remove_padding=True,
+                                              sp_group=sp_group).log_probs
                 (-(lp * response_mask).sum() / response_mask.sum()).backward()
 
             row: dict = {"tokens_per_rank": int(batch["attention_mask"].sum()) // (2 if sp_group else 1)}

@@ -128,7 +128,7 @@ def real_vocabulary_checks(args: argparse.Namespace, fsdp_mesh: object, device: 
         padded = models.compute_log_probs(actor, batch, 1.0, args.micro_batch, True, use_remove_padding=False)
         packed = models.compute_log_probs(actor, batch, 1.0, args.micro_batch, True, use_remove_padding=True)
     tolerance = LOGPROB_TOLERANCE[param_dtype]
-    for what, a, b in (("log-probs", padded[0], packed[0]), ("entropy", padded[1], packed[1])):
+    for what, a, b in (("log-probs", padded.log_probs, packed.log_probs), ("entropy", padded.entropy, packed.entropy)):
         diff = (a - b).abs()[mask]
         rows.append(row(f"packed = padded {what} ({label})", bool(torch.isfinite(diff).all()) and
                         diff.mean().item() <= tolerance, f"mean {diff.mean().item():.2e}, max {diff.max().item():.2e}",
@@ -262,14 +262,14 @@ def plan_walk(path: str, flags: mp.OffloadFlags, fsdp_mesh: object, fsdp: int, f
                 torch.cuda.reset_peak_memory_stats()
             if phase == "log_prob":
                 with torch.no_grad():
-                    old = models.compute_log_probs(actor, batch, 1.0, micro_batch)[0]  # (B, R)
+                    old = models.compute_log_probs(actor, batch, 1.0, micro_batch).log_probs  # (B, R)
                     models.compute_log_probs(ref, batch, 1.0, micro_batch)
             if phase == "update":
                 actor.train()
                 for start in range(0, rows, micro_batch):
                     part = slice(start, start + micro_batch)
                     micro = {k: v[part] for k, v in batch.items()}
-                    ratio = torch.exp(models.compute_log_probs(actor, micro, 1.0, micro_batch)[0] - old[part])
+                    ratio = torch.exp(models.compute_log_probs(actor, micro, 1.0, micro_batch).log_probs - old[part])
                     loss = (-ratio * mask[part]).sum() / mask.sum()
                     loss.backward()
                     row["losses"].append(loss.item())
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915 - one linear s
 
     def log_probs(rows: slice = slice(None)) -> torch.Tensor:
         micro_batch = {k: v[rows] for k, v in batch.items()}
-        return models.compute_log_probs(actor, micro_batch, 1.0, args.micro_batch)[0]  # (b, R)
+        return models.compute_log_probs(actor, micro_batch, 1.0, args.micro_batch).log_probs  # (b, R)
 
     with torch.no_grad():
         old = phase("log_prob", log_probs)

@@ -216,13 +216,26 @@ def matmul_rate(device: torch.device, dtype: torch.dtype | None = None, size: in
 Linear = Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]  # weight (out, in) -> (x -> x @ weight.T)
 
 
+def engine_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x @ weight.T as the CPU engine runs its unquantized linear layers (vLLM 0.32: oneDNN with
+    the weight packed once, vllm.model_executor.layers.utils' CPU GEMM dispatch), or torch's linear
+    where the engine would not use oneDNN (an accelerator, a CPU build without it). For probes of the
+    engine's decode-step rate (decode_matmul_rate); weight is (out, in), as nn.Linear holds it."""
+    from vllm import _custom_ops as ops
+
+    if weight.device.type != "cpu" or not ops._supports_onednn:
+        return lambda x: torch.nn.functional.linear(x, weight)
+    handler = ops.create_onednn_mm(weight.t(), 32)
+    return lambda x: ops.onednn_mm(handler, x, None)
+
+
 def decode_matmul_rate(shape: DecoderShape, batch: int, device: torch.device, dtype: torch.dtype | None = None,
                        seconds: float = 0.25, linear: Linear | None = None) -> dict[str, float]:
     """FLOP/s of one decode step's matmuls at `batch` sequences: every block's fused q/k/v, o, fused
     gate/up and down projections and the LM head, as a KV-cache engine runs them (vLLM fuses q/k/v and
     gate/up), each block with weights of its own so that, as in the engine, every step reads them all
     from memory. `linear` builds each layer's product from its weight (default torch's linear; the bench
-    passes rollout.engine_linear, the CPU engine's own oneDNN kernel on pre-packed weights, which is
+    passes engine_linear, the CPU engine's own oneDNN kernel on pre-packed weights, which is
     faster than torch's at a few rows). A decode step is a (batch x hidden) product per weight: at a
     small batch it reads far more bytes per FLOP than the square probe (matmul_rate), and the kernels
     reach a fraction of its rate. Holds one copy of the weights: for the bench's small models. Returns

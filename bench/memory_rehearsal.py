@@ -339,9 +339,9 @@ def _run_phases(cfg: Any, dims: Any, plan: Any, model_dir: Path, device: torch.d
             batch["old_log_probs"] = old.old_log_probs
         ref_spec = plan.ref_log_prob
         with torch.no_grad():  # train_step's step 4: the reference forward
-            batch["ref_log_probs"], _ = models.compute_log_probs(
+            batch["ref_log_probs"] = models.compute_log_probs(
                 ref, batch, loss.temperature, ref_spec.micro_batch_size, max_token_len=ref_spec.max_token_len,
-                use_remove_padding=ref_spec.use_remove_padding)
+                use_remove_padding=ref_spec.use_remove_padding).log_probs
 
     def update() -> dict[str, float]:
         metrics, _ = train_ppo.update_actor(actor, optimizer, batch, loss, spec, torch.Generator().manual_seed(0),

@@ -9,7 +9,7 @@ before the metrics are reduced over ranks) every rank counts the FLOPs of its ow
 phases that ran) and then, all ranks at once, times a square matmul on the same threads
 (flops/matmul_rate: the median FLOP/s; flops/matmul_rate_best) and the model's own decode-step
 matmuls at the step's mean decode batch with the engine's kernel (flops/decode_matmul_rate,
-flops.decode_matmul_rate with rollout.engine_linear: what generation's skinny products reach). The
+flops.decode_matmul_rate with flops.engine_linear: what generation's skinny products reach). The
 probes run outside the step's timers. The bench divides each phase's FLOPs by its timing_s/<phase>:
 flops.floor_table. With trainer.balance_batch a rank's rows after the deal are not all the ones its
 engine generated: its gen count (and decode batch) is then of the rows it trains on, and only the mean
@@ -29,7 +29,6 @@ sys.path.insert(0, str(ROOT))
 import flops  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import rollout  # noqa: E402
 import train_ppo  # noqa: E402
 
 
@@ -71,7 +70,7 @@ def main(argv: list[str]) -> None:
             metrics["flops/matmul_cpu_share"] = rate["cpu_share"]
         if "flops/gen" in metrics:  # the same threads' rate at the step's mean decode batch
             decode = flops.decode_matmul_rate(flops.decoder_shape(run.actor.config), decode_batch(batch), run.env.device,
-                                              linear=rollout.engine_linear)
+                                              linear=flops.engine_linear)
             metrics["flops/decode_matmul_rate"] = decode["rate"]
         return metrics
 

@@ -89,12 +89,12 @@ def sample_record(batch: rollout.RolloutBatch) -> list[dict]:
 
 def sample_and_check(llm, actor, prompts, indices, eos, pad, step) -> tuple[dict, rollout.RolloutBatch]:
     start = time.perf_counter()
-    batch = rollout.generate(llm, prompts, n=N_SAMPLES, temperature=1.0, top_p=1.0, top_k=-1,
-                             max_tokens=MAX_TOKENS, eos_token_id=eos, pad_token_id=pad, seed=SAMPLE_SEED,
-                             step=step, prompt_indices=indices)
+    sampling = rollout.Sampling(n=N_SAMPLES, temperature=1.0, max_tokens=MAX_TOKENS, stop_token_ids=(eos,),
+                                pad_token_id=pad, seed=SAMPLE_SEED)
+    batch = rollout.generate(llm, prompts, sampling, step=step, prompt_indices=indices)
     gen_s = time.perf_counter() - start
     with torch.no_grad():
-        actor_lp, _ = models.compute_log_probs(actor, vars(batch), temperature=1.0, micro_batch_size=8)
+        actor_lp = models.compute_log_probs(actor, vars(batch), temperature=1.0, micro_batch_size=8).log_probs
     return {
         "samples": sample_record(batch),
         "shape_ok": [list(batch.prompts.shape), list(batch.responses.shape), list(batch.input_ids.shape)],
@@ -107,8 +107,8 @@ def sample_and_check(llm, actor, prompts, indices, eos, pad, step) -> tuple[dict
 
 
 def greedy_check(llm, actor, prompts, eos, pad) -> dict:
-    batch = rollout.generate(llm, prompts, n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=MAX_TOKENS,
-                             eos_token_id=eos, pad_token_id=pad, seed=0)
+    batch = rollout.generate(llm, prompts, rollout.Sampling(n=1, temperature=0.0, max_tokens=MAX_TOKENS,
+                                                            stop_token_ids=(eos,), pad_token_id=pad))
     vllm_tokens = [batch.responses[r, : int(batch.response_mask[r].sum())].tolist() for r in range(len(batch))]
     return {"vllm": vllm_tokens, "actor": actor_greedy(actor, prompts, MAX_TOKENS, eos)}
 
@@ -123,7 +123,7 @@ def train_towards_eos(actor: torch.nn.Module, batch: rollout.RolloutBatch, eos: 
     attention_mask[:, : batch.prompts.shape[1]] = batch.attention_mask[:, : batch.prompts.shape[1]]
     eos_batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": batch.position_ids,
                  "responses": input_ids[:, -MAX_TOKENS:]}
-    log_probs, _ = models.compute_log_probs(actor, eos_batch, temperature=1.0, micro_batch_size=len(batch))
+    log_probs = models.compute_log_probs(actor, eos_batch, temperature=1.0, micro_batch_size=len(batch)).log_probs
     loss = -log_probs.mean()
     loss.backward()
     optimizer.step()
@@ -182,7 +182,7 @@ def main() -> None:
 
     def actor_probe() -> torch.Tensor:
         with torch.no_grad():
-            return models.compute_log_probs(actor, probe_batch, 1.0, 1)[0].double()
+            return models.compute_log_probs(actor, probe_batch, 1.0, 1).log_probs.double()
 
     check = rollout.StaleWeightsCheck(rollout.STALE_TOLERANCE["float32"])
     dummy = rollout.engine_fingerprint(llm, probe)

@@ -73,7 +73,7 @@ MUTATIONS = (
         "tests/test_checkpoint.py::test_killed_rank_resumes_and_reproduces"),
     Mutation("micro-batch loss scaled by the micro batch's own token count", "train_ppo.py", ((
         'loss, terms = loss_fn(mb, scale)',
-        'loss, terms = loss_fn(mb, {**scale, "global_num_tokens": mb["response_mask"].sum() * dp_size})'),),
+        'loss, terms = loss_fn(mb, core.LossScale(mb["response_mask"].sum() * dp_size, num_seqs, dp_size))'),),
         "tests/test_train_ppo_steps.py::test_micro_batch_cut_does_not_change_the_update[token-mean]"),
     Mutation("the reference model is the actor (updated with it)", "train_ppo.py", ((
         'param_offload=cfg.actor_rollout_ref.ref.fsdp_config.param_offload, **fsdp_kwargs)\n',
@@ -86,7 +86,8 @@ MUTATIONS = (
     Mutation("rollout.n samples of a prompt split across rollout dp groups", "train_ppo.py", (
         ('group_indices = rollout.shard_for_dp(prompt_indices, rollout_mesh.get_local_rank("dp"), run.dims.rollout_dp)',
          'group_indices = prompt_indices'),
-        ('run.train_sampling = dict(n=rollout_cfg.n,', 'run.train_sampling = dict(n=rollout_cfg.n // run.dims.rollout_dp,')),
+        ('train_sampling = rollout.Sampling(n=rollout_cfg.n,',
+         'train_sampling = rollout.Sampling(n=rollout_cfg.n // dims.rollout_dp,')),
         "tests/test_train_ppo.py::test_seed_six_rank_job"),
     Mutation("multi-turn: the tool replies' tokens left in the loss", "agent_loop.py", ((
         '    t.add(ids, False)\n', '    t.add(ids, True)\n'),),

@@ -3,8 +3,8 @@
     torchrun --nproc_per_node=2 tests/run_cases.py '[["name", ["--config", "configs/tiny_cpu.yaml", "k=v", ...], false], ...]'
 
 Each case is what `train_ppo.py ARGV` would run (its own trainer.default_local_dir, metrics, checkpoints),
-but the cases share one process group and one vLLM engine (train_ppo.build_run(engine_of=...): the
-engine must be able to serve the run), so the launch pays the imports and the engine start-up once,
+but the cases share one process group and one vLLM engine (train_ppo.build_run(cfg, env, engine): the
+engine must be able to serve the run, check_engine_serves), so the launch pays the imports and the engine start-up once,
 which is most of a short run's time on a CPU. Prints "case NAME done" after each. A case whose third
 field is true is expected to stop with an error (raised on every rank at the same point, as
 mesh_utils.failing_together makes a reward error): each rank writes it, with its traceback, to
@@ -16,12 +16,44 @@ import json
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import rollout  # noqa: E402
 import train_ppo  # noqa: E402
-from config import check_supported, load_config  # noqa: E402
-from mesh_utils import init_distributed  # noqa: E402
+from config import ConfigError, check_supported, load_config  # noqa: E402
+from mesh_utils import init_distributed, validate  # noqa: E402
+
+# an engine built for longer sequences serves shorter ones; every other setting must be equal
+AT_MOST = ("max_model_len", "max_num_batched_tokens")
+
+
+def same_architecture(path: str, other: str, trust_remote_code: bool) -> bool:
+    """Whether two checkpoints' configs describe the same model (only weights may differ)."""
+    from transformers import AutoConfig
+
+    def shape(p: str) -> dict[str, Any]:
+        config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code).to_dict()
+        return {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version", "dtype")}
+
+    return shape(path) == shape(other)
+
+
+def check_engine_serves(built: dict[str, Any], wanted: dict[str, Any]) -> None:
+    """An engine built with `built` (train_ppo.engine_settings) can serve a run that wants `wanted`: another
+    checkpoint of the same architecture is fine (the first sync replaces every weight)."""
+
+    def serves(key: str, was: Any, now: Any) -> bool:
+        if key in AT_MOST:
+            return now <= was
+        return now == was or (key == "model_path" and same_architecture(now, was, wanted["trust_remote_code"]))
+
+    differ = {k: (built[k], v) for k, v in wanted.items() if not serves(k, built[k], v)}
+    if differ:
+        raise ConfigError("cannot reuse the earlier run's rollout engine; these settings differ (then, now): "
+                          + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in differ.items())
+                          + f" (the engine serves a run whose {' and '.join(AT_MOST)} are at most its own)")
 
 
 def main() -> None:
@@ -31,7 +63,13 @@ def main() -> None:
         cfg = load_config(args.config, args.overrides)
         check_supported(cfg)
         env = env or init_distributed(timeout_s=cfg.actor_rollout_ref.nccl_timeout)
-        run = train_ppo.build_run(cfg, env, engine_of=previous)
+        engine = None
+        if previous is not None:
+            dims, _ = validate(cfg, env.world_size)
+            check_engine_serves(previous.engine.settings, train_ppo.engine_settings(cfg, dims, env.device_type))
+            train_ppo.move_to(previous, "generate")  # the engine awake, as a new run (placed LOADED) assumes
+            engine = previous.engine
+        run = train_ppo.build_run(cfg, env, engine)
         previous = run
         if not expect_error:
             train_ppo.train(run)
@@ -47,9 +85,7 @@ def main() -> None:
             print(f"case {name} stopped, as expected: {type(e).__name__}", flush=True)
         else:
             raise SystemExit(f"case {name} was expected to stop with an error, and it ran to the end")
-    import rollout
-
-    rollout.shutdown(previous.llm)
+    rollout.shutdown(previous.engine.llm)
 
 
 if __name__ == "__main__":

@@ -90,11 +90,9 @@ def test_decode_matmul_rate():
 
 
 def test_decode_matmul_rate_with_the_engines_kernel():
-    """rollout.engine_linear computes what torch's linear does (the probe times the engine's kernel)."""
-    import rollout
-
+    """flops.engine_linear computes what torch's linear does (the probe times the engine's kernel)."""
     weight, x = torch.randn(48, 32), torch.randn(5, 32)
-    assert torch.allclose(rollout.engine_linear(weight)(x), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(flops.engine_linear(weight)(x), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
     probe = flops.decode_matmul_rate(flops.decoder_shape(TINY), 2, torch.device("cpu"), seconds=0.02,
-                                     linear=rollout.engine_linear)
+                                     linear=flops.engine_linear)
     assert probe["rate"] > 0

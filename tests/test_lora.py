@@ -47,7 +47,7 @@ def _train_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], optimize
     import models
 
     model.train()
-    log_probs, _ = models.compute_log_probs(model, batch, 1.0, 3)
+    log_probs = models.compute_log_probs(model, batch, 1.0, 3).log_probs
     (-log_probs.mean()).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -91,9 +91,9 @@ def _worker(rank: int, paths: dict[str, str], init_file: str, ckpt_root: str, ou
             actor.eval()
             with torch.no_grad():
                 with actor.disable_adapter():
-                    reference, _ = models.compute_log_probs(actor, batch, 1.0, 3)
-                trained, _ = models.compute_log_probs(actor, batch, 1.0, 3)
-                plain, _ = models.compute_log_probs(base, batch, 1.0, 3)
+                    reference = models.compute_log_probs(actor, batch, 1.0, 3).log_probs
+                trained = models.compute_log_probs(actor, batch, 1.0, 3).log_probs
+                plain = models.compute_log_probs(base, batch, 1.0, 3).log_probs
             r["ref_vs_base"] = (reference - plain).abs().max().item()
             r["actor_vs_base"] = (trained - plain).abs().max().item()
 

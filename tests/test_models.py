@@ -81,12 +81,13 @@ def _worker(rank: int, paths: dict[str, str], init_file: str, out: str) -> None:
             seen: list[list[str]] = []  # the units gathered as the last block starts its forward
             hook = models.decoder_layers(actor)[-1].register_forward_pre_hook(
                 lambda *_, seen=seen, actor=actor: seen.append(_gathered_units(actor)))
-            log_probs, entropy = models.compute_log_probs(actor, batch, 0.7, micro_batch_size=2, calc_entropy=True)
+            forward = models.compute_log_probs(actor, batch, 0.7, micro_batch_size=2, calc_entropy=True)
+            log_probs, entropy = forward.log_probs, forward.entropy
             hook.remove()
             result[name]["gathered_in_forward"] = seen[0]
             (log_probs * weights).sum().backward()
-            ref_lp, ref_entropy = models.compute_log_probs(reference, batch, 0.7, micro_batch_size=3,
-                                                           calc_entropy=True)
+            ref_out = models.compute_log_probs(reference, batch, 0.7, micro_batch_size=3, calc_entropy=True)
+            ref_lp, ref_entropy = ref_out.log_probs, ref_out.entropy
             (ref_lp * weights).sum().backward()
             result[name]["log_probs"] = (log_probs.detach(), ref_lp.detach())
             result[name]["entropy"] = (entropy.detach(), ref_entropy.detach())

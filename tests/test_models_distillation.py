@@ -84,9 +84,9 @@ def test_topk_and_gathered_log_probs_equal_a_plain_forward(tiny_assets):
                                       reduce_dtype=torch.float32).eval()
         with torch.no_grad():
             for packed in (True, False):
-                log_probs, _, values, top_ids = models.compute_log_probs(model, batch, 1.0, 2, use_remove_padding=packed,
-                                                                         topk=(K, 100))
-                _, _, gathered = models.compute_log_probs(model, batch, 1.0, 2, use_remove_padding=packed, topk_ids=ids)
+                forward = models.compute_log_probs(model, batch, 1.0, 2, use_remove_padding=packed, topk=(K, 100))
+                values, top_ids = forward.topk_values, forward.topk_ids
+                gathered = models.compute_log_probs(model, batch, 1.0, 2, use_remove_padding=packed, topk_ids=ids).gathered
                 real = batch["attention_mask"][:, PROMPT:].bool()  # (3, R)
                 assert torch.equal(top_ids[real], want_ids[real]), packed
                 torch.testing.assert_close(values[real], want_values[real], atol=1e-5, rtol=0)

@@ -55,8 +55,9 @@ def _worker(rank: int, paths: dict[str, str], init_file: str, out: str) -> None:
             result[name] = {}
             with torch.no_grad():
                 for run, options in runs.items():
-                    log_probs, entropy, sum_sq = models.compute_log_probs(actor, batch, 0.7, calc_entropy=True,
-                                                                          calc_sum_pi_squared=True, **options)
+                    forward = models.compute_log_probs(actor, batch, 0.7, calc_entropy=True, calc_sum_pi_squared=True,
+                                                       **options)
+                    log_probs, entropy, sum_sq = forward.log_probs, forward.entropy, forward.sum_pi_squared
                     values = models.compute_values(critic, batch, **options)
                     result[name][run] = {"log_probs": log_probs, "entropy": entropy, "values": values,
                                          "sum_pi_squared": sum_sq}

@@ -832,8 +832,7 @@ def test_policy_losses_scale_like_agg_loss(mode):
     old, new, adv, mask, lengths = _loss_batch(90)
     kwargs = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_cov_ratio=1.0)
     local, _ = pc.policy_loss(mode, old, new, adv, mask, "token-mean", **kwargs)
-    scaled, _ = pc.policy_loss(mode, old, new, adv, mask, "token-mean", global_num_tokens=40, global_num_seqs=9,
-                               dp_size=3, **kwargs)
+    scaled, _ = pc.policy_loss(mode, old, new, adv, mask, "token-mean", scale=pc.LossScale(40, 9, 3), **kwargs)
     per_sequence = mode == "geo_mean"  # one loss per sequence, averaged over the sequences
     assert scaled.item() == pytest.approx(local.item() * (len(lengths) / 9 if per_sequence else sum(lengths) / 40) * 3)
 

@@ -165,8 +165,8 @@ def test_compute_log_probs_matches_naive_log_softmax(assets):
     with torch.no_grad():
         batch = {"input_ids": ids, "attention_mask": attention_mask, "position_ids": position_ids,
                  "responses": ids[:, -5:]}
-        log_probs, entropy = models.compute_log_probs(model, batch, temperature=0.7, micro_batch_size=2,
-                                                      calc_entropy=True)
+        forward = models.compute_log_probs(model, batch, temperature=0.7, micro_batch_size=2, calc_entropy=True)
+        log_probs, entropy = forward.log_probs, forward.entropy
         logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids).logits / 0.7
     reference = torch.log_softmax(logits[:, -6:-1], -1)  # (3, 5, V)
     expected = reference.gather(-1, ids[:, -5:, None]).squeeze(-1)

@@ -13,7 +13,7 @@ from conftest import run_gloo
 import config
 import ppo_core as pc
 import rollout_correction as rc
-from config import Config, ConfigError, load_config
+from config import Config, ConfigError, load_config, parse_is_threshold, parse_rs_thresholds
 
 INF = float("inf")
 
@@ -29,6 +29,10 @@ def lengths_to_mask(lengths, T):
 def rc_cfg(**values) -> Config:
     cfg = load_config(None, [f"algorithm.rollout_correction.{k}={v}" for k, v in values.items()])
     return cfg.algorithm.rollout_correction
+
+
+def spec(**values) -> rc.Correction:
+    return rc.Correction.from_config(rc_cfg(**values))
 
 
 # --- the top-k / top-p cut ------------------------------------------------------------------------
@@ -93,8 +97,8 @@ def test_truncation_mask_equals_vllms_sampler():
 
 
 def test_compute_log_probs_truncation_equals_a_plain_forward(tiny_assets):
-    """models.compute_log_probs' third output, padded and packed, against the HF model's logits cut by
-    the reference loop; the first output is unchanged by asking for it."""
+    """models.compute_log_probs' truncated output, padded and packed, against the HF model's logits cut by
+    the reference loop; the log-probs are unchanged by asking for it."""
     from transformers import AutoModelForCausalLM
 
     import models
@@ -111,10 +115,11 @@ def test_compute_log_probs_truncation_equals_a_plain_forward(tiny_assets):
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=attention, position_ids=batch["position_ids"]).logits
         logits = logits[:, -6:-1].double() / temperature  # (3, 5, V) the positions predicting the response
-        full, _ = models.compute_log_probs(model, batch, temperature, 2)
+        full = models.compute_log_probs(model, batch, temperature, 2).log_probs
         for packed in (False, True):
-            again, _, cut = models.compute_log_probs(model, batch, temperature, 2, use_remove_padding=packed,
-                                                     truncation=(top_k, top_p))
+            forward = models.compute_log_probs(model, batch, temperature, 2, use_remove_padding=packed,
+                                               truncation=(top_k, top_p))
+            again, cut = forward.log_probs, forward.truncated
             valid = attention[:, -5:].bool()
             assert torch.allclose(again[valid], full[valid], atol=1e-5)
             for i in range(3):
@@ -147,7 +152,7 @@ def weights_ref(log_ratio, mask, level, upper, lower):
 def test_is_weights_equal_a_loop(level, threshold, upper, lower):
     log_ratio, mask = rand(6, 5, seed=5, scale=0.4), lengths_to_mask([5, 3, 1, 0, 4, 5], 5)
     log_ratio[0, 0] = 30.0  # past the safety bound
-    weights, metrics = rc.is_weights(log_ratio, mask, level, threshold)
+    weights, metrics = rc.is_weights(log_ratio, mask, level, *parse_is_threshold(threshold))
     want = weights_ref(log_ratio, mask, level, upper, lower)
     assert torch.allclose(weights, want, atol=1e-12)
     valid = [want[i, t].item() for i in range(6) for t in range(5) if mask[i, t]]
@@ -186,9 +191,9 @@ def test_is_weights_batch_normalize_makes_the_mean_one():
 
 def test_identical_policies_give_weights_one_and_zero_divergence():
     lp, mask = -rand(4, 6, seed=7).abs(), lengths_to_mask([6, 2, 5, 3], 6)
-    weights, kept, metrics = rc.rollout_correction(lp, lp.clone(), mask, rc_cfg(rollout_is="sequence",
-                                                                                 rollout_rs="token_k1",
-                                                                                 rollout_rs_threshold="0.9_1.1"))
+    weights, kept, metrics = rc.rollout_correction(lp, lp.clone(), mask, spec(rollout_is="sequence",
+                                                                              rollout_rs="token_k1",
+                                                                              rollout_rs_threshold="0.9_1.1"))
     assert torch.equal(weights, mask.double()) and torch.equal(kept, mask)
     for name, value in {"kl": 0, "k3_kl": 0, "chi2_token": 0, "chi2_seq": 0, "log_ppl_diff": 0, "ppl_ratio": 1,
                         "rollout_is_mean": 1, "rollout_rs_masked_fraction": 0}.items():
@@ -242,7 +247,7 @@ def rejection_ref(log_ratio, mask, option, lower, upper):
     ("seq_mean_k3", 0.01, None, 0.01), ("seq_max_k2", 0.03, None, 0.03), ("seq_max_k3", 0.03, None, 0.03)])
 def test_rejection_mask_equals_a_loop(option, threshold, lower, upper):
     log_ratio, mask = rand(8, 6, seed=8, scale=0.25), lengths_to_mask([6, 4, 1, 0, 6, 2, 5, 3], 6)
-    kept, metrics = rc.rejection_mask(log_ratio, mask, option, threshold)
+    kept, metrics = rc.rejection_mask(log_ratio, mask, parse_rs_thresholds(option, threshold))
     want = rejection_ref(log_ratio, mask, option, None if option[-2:] != "k1" else lower, upper)
     assert torch.equal(kept, want)
     rejected = ((mask == 1) & (want == 0)).sum().item()
@@ -255,9 +260,9 @@ def test_rejection_mask_equals_a_loop(option, threshold, lower, upper):
 
 def test_rejection_options_combine_by_and():
     log_ratio, mask = rand(8, 6, seed=9, scale=0.25), lengths_to_mask([6, 4, 1, 2, 6, 2, 5, 3], 6)
-    both, _ = rc.rejection_mask(log_ratio, mask, "token_k2,seq_mean_k1,token_k2", "0.02,0.9_1.1")
-    a, _ = rc.rejection_mask(log_ratio, mask, "token_k2", 0.02)
-    b, _ = rc.rejection_mask(log_ratio, mask, "seq_mean_k1", "0.9_1.1")
+    both, _ = rc.rejection_mask(log_ratio, mask, parse_rs_thresholds("token_k2,seq_mean_k1,token_k2", "0.02,0.9_1.1"))
+    a, _ = rc.rejection_mask(log_ratio, mask, parse_rs_thresholds("token_k2", 0.02))
+    b, _ = rc.rejection_mask(log_ratio, mask, parse_rs_thresholds("seq_mean_k1", "0.9_1.1"))
     assert torch.equal(both, a * b) and 0 < both.sum() < mask.sum()
 
 
@@ -298,8 +303,8 @@ def _shares_worker(rank: int, init_file: str, actor, engine, mask, out: str) -> 
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    cfg = rc_cfg(rollout_is="token", rollout_is_batch_normalize="true", rollout_rs="seq_mean_k3",
-                 rollout_rs_threshold=0.025)
+    cfg = spec(rollout_is="token", rollout_is_batch_normalize="true", rollout_rs="seq_mean_k3",
+               rollout_rs_threshold=0.025)
     rows = slice(rank * 4, rank * 4 + 4)
     weights, kept, metrics = rc.correct_batch(actor[rows], engine[rows], mask[rows], cfg, dist.group.WORLD)
     torch.save({"weights": weights, "kept": kept, "metrics": metrics}, f"{out}.{rank}")
@@ -310,8 +315,8 @@ def test_correct_batch_on_two_ranks_equals_the_whole_batch(tmp_path):
     actor, engine = rand(8, 5, seed=18) * 0.2 - 1, rand(8, 5, seed=19) * 0.2 - 1
     mask = lengths_to_mask([5, 3, 2, 5, 1, 4, 5, 2], 5)
     run_gloo(_shares_worker, 2, str(tmp_path / "init"), actor, engine, mask, str(tmp_path / "out"))
-    cfg = rc_cfg(rollout_is="token", rollout_is_batch_normalize="true", rollout_rs="seq_mean_k3",
-                 rollout_rs_threshold=0.025)
+    cfg = spec(rollout_is="token", rollout_is_batch_normalize="true", rollout_rs="seq_mean_k3",
+               rollout_rs_threshold=0.025)
     weights, kept, metrics = rc.rollout_correction(actor, engine, mask, cfg)
     shares = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
     assert torch.allclose(torch.cat([s["weights"] for s in shares]), weights)
@@ -326,8 +331,8 @@ def test_metric_names_are_verls():
     log_ratio = rand(4, 3, seed=20, scale=0.1)
     mask = torch.ones(4, 3)
     _, _, metrics = rc.rollout_correction(log_ratio - 1, -torch.ones(4, 3), mask,
-                                          rc_cfg(rollout_is="token", rollout_rs="token_k1",
-                                                 rollout_rs_threshold="0.5_2.0"))
+                                          spec(rollout_is="token", rollout_rs="token_k1",
+                                               rollout_rs_threshold="0.5_2.0"))
     verl = ["rollout_is_mean", "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low", "rollout_is_max",
             "rollout_is_min", "rollout_is_std", "rollout_is_eff_sample_size", "rollout_is_seq_mean",
             "rollout_is_seq_std", "rollout_is_seq_max", "rollout_is_seq_min", "rollout_is_seq_max_deviation",

@@ -222,7 +222,7 @@ def _update_worker(rank: int, init_file: str, model_path: str, modes: list[str],
                                               reduce_dtype=torch.float32)
                 params["initial"] = {n: p.full_tensor() for n, p in actor.named_parameters()}
                 with torch.no_grad():
-                    batch["old_log_probs"] = models.compute_log_probs(actor, batch, 1.0, samples)[0] - 0.01
+                    batch["old_log_probs"] = models.compute_log_probs(actor, batch, 1.0, samples).log_probs - 0.01
                 cfg = config.load_config(None, ["actor_rollout_ref.actor.grad_clip=1e9",
                                                 f"actor_rollout_ref.actor.loss_agg_mode={mode}"])
                 spec = UpdateSpec(epochs=1, mini_batch_size=samples, micro_batch_size=micro, max_token_len=max_token_len,
@@ -320,7 +320,7 @@ def _accumulation_worker(rank: int, init_file: str, model_path: str, out: str) -
                 actor = models.load_causal_lm(model_path, mesh, device=torch.device("cpu"), param_dtype=torch.float32,
                                               reduce_dtype=torch.float32)
                 with torch.no_grad():
-                    batch["old_log_probs"] = models.compute_log_probs(actor, batch, 1.0, samples)[0] - 0.01
+                    batch["old_log_probs"] = models.compute_log_probs(actor, batch, 1.0, samples).log_probs - 0.01
                 spec = UpdateSpec(epochs=1, mini_batch_size=samples, micro_batch_size=3, max_token_len=None,
                                   shuffle=False, loss_agg_mode="token-mean", use_remove_padding=False, grad_clip=1e9,
                                   accumulate_unsharded_grads=accumulate)
@@ -407,9 +407,10 @@ def _on_policy_worker(rank: int, init_file: str, model_path: str, out: str) -> N
                 if mode == "separate":
                     actor.eval()
                     with torch.no_grad():
-                        mine["old_log_probs"], entropy, cut = models.compute_log_probs(
+                        forward = models.compute_log_probs(
                             actor, batch, temperature, 4, calc_entropy=True, truncation=truncation,
                             max_token_len=max_token_len and 2 * max_token_len, use_remove_padding=packed)
+                        mine["old_log_probs"], entropy, cut = forward.log_probs, forward.entropy, forward.truncated
                     seen = {"old_log_probs": mine["old_log_probs"], "entropy": entropy, "sampling_log_probs": cut}
                 spec = UpdateSpec(epochs=1, mini_batch_size=samples, micro_batch_size=micro,
                                   max_token_len=max_token_len, shuffle=True, loss_agg_mode="token-mean",

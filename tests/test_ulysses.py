@@ -11,6 +11,7 @@ import torch.distributed as dist
 from conftest import run_gloo
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+import ppo_core as core
 import ulysses
 
 WORLD = 4
@@ -112,14 +113,15 @@ def _check_one(name: str, paths: dict[str, str], critic_paths: dict[str, str], g
             result[f"{case}/entropy"] = _max_diff(entropy, want_entropy)
             result[f"{case}/values"] = _max_diff(values, want_values)
             # the engine's top-k / top-p cut of the same logits (rollout correction); -inf outside the cut
-            _, _, cut = ulysses.sequence_parallel_log_probs(actor, batch, TEMPERATURE, group, truncation=(20, 0.8))
+            logits, labels, gather = ulysses.sequence_parallel_logits(actor, batch, TEMPERATURE, group)
+            cut = gather(core.truncated_log_probs(logits, labels, 20, 0.8))  # (B, T)
             want_cut = _plain_truncated_log_probs(reference, batch, 20, 0.8)
             result[f"{case}/truncated_log_probs"] = _max_diff(cut[:, :-1].clamp_min(-1e4),
                                                               want_cut[:, :-1].clamp_min(-1e4))
         # the training helpers' own response slices, on the padded rows
         batch = batches["padded_13"]
         log_probs, _ = ulysses.sequence_parallel_log_probs(actor, batch, TEMPERATURE, group)
-        want_lp, _ = models.compute_log_probs(reference, batch, TEMPERATURE, micro_batch_size=3)
+        want_lp = models.compute_log_probs(reference, batch, TEMPERATURE, micro_batch_size=3).log_probs
         result["padded_13/response_log_probs"] = _max_diff(log_probs[:, -6:-1], want_lp)
         values = ulysses.sequence_parallel_values(critic, batch, group)
         result["padded_13/response_values"] = _max_diff(values[:, -6:-1], models.compute_values(critic_ref, batch, 3))
