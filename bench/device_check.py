@@ -144,7 +144,7 @@ def real_vocabulary_checks(args: argparse.Namespace, fsdp_mesh: object, device: 
             rows.append(row("packed rows run on the flash sdpa kernel", False, str(e).splitlines()[0][:80]))
     cfg = load_config(rehearsal.FLAGSHIP)
     loss = train_ppo.ActorLoss.from_config(cfg)
-    batch.update(old_log_probs=packed[0], ref_log_probs=padded[0])
+    batch.update(old_log_probs=packed.log_probs, ref_log_probs=padded.log_probs)
     start = [p.detach().to_local().clone() for p in actor.parameters()]
     norms, losses = {}, {}
     for micro in (args.batch, max(1, args.batch // 4)):
