@@ -52,8 +52,8 @@ def test_grpo_teaches_the_tiny_model_to_use_the_calculator(tiny_assets, tmp_path
                for r in map(json.loads, (out / "val_generations" / f"{step}.jsonl").read_text().splitlines())]
               for step in (0, 20)]
     for field in ("score", "called"):
-        before, after = (noise.by_unit(records, "input", field) for records in greedy)
-        noise.assert_above(*noise.paired_shift(before, after), 0.0, f"the greedy validation {field}'s rise")
+        at_start, at_end = (noise.by_unit(records, "input", field) for records in greedy)
+        noise.assert_above(*noise.paired_shift(at_start, at_end), 0.0, f"the greedy validation {field}'s rise")
     for r in steps:
         # the engine's log-probs of every sampled token equal the actor's, tool replies in between
         assert r["rollout/logprob_diff_max"] < 1e-4, r
