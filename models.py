@@ -36,8 +36,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 import ppo_core as core
 import ulysses
 from attention import register_packed_attention
+from collectives import all_gather_single
 from config import ConfigError
-from mesh_utils import all_gather_single
 
 logger = logging.getLogger(__name__)
 
@@ -310,14 +310,14 @@ def _check_tied_embeddings(model: nn.Module) -> None:
 # ---------------------------------------------------------------------------------------------
 # Memory phases: param_offload / optimizer_offload around the rollout
 #
-# memory_plan.plan_moves says what moves between two phases of a step; apply_moves does it. On the
+# offload.plan_moves says what moves between two phases of a step; apply_moves does it. On the
 # CPU every move is a no-op (everything already lives in host memory), but the plan is the same.
 
 
 def apply_moves(moves: Sequence[tuple[str, str]], models: Mapping[str, nn.Module | None],
                 optimizers: Mapping[str, torch.optim.Optimizer | None], device: torch.device,
                 sleep_engine: Callable[[], object] | None = None) -> None:
-    """Carry out memory_plan.plan_moves' list: ("actor.params", "host") offloads the actor's shards,
+    """Carry out offload.plan_moves' list: ("actor.params", "host") offloads the actor's shards,
     ("critic.optimizer", "device") loads the critic's Adam state, ("engine.kv_cache", "freed") puts
     the engine to sleep (`sleep_engine`); the engine's way back ("device") is rollout.sync_weights'
     own wake-up, so it is not done here. Entries for a model that is not built (None) are skipped."""

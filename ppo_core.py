@@ -724,7 +724,9 @@ def policy_loss_gpg(
     *, scale: LossScale = LossScale(), rollout_is_weights: Tensor | None = None, **_: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GPG (Chu et al. 2025): plain policy gradient -A * log pi, no ratio and no clipping (pair it with
-    algorithm.adv_estimator=gpg)."""
+    algorithm.adv_estimator=gpg). Also REINFORCE, bypass mode's algorithm.rollout_correction.loss_type=reinforce
+    (verl's compute_policy_loss_reinforce, the same maths), where old_log_prob is the engine's and
+    rollout_is_weights the correction's."""
     mask = response_mask.bool()  # (B, T)
     return _agg(-advantages * log_prob, mask, loss_agg_mode, scale, rollout_is_weights), {
         "actor/ppo_kl": masked_mean(old_log_prob - log_prob.detach(), mask)}

@@ -62,6 +62,7 @@ import ulysses
 import watchdog
 from agent_loop import MultiTurnStats, TurnLimits, generate_multi_turn
 from checkpoint import find_resume_path, load_checkpoint, save_checkpoint, step_seed
+from collectives import failing_together, gather_items, gather_rows, my_rows
 from config import (
     Config,
     ConfigError,
@@ -75,7 +76,6 @@ from config import (
 )
 from data import Prompt, PromptSampler, load_prompts
 from lora import LoraSpec, iter_sync_params, lora_config, sync_modules
-from memory_plan import LOADED, PHASES, OffloadFlags, plan_moves
 from mesh_utils import (
     BatchPlan,
     DistEnv,
@@ -86,11 +86,7 @@ from mesh_utils import (
     check_launch,
     check_validation_share,
     describe,
-    failing_together,
-    gather_items,
-    gather_rows,
     init_distributed,
-    my_rows,
     train_dp_group,
     validate,
     write_rank_layout,
@@ -113,6 +109,7 @@ from models import (
     read_model_config,
     token_budget_micro_batches,
 )
+from offload import LOADED, PHASES, OffloadFlags, plan_moves
 from reward_model import RewardModel
 from rewards import (
     RewardError,
@@ -218,7 +215,7 @@ class Run:
     engine: Engine
     tracker: Tracker
     progress: watchdog.Progress  # off (watchdog.Progress(None)) unless build_run(watch=True)
-    placement: str  # the memory phase the models and engine are placed for (memory_plan.placement)
+    placement: str  # the memory phase the models and engine are placed for (offload.placement)
     multi_turn: MultiTurn | None = None  # actor_rollout_ref.rollout.multi_turn.enable: tools and their replies
     reward_model: RewardModel | None = None  # reward_model.enable: it scores the training samples
     teacher: torch.nn.Module | None = None  # distillation.enabled: the frozen teacher, beside the reference
@@ -411,21 +408,21 @@ def main(argv: list[str] | None = None) -> None:
 
 def enter(run: Run, step: int, phase: str) -> None:
     """A phase boundary, in one verb: the rank's progress line (the watchdog names a hung rank and its phase)
-    and, for a memory phase (memory_plan.PHASES), the placement of models, optimizer states and engine."""
+    and, for a memory phase (offload.PHASES), the placement of models, optimizer states and engine."""
     run.progress.enter(step, phase)
     if phase in PHASES:
         move_to(run, phase)
 
 
 def move_to(run: Run, phase: str) -> None:
-    """Place models, optimizer states and engine for `phase` (memory_plan.placement, from the offload flags)."""
+    """Place models, optimizer states and engine for `phase` (offload.placement, from the offload flags)."""
     place(run, run.offload, run.placement, phase, run.env.device, run.engine.llm)
     run.placement = phase
 
 
 def place(models: Models | Run, offload: OffloadFlags, src: str, dst: str, device: torch.device,
           llm: LLM | None) -> None:
-    """The moves from placement `src` to `dst` (memory_plan.plan_moves) of the actor, the critic, their
+    """The moves from placement `src` to `dst` (offload.plan_moves) of the actor, the critic, their
     optimizer states and the engine, if there is one yet."""
     # LoRA's syncs after the first send only the modules it changes: the engine keeps its other weights
     level = rollout.sleep_level(partial_sync=bool(models.lora_spec))
@@ -981,16 +978,14 @@ def actor_loss(mb: Batch, log_prob: torch.Tensor, entropy: torch.Tensor | None, 
     if bypass is not None:  # old_log_probs are the engine's: weights and rejection of pi_theta against them
         is_weights, pg_mask, terms = rollout_correction.correct_micro_batch(log_prob, mb["old_log_probs"], mask,
                                                                             bypass, dp_group)
-    if bypass is not None and bypass.loss_type == "reinforce":  # no clipping: the weights do the correcting
-        pg_loss, ppo_kl = rollout_correction.reinforce_policy_loss(mb["old_log_probs"], log_prob, mb["advantages"],
-                                                                   pg_mask, is_weights, loss_agg_mode, scale)
-        terms.update({"actor/pg_loss": pg_loss, "actor/ppo_kl": ppo_kl})
-    else:  # in bypass mode the ratio already is pi_theta / pi_engine: no weights on top (verl's ppo_clip)
-        pg_loss, pg_metrics = core.policy_loss(
-            loss.loss_mode, mb["old_log_probs"], log_prob, mb["advantages"], pg_mask, loss_agg_mode,
-            **loss.loss_params, generator=generator, scale=scale,
-            rollout_is_weights=None if bypass is not None else is_weights)
-        terms.update({"actor/pg_loss": pg_loss, **pg_metrics})
+    # bypass mode's loss_type=reinforce is the gpg loss (-A log pi_theta), the weights doing the correcting;
+    # with ppo_clip the ratio already is pi_theta / pi_engine, so the weights are logged, not applied (verl's)
+    reinforce = bypass is not None and bypass.loss_type == "reinforce"
+    pg_loss, pg_metrics = core.policy_loss(
+        "gpg" if reinforce else loss.loss_mode, mb["old_log_probs"], log_prob, mb["advantages"], pg_mask,
+        loss_agg_mode, **loss.loss_params, generator=generator, scale=scale,
+        rollout_is_weights=None if bypass is not None and not reinforce else is_weights)
+    terms.update({"actor/pg_loss": pg_loss, **pg_metrics})
     total = pg_loss
     if entropy is not None and loss.entropy_coeff != 0:
         terms["actor/entropy_loss"] = scale.agg(entropy, mask, loss_agg_mode)

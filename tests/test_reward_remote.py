@@ -204,7 +204,7 @@ def test_concurrent_per_sample_function_gets_verls_arguments_and_its_errors_name
 
 def _fail_on_rank_0(rank: int, world: int, init: str, out: str) -> None:
     sys.path.insert(0, str(ROOT))
-    from mesh_utils import failing_together
+    from collectives import failing_together
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     start = time.monotonic()
