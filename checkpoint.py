@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from config import ConfigError
+from tracking import print0
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -251,18 +252,13 @@ def find_resume_path(mode: str, root: str | Path, resume_from_path: str | None) 
         problems = check_files(path)
         if not problems:
             if skipped:
-                _print0(f"warning: skipping damaged checkpoint(s): {'; '.join(skipped)}. Resuming from {path} instead.")
+                print0(f"warning: skipping damaged checkpoint(s): {'; '.join(skipped)}. Resuming from {path} instead.")
             return path
         skipped.append(f"{path.name} ({'; '.join(problems)})")
     if skipped:  # starting over silently would throw the run away
         raise CheckpointError(f"every checkpoint under {root} is damaged: {'; '.join(skipped)}. Set "
                               f"trainer.resume_mode=disable to start fresh.")
     return None
-
-
-def _print0(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
 
 
 def load_checkpoint(

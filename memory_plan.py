@@ -465,14 +465,6 @@ def _head_positions(m: MemoryInputs, micro: int, max_tokens: int | None) -> int:
     return head_positions(rows, row_len, m.actor_packed, micro, m.response_len, m.sp, max_tokens is not None)
 
 
-def _head_bytes(m: MemoryInputs, micro: int, max_tokens: int | None, backward: bool = False,
-                model: ModelShape | None = None) -> int:
-    """The actor's (or `model`'s) LM-head logits and float32 chunks (logprob_chunk_bytes) of one micro
-    batch on one rank, in a no-grad forward or (backward) in the update."""
-    return logprob_chunk_bytes(model or m.actor, _head_positions(m, micro, max_tokens), m.compute_bytes,
-                               backward=backward)
-
-
 def _remedies(m: MemoryInputs, phase: str, items: dict[str, int], over: int,
               ppo_mini_per_rank: int) -> list[tuple[str, int]]:
     """(the key=value to set, the bytes it frees in `phase`), in the order worth trying."""

@@ -365,18 +365,6 @@ def load_fsdp_model_to_device(model: nn.Module, device: torch.device) -> None:
     model.to(device)
 
 
-@torch.no_grad()
-def offload_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Move optimizer state (e.g. Adam moments) to host memory."""
-    _move_optimizer_state(optimizer, torch.device("cpu"), "fsdp_config.optimizer_offload")
-
-
-@torch.no_grad()
-def load_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Bring optimizer state back to `device` before optimizer.step()."""
-    _move_optimizer_state(optimizer, device, "fsdp_config.optimizer_offload")
-
-
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device, key: str) -> None:
     tensors = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
     if all(t.device.type == "cpu" for t in tensors) and device.type == "cpu":

@@ -589,8 +589,8 @@ def balance_batch(batch: Batch, reward_extras: list[dict[str, float]], dp_group:
     lengths = gather_rows(batch["attention_mask"].sum(-1), dp_group).tolist()  # (B * dp,) dp rank order
     dp, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
     parts = core.balanced_partitions(lengths, dp)
-    mine = torch.tensor(parts[rank], device=batch["attention_mask"].device)  # (B,) rows of the gathered batch
-    balanced = {key: gather_rows(rows, dp_group)[mine] for key, rows in batch.items()}
+    kept_rows = torch.tensor(parts[rank], device=batch["attention_mask"].device)  # (B,) rows of the gathered batch
+    balanced = {key: gather_rows(rows, dp_group)[kept_rows] for key, rows in batch.items()}
     extras = gather_items(reward_extras, dp_group)
     per_rank = len(lengths) // dp
     before = [sum(lengths[r * per_rank:(r + 1) * per_rank]) for r in range(dp)]

@@ -32,6 +32,7 @@ Rank 0 prints a table and writes <out>/device_check.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import shlex
@@ -365,11 +366,11 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915 - one linear s
 
     def offload_and_back() -> float:
         on_device = torch.cuda.memory_allocated() if env.device_type == "cuda" else 0
-        models.offload_fsdp_model_to_cpu(actor)
-        models.offload_optimizer(optimizer)
+        move = functools.partial(models.apply_moves, models={"actor": actor}, optimizers={"actor": optimizer},
+                                 device=device)
+        move([("actor.params", "host"), ("actor.optimizer", "host")])
         freed = (on_device - torch.cuda.memory_allocated()) / 1e9 if env.device_type == "cuda" else 0.0
-        models.load_fsdp_model_to_device(actor, device)
-        models.load_optimizer(optimizer, device)
+        move([("actor.params", "device"), ("actor.optimizer", "device")])
         return freed
 
     freed_gb = phase("offload", offload_and_back)
