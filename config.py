@@ -19,6 +19,9 @@ from __future__ import annotations
 import ast
 import difflib
 import functools
+import math
+import re
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,9 +54,10 @@ def _optim(lr: float) -> dict[str, tuple[Any, Any]]:
 
 
 def _http_scorer(**more: tuple[Any, Any]) -> dict[str, tuple[Any, Any]]:
-    """A scorer over HTTP: where, how long an attempt may take, how many requests at once, how many retries."""
+    """A scorer over HTTP: where, how long an attempt may take, how many requests at once, how many retries,
+    and the environment variable whose value is sent as `Authorization: Bearer ...` (null: no header)."""
     return {"url": (_STR_OR_NONE, None), "timeout_s": (float, 60.0), "max_concurrent": (int, 8),
-            "max_retries": (int, 3), **more}
+            "max_retries": (int, 3), "api_key_env": (_STR_OR_NONE, None), **more}
 
 
 def _fsdp_config(fsdp_size: tuple[Any, Any] = (int, -1)) -> dict[str, tuple[Any, Any]]:
@@ -252,6 +256,10 @@ SCHEMA: dict[str, Any] = {
             "url": (_STR_OR_NONE, None),  # a SandboxFusion /run_code endpoint; null: the local sandbox
             "max_concurrent": (int, 64),  # programs (requests) at once per rank
             "memory_limit_mb": (int, 1024),  # the memory of each program
+            # project keys (verl has none): the attempts after the first (429, 5xx, connection errors), and
+            # the environment variable sent as `Authorization: Bearer ...`
+            "max_retries": (int, 2),
+            "api_key_env": (_STR_OR_NONE, None),
         },
         # project keys (verl has none): scorers over HTTP (reward_remote.py); a url turns one on
         "remote": _http_scorer(),  # POST {"items": [...]} -> {"scores": [...]}
@@ -261,6 +269,7 @@ SCHEMA: dict[str, Any] = {
             max_tokens=(int, 64),  # the judge's reply length
             response_regex=(_STR_OR_NONE, None),  # vLLM servers: the reply is made to match it; null: free text
             unparsed_score=(_FLOAT_OR_NONE, None),  # the score of a reply without `Score: N`; null: an error
+            score_range=(list, [0.0, 10.0]),  # a score outside [low, high] counts as a reply without one
         ),
     },
     "custom_reward_function": {
@@ -665,8 +674,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def to_yaml(cfg: dict[str, Any]) -> str:
-    """The resolved config as YAML, for the start-up print and the run directory."""
-    return yaml.safe_dump(_plain(cfg), sort_keys=False, default_flow_style=False)
+    """The resolved config as YAML, for the start-up print and the run directory (URLs redacted)."""
+    return yaml.safe_dump(shown(cfg), sort_keys=False, default_flow_style=False)
+
+
+def redact_url(url: str) -> str:
+    """The url with its user:password and every query value replaced by ***: what may be printed or
+    stored (errors, the start-up config, config.yaml, W&B)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<an unparsable url>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    query = re.sub(r"=[^&;]*", "=***", parts.query)
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+def shown(node: Any, key: str = "") -> Any:
+    """The config as plain dicts, with every `*url` value's secrets redacted (redact_url): what may be
+    printed, written to config.yaml or sent to an experiment tracker."""
+    if isinstance(node, dict):
+        return {k: shown(v, k) for k, v in node.items()}
+    return redact_url(node) if key.endswith("url") and isinstance(node, str) else node
 
 
 LOGGERS = ("console", "tensorboard", "wandb")
@@ -728,6 +759,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reward_model.overlong_buffer.penalty_factor": _NON_NEGATIVE,
     "reward_model.sandbox_fusion.max_concurrent": _ONE_OR_MORE,
     "reward_model.sandbox_fusion.memory_limit_mb": _ONE_OR_MORE,
+    "reward_model.sandbox_fusion.max_retries": (_NON_NEGATIVE[0], ">= 0 (the attempts after the first)"),
     **{f"reward_model.{scorer}.{key}": rule for scorer in ("remote", "judge")
        for key, rule in (("timeout_s", (_POSITIVE[0], "> 0 seconds per attempt")), ("max_concurrent", _ONE_OR_MORE),
                          ("max_retries", (_NON_NEGATIVE[0], ">= 0 (the attempts after the first)")))},
@@ -771,8 +803,26 @@ def _peek(cfg: dict[str, Any], key: str) -> Any:
     return node
 
 
+# Float keys where an infinite value has a meaning (no clipping); every other float must be finite.
+_INFINITY_MEANS_OFF = {f"{_ARR}.actor.grad_clip", "critic.grad_clip"}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_ranges(cfg: Config) -> None:
-    """Every numeric key of _RANGES within its range, and optim.betas two numbers in [0, 1)."""
+    """Every float key finite (but _INFINITY_MEANS_OFF's), every numeric key of _RANGES within its range,
+    optim.betas two numbers in [0, 1), the judge's score_range two numbers low < high."""
+    for key in _KEYS:
+        value = _peek(cfg, key)
+        if isinstance(value, float) and not math.isfinite(value) and key not in _INFINITY_MEANS_OFF:
+            raise ConfigError(f"{key}={value!r} must be a finite number; e.g. {key}={_KEYS[key][1]!r} (the default).")
+    low_high = _peek(cfg, "reward_model.judge.score_range")
+    if not (isinstance(low_high, list) and len(low_high) == 2 and all(map(_is_number, low_high))
+            and low_high[0] < low_high[1]):
+        raise ConfigError(f"reward_model.judge.score_range={low_high!r} must be two finite numbers low < high, the "
+                          f"scores the judge's template asks for; e.g. reward_model.judge.score_range=[0,10].")
     for key, (test, rule) in _RANGES.items():
         value = _peek(cfg, key)
         if value is not None and not test(value):
@@ -1116,11 +1166,7 @@ def non_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
     """The resolved config's keys whose value differs from the schema's default, as {'a.b.c': value}:
     what the start-up prints (the whole config goes to <default_local_dir>/config.yaml)."""
     values = {key: _peek(cfg, key) for key in _KEYS}
-    return {key: value for key, value in values.items() if value != _KEYS[key][1]}
-
-
-def _plain(node: Any) -> Any:
-    return {k: _plain(v) for k, v in node.items()} if isinstance(node, dict) else node
+    return {key: shown(value, key) for key, value in values.items() if value != _KEYS[key][1]}
 
 
 if __name__ == "__main__":

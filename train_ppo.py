@@ -71,6 +71,7 @@ from config import (
     non_defaults,
     policy_loss_key,
     sampling_truncates,
+    shown,
     to_yaml,
     unread_keys,
 )
@@ -1175,7 +1176,7 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
     engine = build_engine(cfg, dims, env, meshes, tokenizer, train_prompts[0].token_ids, multi_turn, models,
                           param_dtype, reuse=engine)
     tracker = Tracker(out_dir, cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
-                      dict(cfg), total_steps, enabled=env.rank == 0)
+                      shown(cfg), total_steps, enabled=env.rank == 0)
     if env.rank == 0:
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
     # a rank that stops ends the job within trainer.hang_timeout_s, named, with every rank's stacks

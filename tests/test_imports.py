@@ -27,7 +27,7 @@ GRAPH = {m: imported(m) for m in MODULES}
 # tracking: the step statistics use ppo_core's masked variance).
 BASE = {"config", "attention"}
 FLOORS = {"config": set(), "attention": set(), "rollout": set(), "tracking": {"config", "ppo_core"},
-          "collectives": set(), "offload": {"config"}, "mesh_utils": BASE, "ppo_core": BASE}
+          "collectives": set(), "offload": {"config"}, "http_json": {"config"}, "mesh_utils": BASE, "ppo_core": BASE}
 # Entry points: command lines that no library module imports (the tests and benches may).
 ENTRY_POINTS = {"memory_plan", "train_ppo", "sft_warmup", "prepare_data", "make_assets", "export_hf", "trace_viewer"}
 
