@@ -40,6 +40,7 @@ import json
 import os
 import re
 import shutil
+import time
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -104,7 +105,10 @@ def save_checkpoint(
             files.update(_digests(tmp, "hf", None) if (tmp / "hf").is_dir() else {})
             state = dict(trainer_state, step=step, world_size=world, files=dict(sorted(files.items())),
                          schedulers={name: s.state_dict() for name, (_, _, s) in models.items()})
-            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))  # the completion marker, written last
+            with open(tmp / STATE_FILE, "w") as f:  # the completion marker, written last, on disk before the rename
+                f.write(json.dumps(state, indent=1))
+                f.flush()
+                os.fsync(f.fileno())
             if final.exists():  # re-saving a step (after a resume): replace it only now
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -112,8 +116,9 @@ def save_checkpoint(
         except OSError as e:
             failure = f"rank 0: {e}"
     _raise_if_any(failure, tmp, step)
-    if rank == 0 and keep is not None and keep > 0:
-        for old in complete_checkpoints(root)[:-keep]:
+    if rank == 0 and keep is not None and keep > 0:  # the newest `keep` up to this one; never a later one
+        older = [p for p in complete_checkpoints(root) if step_of(p) < step]
+        for old in older[:len(older) - (keep - 1)]:
             shutil.rmtree(old)
     dist.barrier()
     return final
@@ -216,6 +221,29 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def step_of(path: Path) -> int:
+    """N of a global_step_N directory."""
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
+def abandon_later(root: str | Path, path: Path) -> list[Path]:
+    """Resuming from `path` below the newest checkpoint of root (a rewind): move the later ones to
+    root/abandoned/, so that pruning and a later automatic resume follow the rewound run, not the
+    abandoned one. Returns where they went (rank 0 calls it)."""
+    root = Path(root)
+    if path.parent.resolve() != root.resolve():
+        return []
+    moved = []
+    for later in [p for p in complete_checkpoints(root) if step_of(p) > step_of(path)]:
+        target = root / "abandoned" / later.name
+        if target.exists():
+            target = target.with_name(f"{later.name}.{int(time.time())}")
+        target.parent.mkdir(exist_ok=True)
+        os.replace(later, target)
+        moved.append(target)
+    return moved
 
 
 def complete_checkpoints(root: str | Path) -> list[Path]:

@@ -326,6 +326,9 @@ SCHEMA: dict[str, Any] = {
         "balance_batch": (bool, True),
         "resume_mode": (str, "auto"),  # auto | disable | resume_path
         "resume_from_path": (_STR_OR_NONE, None),
+        # project key (verl has none): resume although the data, its order, the batch size or the model
+        # changed since the checkpoint (run_dir.DANGEROUS); other changes are printed and take effect
+        "resume_force": (bool, False),
         "max_actor_ckpt_to_keep": (_INT_OR_NONE, None),
         "max_critic_ckpt_to_keep": (_INT_OR_NONE, None),
         "default_local_dir": (str, "outputs/run"),
@@ -1162,11 +1165,15 @@ def check_reward_source(cfg: Config) -> None:
             raise ConfigError(f"{key}={url!r} must be an http:// or https:// URL.")
 
 
+def flat_values(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Every schema key's value, as {'a.b.c': value}, looked at without counting as reads."""
+    return {key: _peek(cfg, key) for key in _KEYS}
+
+
 def non_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
     """The resolved config's keys whose value differs from the schema's default, as {'a.b.c': value}:
     what the start-up prints (the whole config goes to <default_local_dir>/config.yaml)."""
-    values = {key: _peek(cfg, key) for key in _KEYS}
-    return {key: shown(value, key) for key, value in values.items() if value != _KEYS[key][1]}
+    return {key: shown(value, key) for key, value in flat_values(cfg).items() if value != _KEYS[key][1]}
 
 
 if __name__ == "__main__":

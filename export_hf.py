@@ -9,6 +9,9 @@ The result (config.json, tokenizer, model.safetensors) loads with
 process group: DCP reads the shards written by any number of ranks into one full state dict, with
 tensors loaded weights_only.
 
+A checkpoint is code: DCP's own index (`<model>/.metadata`) is a pickle, which runs whatever it holds
+when read. Export only checkpoints you or someone you trust wrote (as with resuming).
+
 A LoRA run's checkpoint holds the adapter only; its hf/adapter_config.json names the base model,
 which is read again. The default export is the merged model (W + scale * B @ A, a plain HF model);
 --adapter-only writes the adapter in peft's format (adapter_config.json, adapter_model.safetensors),
@@ -95,7 +98,8 @@ def _export_lora(ckpt: Path, out: Path, dtype: str, adapter_only: bool) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="A checkpoint is code: DCP's index "
+                                 "(<model>/.metadata) is a pickle, run when read. Export only checkpoints you trust.")
     ap.add_argument("checkpoint", help="global_step_N directory, or a run directory (latest checkpoint)")
     ap.add_argument("--out", required=True, help="output HF model directory")
     ap.add_argument("--which", choices=["actor", "critic"], default="actor")

@@ -16,6 +16,7 @@ against measured bytes (tests/test_memory_plan.py, bench/memory_rehearsal.py).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -682,12 +683,23 @@ def describe_memory(report: dict[str, Any]) -> str:
 # The planner: the layout and batch flow (mesh_utils), then the memory plan
 
 
+def _memory_gb(text: str) -> float:
+    """--gpu-memory-gb: a finite number of GiB > 0 (argparse reports the error as a usage error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} must be the device's memory in GiB, a number > 0 (e.g. 80)")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = plan_arguments("Explain and validate a config with no GPU and no process group: the device map and "
                         "batch flow (as mesh_utils.py prints them), then the memory per rank and phase. Exits 1 "
                         "with the reason when the config is invalid.",
                         "python memory_plan.py --config configs/gsm8k_grpo_lora_1gpu.yaml --gpu-memory-gb 80")
-    ap.add_argument("--gpu-memory-gb", type=float, default=80.0,
+    ap.add_argument("--gpu-memory-gb", type=_memory_gb, default=80.0,
                     help="device memory per GPU that the memory plan is checked against (default 80)")
     args = ap.parse_args(argv)
     planned = plan_from_args(args)

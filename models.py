@@ -833,6 +833,24 @@ def lr_lambda(optim_cfg: Mapping[str, Any], total_steps: int) -> Callable[[int],
     return fn
 
 
+def set_optimizer_config(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                         optim_cfg: Mapping[str, Any]) -> list[str]:
+    """After a resume: the config's lr (the schedule's base), weight decay and betas over the checkpoint's,
+    the schedule's position kept. Returns what changed, one 'name: old -> new' each."""
+    changed = []
+    for i, group in enumerate(optimizer.param_groups):
+        for name, new in (("weight_decay", optim_cfg["weight_decay"]), ("betas", tuple(optim_cfg["betas"]))):
+            old = tuple(group[name]) if name == "betas" else group[name]
+            if old != new:
+                changed.append(f"{name}: {old} -> {new}")
+                group[name] = new
+        if scheduler.base_lrs[i] != optim_cfg["lr"]:
+            changed.append(f"lr: {scheduler.base_lrs[i]} -> {optim_cfg['lr']}")
+            scheduler.base_lrs[i] = group["initial_lr"] = optim_cfg["lr"]
+            group["lr"] = optim_cfg["lr"] * scheduler.lr_lambdas[i](scheduler.last_epoch)
+    return list(dict.fromkeys(changed))
+
+
 def make_optimizer(model: nn.Module, optim_cfg: Mapping[str, Any],
                    total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the model's trainable (sharded) parameters and its lr schedule, from an `optim` config

@@ -58,10 +58,19 @@ import ppo_core as core
 import reward_remote
 import rollout
 import rollout_correction
+import run_dir
 import ulysses
 import watchdog
 from agent_loop import MultiTurnStats, TurnLimits, generate_multi_turn
-from checkpoint import find_resume_path, load_checkpoint, save_checkpoint, step_seed
+from checkpoint import (
+    STATE_FILE,
+    CheckpointError,
+    abandon_later,
+    find_resume_path,
+    load_checkpoint,
+    save_checkpoint,
+    step_seed,
+)
 from collectives import failing_together, gather_items, gather_rows, my_rows
 from config import (
     Config,
@@ -108,6 +117,7 @@ from models import (
     optimizer_step,
     padding_fraction,
     read_model_config,
+    set_optimizer_config,
     token_budget_micro_batches,
 )
 from offload import LOADED, PHASES, OffloadFlags, plan_moves
@@ -216,6 +226,9 @@ class Run:
     engine: Engine
     tracker: Tracker
     progress: watchdog.Progress  # off (watchdog.Progress(None)) unless build_run(watch=True)
+    lock: run_dir.RunLock | None  # rank 0: the run directory's lock (run_dir.py)
+    stop: run_dir.StopRequests  # SIGTERM / SIGUSR2 (build_run(watch=True)) or <out_dir>/stop: save, then stop
+    fingerprint: dict[str, Any]  # what the checkpoints are trained with (run_dir.fingerprint)
     placement: str  # the memory phase the models and engine are placed for (offload.placement)
     multi_turn: MultiTurn | None = None  # actor_rollout_ref.rollout.multi_turn.enable: tools and their replies
     reward_model: RewardModel | None = None  # reward_model.enable: it scores the training samples
@@ -386,9 +399,13 @@ def train(run: Run) -> None:
             with timed(metrics, "testing"):
                 metrics.update(run_validation(run, step))
         run.tracker.log(step, metrics)
-        if tc.save_freq > 0 and (step % tc.save_freq == 0 or last):
-            enter(run, step, "save")
+        due = tc.save_freq > 0 and (step % tc.save_freq == 0 or last)
+        stopping = not last and stop_requested(run, step)
+        if due or stopping:
+            enter(run, step, "save", timeout_s=save_budget_s(run))
             save(run, step)
+        if stopping:
+            break
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -407,10 +424,11 @@ def main(argv: list[str] | None = None) -> None:
 # Phase boundaries: the watchdog's progress line and the memory placement
 
 
-def enter(run: Run, step: int, phase: str) -> None:
-    """A phase boundary, in one verb: the rank's progress line (the watchdog names a hung rank and its phase)
-    and, for a memory phase (offload.PHASES), the placement of models, optimizer states and engine."""
-    run.progress.enter(step, phase)
+def enter(run: Run, step: int, phase: str, timeout_s: float | None = None) -> None:
+    """A phase boundary, in one verb: the rank's progress line (the watchdog names a hung rank and its phase;
+    timeout_s: the phase's own budget) and, for a memory phase (offload.PHASES), the placement of models,
+    optimizer states and engine."""
+    run.progress.enter(step, phase, timeout_s)
     if phase in PHASES:
         move_to(run, phase)
 
@@ -1102,11 +1120,36 @@ def run_validation(run: Run, step: int) -> dict[str, float]:
     return metrics
 
 
+def stop_requested(run: Run, step: int) -> bool:
+    """Collective: whether any rank was asked to save and stop (run_dir.StopRequests), said once."""
+    reason = run.stop.local_reason()
+    asked = torch.tensor([reason is not None], dtype=torch.int32, device=run.env.device)
+    dist.all_reduce(asked)
+    if asked.item():
+        print0(f"stopping after step {step} as asked ({reason or 'by another rank'}; {int(asked.item())} rank(s)): "
+               f"saving; the same command resumes it")
+    return bool(asked.item())
+
+
+SAVE_BYTES_PER_S = 50e6  # a slow shared file system: the save phase's budget assumes no faster
+
+
+def save_budget_s(run: Run) -> float:
+    """The save phase's watchdog budget: trainer.hang_timeout_s plus this rank's shards of the models and
+    their optimizer states written at SAVE_BYTES_PER_S, so that a large save is not taken for a hang."""
+    tensors = [t for model, optimizer, _ in run.checkpointed().values()
+               for t in [*model.parameters(), *(v for s in optimizer.state.values() for v in s.values())]
+               if torch.is_tensor(t)]
+    local = sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
+    return run.cfg.trainer.hang_timeout_s + local / SAVE_BYTES_PER_S
+
+
 def save(run: Run, step: int) -> None:
     """A sharded, atomic checkpoint; older ones pruned only after the new one is complete."""
     start = time.perf_counter()
     path = save_checkpoint(run.out_dir, step, run.checkpointed(),
-                           {"sampler": run.sampler.state_dict(), "kl_ctrl": run.kl_ctrl.state_dict()},
+                           {"sampler": run.sampler.state_dict(), "kl_ctrl": run.kl_ctrl.state_dict(),
+                            "fingerprint": run.fingerprint},
                            hf_source=(run.actor.config, run.tokenizer, *lora_config(run.actor)),
                            keep=run.cfg.trainer.max_actor_ckpt_to_keep)
     print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
@@ -1116,6 +1159,8 @@ def finish(run: Run) -> None:
     """Close the logs, say which keys the run never read, write the summary. The engine keeps running
     (rollout.shutdown stops it)."""
     run.tracker.close()
+    if run.lock is not None:
+        run.lock.release()
     out_dir = run.out_dir
     if run.env.rank == 0:  # every key should have done something; say which did not (a typo'd intent, a dead key)
         unread = unread_keys(run.cfg)
@@ -1146,6 +1191,13 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
     print0("config (keys that differ from the defaults; all of them in "
            f"{out_dir / 'config.yaml'}):\n" + "".join(f"  {k}={v}\n" for k, v in non_defaults(cfg).items()))
     print0(describe(cfg, dims, plan))
+    lock = None
+    with failing_together(run_dir.RunDirError, env.device):  # another job's directory: every rank stops
+        if env.rank == 0:
+            lock, took_over = run_dir.lock(out_dir)
+            run_dir.clear_stop_file(out_dir)
+            if took_over:
+                print0(took_over)
     meshes = build_meshes(dims, env.device_type, timeout_s=cfg.actor_rollout_ref.nccl_timeout)
     write_rank_layout(out_dir / "layout", env.rank, meshes)
     route_library_logs(out_dir / "logs" / f"rank{env.rank}.log", env.rank)
@@ -1168,7 +1220,9 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
     source, why = old_log_prob_source(models.actor, cfg.algorithm, plan.actor_update, plan.samples_per_rank,
                                       cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
     print0(f"old log-probs: {source} ({why})")
-    start_step = resume(cfg, out_dir, env.rank, checkpointed(models), sampler, models.kl_ctrl)
+    train_files = [cfg.data.train_files] if isinstance(cfg.data.train_files, str) else list(cfg.data.train_files)
+    fingerprint = run_dir.fingerprint(cfg, train_files, len(train_prompts))
+    start_step = resume(cfg, out_dir, env.rank, checkpointed(models), sampler, models.kl_ctrl, fingerprint)
     # placed as for the first weight sync before the engine starts: vLLM sizes its KV cache from the
     # memory free then, so an offloaded critic must already be on the host
     offload = OffloadFlags.from_config(cfg)
@@ -1189,7 +1243,8 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
                param_dtype=param_dtype, offload=offload, old_log_probs_from=source,
                rollout_data_dir=Path(tc.rollout_data_dir) if tc.rollout_data_dir is not None else None,
                validation_data_dir=Path(tc.validation_data_dir or out_dir / "val_generations"),
-               start_step=start_step, engine=engine, tracker=tracker, progress=progress, placement="sync",
+               start_step=start_step, engine=engine, tracker=tracker, progress=progress, placement="sync", lock=lock,
+               stop=run_dir.StopRequests(out_dir, install=watch), fingerprint=fingerprint,
                multi_turn=multi_turn, reward_model=reward_model, teacher_vocab_limit=teacher_vocab_limit, **vars(models))
 
 
@@ -1370,17 +1425,40 @@ def load_learned_reward_model(cfg: Config, meshes: Meshes, env: DistEnv, tokeniz
 
 
 def resume(cfg: Config, out_dir: Path, rank: int, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]],
-           sampler: PromptSampler, kl_ctrl: core.FixedKLController) -> int:
+           sampler: PromptSampler, kl_ctrl: core.FixedKLController, fingerprint: dict[str, Any]) -> int:
     """Load the latest complete checkpoint, if any (DCP reshards it to this world size), into the models
-    (checkpointed), the prompt sampler and the KL controller; its step (0: none)."""
+    (checkpointed), the prompt sampler and the KL controller; its step (0: none). Rank 0 chooses it for
+    every rank, moves checkpoints later than a rewind's aside (checkpoint.abandon_later), and compares
+    the config and data with the checkpoint's (run_dir.check_resume); the config's optimizer settings
+    then replace the checkpoint's."""
     tc = cfg.trainer
-    path = find_resume_path(tc.resume_mode, out_dir, tc.resume_from_path)
+    choice: list[Any] = [None, None]  # (the path, or the error every rank raises)
+    if rank == 0:
+        try:
+            path = find_resume_path(tc.resume_mode, out_dir, tc.resume_from_path)
+            if path is not None:
+                for moved in abandon_later(out_dir, path):
+                    print0(f"rewound to {path.name}: moved the later {moved.name} to {moved.parent}")
+                saved = json.loads((path / STATE_FILE).read_text()).get("fingerprint")
+                for line in run_dir.check_resume(path, saved, fingerprint, tc.resume_force):
+                    print0(f"changed since the checkpoint: {line}")
+            choice[0] = None if path is None else str(path)
+        except (ConfigError, CheckpointError) as e:
+            choice[1] = e
+    dist.broadcast_object_list(choice, src=0)
+    if choice[1] is not None:
+        raise choice[1]
     start_step = 0
-    if path is not None:
+    if choice[0] is not None:
+        path = Path(choice[0])
         state = load_checkpoint(path, models)
         start_step = state["step"]
         sampler.load_state_dict(state["sampler"])
         kl_ctrl.load_state_dict(state["kl_ctrl"])
+        for name, (_, optimizer, sched) in models.items():
+            optim_cfg = (cfg.critic if name == "critic" else cfg.actor_rollout_ref.actor).optim
+            for change in set_optimizer_config(optimizer, sched, optim_cfg):
+                print0(f"{name} optimizer, from the config over the checkpoint's: {change}")
         print0(f"resumed from {path} (step {start_step}, written by {state['world_size']} ranks)")
     if rank == 0:
         truncate_metrics(out_dir / "metrics.jsonl", start_step)
