@@ -109,10 +109,13 @@ def save_checkpoint(
                 f.write(json.dumps(state, indent=1))
                 f.flush()
                 os.fsync(f.fileno())
-            if final.exists():  # re-saving a step (after a resume): replace it only now
-                shutil.rmtree(final)
+            old = root / f"global_step_{step}.old"
+            if final.exists():  # re-saving a step (after a resume): the complete one stays until the new one is in
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
             os.replace(tmp, final)
             _fsync_dir(root)
+            shutil.rmtree(old, ignore_errors=True)
         except OSError as e:
             failure = f"rank 0: {e}"
     _raise_if_any(failure, tmp, step)
