@@ -172,6 +172,12 @@ MUTATIONS = (
     Mutation("code reward: a batch's programs run one sample after another", "rewards.py", ((
         "    if base is not default_compute_score or not code:", "    if True:"),),
         "tests/test_code_reward.py::test_score_batch_runs_a_batchs_programs_at_once"),
+    Mutation("verl config: a not-implemented verl key is accepted at any value", "config.py", ((
+        "            if value != default:", "            if False:"),),
+        "tests/test_config.py::test_verls_generated_config_loads_and_plans"),
+    Mutation("verl config: an interpolated verl default is compared as written, not resolved", "config.py", ((
+        'if not (isinstance(default, str) and "${" in default):', "if True:"),),
+        "tests/test_config.py::test_verls_generated_config_loads_and_plans"),
 )
 
 
