@@ -762,6 +762,7 @@ VERL_KEY_RULES: tuple[VerlKeyRule, ...] = (
 )
 
 
+@functools.cache
 def verl_key_rule(key: str) -> VerlKeyRule | None:
     """The rule that decides verl key `key` (None: no rule matches; a key of SCHEMA needs none)."""
     return next((rule for rule in VERL_KEY_RULES if fnmatch.fnmatchcase(key, rule.pattern)), None)
@@ -783,8 +784,9 @@ def verl_key_table() -> list[tuple[str, str, str]]:
     return rows
 
 
-def _verl_sections() -> set[str]:
-    return {k.rsplit(".", i)[0] for k in verl_defaults() for i in range(1, k.count(".") + 1)}
+@functools.cache
+def _verl_sections() -> frozenset[str]:
+    return frozenset(k.rsplit(".", i)[0] for k in verl_defaults() for i in range(1, k.count(".") + 1))
 
 
 def _nested(flat: Mapping[str, Any]) -> dict[str, Any]:
