@@ -146,6 +146,7 @@ SCHEMA: dict[str, Any] = {
                 "clip_cov_ub": (float, 5.0),
                 "kl_cov_ratio": (float, 0.0002),  # kl_cov: fraction of tokens that get the KL penalty
                 "ppo_kl_coef": (float, 0.1),  # kl_cov: that penalty's coefficient
+                "dro_beta": (_FLOAT_OR_NONE, None),  # dro: the quadratic log-ratio penalty's weight (> 0, no default)
             },
             "ulysses_sequence_parallel_size": (int, 1),
             "optim": _optim(1e-6),
@@ -709,7 +710,7 @@ VERL_KEY_RULES: tuple[VerlKeyRule, ...] = (
             "*.loss_scale_factor"),
     *_rules(NOT_IMPLEMENTED, "not implemented here", "actor_rollout_ref.actor.calculate_entropy",
             "actor_rollout_ref.actor.freeze_vision_tower", "actor_rollout_ref.actor.use_prefix_grouper",
-            "actor_rollout_ref.actor.policy_loss.dro_beta", "algorithm.use_pf_ppo", "algorithm.pf_ppo.*",
+            "algorithm.use_pf_ppo", "algorithm.pf_ppo.*",
             "algorithm.filter_groups.max_inflight_gen_batches"),
     *_rules(NOT_IMPLEMENTED, "the rollout runs on the actor's ranks, its mesh ('dp','infer_tp') set by "
             "rollout.tensor_model_parallel_size; no separate pool, no other parallelism",
@@ -1037,6 +1038,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     f"{_ARR}.actor.policy_loss.clip_cov_ratio": _between(0, 1, low_open=True),
     f"{_ARR}.actor.policy_loss.kl_cov_ratio": _between(0, 1, low_open=True),
     f"{_ARR}.actor.policy_loss.ppo_kl_coef": _NON_NEGATIVE,
+    f"{_ARR}.actor.policy_loss.dro_beta": _POSITIVE,
     f"{_ARR}.actor.tau_pos": _POSITIVE,
     f"{_ARR}.actor.tau_neg": _POSITIVE,
     f"{_ROLLOUT}.top_k": _TOP_K,
@@ -1307,6 +1309,9 @@ def check_algorithm(cfg: Config) -> None:
             raise ConfigError(f"{key}={value!r} is read by loss_mode={' / '.join(readers)} only, not by "
                               f"{prefix}loss_mode={mode.name}, which would ignore it. Set loss_mode={readers[0]}, "
                               f"or leave {name} at its default ({default!r}).")
+    if mode.name == "dro" and policy_loss.dro_beta is None:
+        raise ConfigError(f"{prefix}loss_mode=dro needs {prefix}dro_beta, the weight of its quadratic penalty on the "
+                          f"log-ratio (> 0; verl has no default either), e.g. {prefix}dro_beta=0.1.")
     check_estimator_inputs(cfg)
     lower, upper = _peek(policy_loss, "clip_cov_lb"), _peek(policy_loss, "clip_cov_ub")
     if not lower < upper:
@@ -1323,17 +1328,17 @@ def check_estimator_inputs(cfg: Config) -> None:
         raise ConfigError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} with algorithm.adv_estimator="
                           f"{estimator}, which has no critic to warm up; set trainer.critic_warmup=0, or "
                           f"adv_estimator={' / '.join(critics)}.")
-    if estimator != "optimal_token_baseline":
+    if estimator not in ("optimal_token_baseline", "tir_optimal_token_baseline"):
         return
     if not actor.calculate_sum_pi_squared:
-        raise ConfigError("algorithm.adv_estimator=optimal_token_baseline reads sum_v pi(v)^2 per token from the "
+        raise ConfigError(f"algorithm.adv_estimator={estimator} reads sum_v pi(v)^2 per token from the "
                           "old-log-prob forward; set actor_rollout_ref.actor.calculate_sum_pi_squared=true (as verl).")
     rc = algorithm.rollout_correction
     if rc.bypass_mode:
-        raise ConfigError(f"algorithm.adv_estimator=optimal_token_baseline with {_RC}.bypass_mode=true: bypass mode "
+        raise ConfigError(f"algorithm.adv_estimator={estimator} with {_RC}.bypass_mode=true: bypass mode "
                           f"runs no old-log-prob forward, so there is no sum_v pi(v)^2; set {_RC}.bypass_mode=false.")
     if rc.rollout_is is not None:
-        raise ConfigError(f"algorithm.adv_estimator=optimal_token_baseline with {_RC}.rollout_is={rc.rollout_is!r}: "
+        raise ConfigError(f"algorithm.adv_estimator={estimator} with {_RC}.rollout_is={rc.rollout_is!r}: "
                           f"here the IS weights are computed after the advantages, so the baseline cannot be "
                           f"weighted by them as verl's is; set {_RC}.rollout_is=null.")
 

@@ -215,6 +215,11 @@ TEACHER = ["distillation.enabled=true", "distillation.teacher_models.teacher_mod
      "ppo_kl_coef=1.0 is read by loss_mode=kl_cov only"),
     # sapo's temperatures sit under actor, as in verl, and are refused for another mode too
     (["actor_rollout_ref.actor.tau_neg=2"], "actor_rollout_ref.actor.tau_neg=2.0 is read by loss_mode=sapo only"),
+    (["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"], "dro_beta=0.1 is read by loss_mode=dro only"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=dro"], "loss_mode=dro needs actor_rollout_ref.actor.policy_loss."
+     "dro_beta"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=dro", "actor_rollout_ref.actor.policy_loss.dro_beta=0"],
+     "dro_beta=0.0 must be > 0"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.tau_pos=0"], "tau_pos=0.0"),
     (["actor_rollout_ref.actor.loss_agg_mode=token-max"], "token-mean, token-sum, seq-mean-token-sum"),
     # on-policy distillation: a teacher, on the actor's mesh, and a loss whose gradient sees the teacher
@@ -311,6 +316,8 @@ OTB = ["algorithm.adv_estimator=optimal_token_baseline", "actor_rollout_ref.acto
     ([*OTB, "algorithm.rollout_correction.bypass_mode=true"], "there is no sum_v pi(v)^2; set "
      "algorithm.rollout_correction.bypass_mode=false"),
     ([*OTB, "algorithm.rollout_correction.rollout_is=token"], "set algorithm.rollout_correction.rollout_is=null"),
+    (["algorithm.adv_estimator=tir_optimal_token_baseline"], "algorithm.adv_estimator=tir_optimal_token_baseline reads "
+     "sum_v pi(v)^2"),
 ])
 def test_estimator_inputs_that_are_missing_are_refused(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -380,7 +387,7 @@ def test_the_key_table_covers_every_verl_key_with_one_rule_each():
     table = verl_key_table()
     assert [key for key, _, _ in table] == list(fixture["defaults"])
     assert [key for key, kind, _ in table if kind is None] == []
-    assert sum(kind == IMPLEMENTED for _, kind, _ in table) == 182
+    assert sum(kind == IMPLEMENTED for _, kind, _ in table) == 183
     used = {verl_key_rule(key).pattern for key, kind, _ in table if kind != IMPLEMENTED}
     assert [rule.pattern for rule in VERL_KEY_RULES if rule.pattern not in used] == []
 
@@ -405,9 +412,9 @@ def test_verls_generated_config_loads_and_plans(tmp_path):
     assert dims.world_size == 8 and cfg.trainer.total_epochs == 30  # verl's values, not this program's
     assert cfg.actor_rollout_ref.rollout.name == "vllm"  # verl's ??? : this program's default, said at start-up
     assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"  # an interpolation, resolved
-    assert len(verl_keys_without_effect(cfg)) == 898 - 182
+    assert len(verl_keys_without_effect(cfg)) == 898 - 183
     text = describe_verl_keys(cfg)
-    assert "verl keys with no effect here (716" in text and "actor_rollout_ref.rollout.name='???' -> 'vllm'" in text
+    assert "verl keys with no effect here (715" in text and "actor_rollout_ref.rollout.name='???' -> 'vllm'" in text
     with pytest.raises(ConfigError, match=r"'actor_rollout_ref.rollout.name' is 'sglang'; valid values: vllm"):
         check_supported(load_config(path, [*paths, "actor_rollout_ref.rollout.name=sglang"]))
     # not implemented: refused off verl's default, with the key, the value and what to set
