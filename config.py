@@ -278,6 +278,10 @@ SCHEMA: dict[str, Any] = {
         "gamma": (float, 1.0),
         "lam": (float, 1.0),
         "norm_adv_by_std_in_grpo": (bool, True),
+        # gdpo: the reward function's extras (its returned dict's keys) normalised one by one, and their weights
+        # (null: 1 each); verl reads both with config.get (`+algorithm.gdpo_reward_keys=[...]`)
+        "gdpo_reward_keys": ((list, _NONE), None),
+        "gdpo_reward_weights": ((list, _NONE), None),
         "filter_groups": {  # DAPO's dynamic sampling: train only on groups whose metric differs
             "enable": (bool, False),
             "metric": (str, "reward"),  # reward / seq_reward: the reward (score + overlong penalty); score: the
@@ -1309,6 +1313,7 @@ def check_algorithm(cfg: Config) -> None:
             raise ConfigError(f"{key}={value!r} is read by loss_mode={' / '.join(readers)} only, not by "
                               f"{prefix}loss_mode={mode.name}, which would ignore it. Set loss_mode={readers[0]}, "
                               f"or leave {name} at its default ({default!r}).")
+    check_gdpo(algorithm)
     if mode.name == "dro" and policy_loss.dro_beta is None:
         raise ConfigError(f"{prefix}loss_mode=dro needs {prefix}dro_beta, the weight of its quadratic penalty on the "
                           f"log-ratio (> 0; verl has no default either), e.g. {prefix}dro_beta=0.1.")
@@ -1317,6 +1322,30 @@ def check_algorithm(cfg: Config) -> None:
     if not lower < upper:
         raise ConfigError(f"{prefix}clip_cov_lb={lower} must be below clip_cov_ub={upper}: clip_cov draws its "
                           f"tokens from the covariances between them (defaults 1.0, 5.0).")
+
+
+def check_gdpo(algorithm: Config) -> None:
+    """algorithm.gdpo_reward_keys / gdpo_reward_weights: with adv_estimator=gdpo only, the keys a list of
+    names and the weights one number per key."""
+    keys, weights = algorithm.gdpo_reward_keys, algorithm.gdpo_reward_weights
+    if algorithm.adv_estimator != "gdpo":
+        for name, value in (("gdpo_reward_keys", keys), ("gdpo_reward_weights", weights)):
+            if value is not None:
+                raise ConfigError(f"algorithm.{name}={value} is read by algorithm.adv_estimator=gdpo only, not by "
+                                  f"{algorithm.adv_estimator}; set adv_estimator=gdpo, or {name}=null.")
+        return
+    if not keys or not all(isinstance(k, str) for k in keys):
+        raise ConfigError(f"algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys, the names of the reward "
+                          f"components your reward function returns in its dict (got {keys}), e.g. "
+                          f"algorithm.gdpo_reward_keys=[acc,format] (as verl).")
+    if weights is not None and (len(weights) != len(keys) or not all(
+            isinstance(w, int | float) and not isinstance(w, bool) for w in weights)):
+        raise ConfigError(f"algorithm.gdpo_reward_weights={weights} must be one number per gdpo_reward_keys={keys}, "
+                          f"or null (1 each).")
+    if algorithm.use_kl_in_reward:
+        raise ConfigError("algorithm.adv_estimator=gdpo with algorithm.use_kl_in_reward=true: gdpo's advantages come "
+                          "from the reward components alone (as verl's), so the KL penalty in the reward would be "
+                          "dropped; use actor_rollout_ref.actor.use_kl_loss=true instead.")
 
 
 def check_estimator_inputs(cfg: Config) -> None:

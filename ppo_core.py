@@ -207,6 +207,29 @@ def compute_grpo_outcome_advantage(
     return adv, adv
 
 
+@register_adv_estimator("gdpo", compares_group=True)
+@torch.no_grad()
+def compute_gdpo_outcome_advantage(
+    response_mask: Tensor, index: Sequence[Any] | Tensor, reward_components: Tensor,
+    reward_weights: Sequence[float] | None = None, epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """GDPO (Liu et al. 2026, verl 0.9.1): each reward component (the reward function's extras named by
+    algorithm.gdpo_reward_keys, reward_components (B, K)) normalised within its prompt group as GRPO does,
+    so that no component drowns the others; their sum weighted by reward_weights (K,) (default all 1),
+    then whitened over the whole batch. The summed score (token_level_rewards) is not read, as in verl.
+    Returns (advantages, returns), both (B, T) and equal."""
+    mask = response_mask.to(reward_components.dtype)  # (B, T)
+    last = mask.bool() & (mask.cumsum(-1) == mask.sum(-1, keepdim=True))  # (B, T) each response's last token
+    weights = [1.0] * reward_components.shape[1] if reward_weights is None else list(reward_weights)
+    total = torch.zeros_like(mask)  # (B, T)
+    for k, weight in enumerate(weights):
+        component = reward_components[:, k].unsqueeze(-1) * last  # (B, T) the score on the last token
+        adv, _ = compute_grpo_outcome_advantage(component, response_mask, index, epsilon, norm_adv_by_std_in_grpo)
+        total = total + weight * adv  # (B, T)
+    advantages = masked_whiten(total, mask.bool()) * mask  # (B, T)
+    return advantages, advantages
+
+
 @register_adv_estimator("rloo", compares_group=True)
 @torch.no_grad()
 def compute_rloo_outcome_advantage(

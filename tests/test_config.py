@@ -318,6 +318,13 @@ OTB = ["algorithm.adv_estimator=optimal_token_baseline", "actor_rollout_ref.acto
     ([*OTB, "algorithm.rollout_correction.rollout_is=token"], "set algorithm.rollout_correction.rollout_is=null"),
     (["algorithm.adv_estimator=tir_optimal_token_baseline"], "algorithm.adv_estimator=tir_optimal_token_baseline reads "
      "sum_v pi(v)^2"),
+    (["algorithm.adv_estimator=gdpo"], "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys"),
+    (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc,format]", "algorithm.gdpo_reward_weights=[1]"],
+     "gdpo_reward_weights=[1] must be one number per gdpo_reward_keys=['acc', 'format']"),
+    (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc]", "algorithm.use_kl_in_reward=true"],
+     "the KL penalty in the reward would be dropped"),
+    (["algorithm.adv_estimator=grpo", "algorithm.gdpo_reward_keys=[acc]"],
+     "algorithm.gdpo_reward_keys=['acc'] is read by algorithm.adv_estimator=gdpo only"),
 ])
 def test_estimator_inputs_that_are_missing_are_refused(overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -1090,6 +1090,33 @@ def test_optimal_token_baseline_matches_verls_formula_by_loops():
     assert full[2, 3:].tolist() == pytest.approx(ret[2, 3:].tolist())
 
 
+def test_gdpo_normalises_each_reward_component_in_its_group_then_whitens_the_weighted_sum():
+    """verl 0.9.1's gdpo by loops: per component and prompt group (score - mean) / (sample std + eps), the
+    components' weighted sum on every valid token, whitened over the batch's valid tokens (unbiased variance)."""
+    index = ["a", "b", "a", "b", "a", "b", "b"]
+    lengths = [3, 2, 5, 1, 4, 2, 3]
+    mask = lengths_to_mask(lengths, 5)
+    components = torch.tensor([[1.0, 0.2], [0.0, 0.9], [1.0, 0.1], [1.0, 0.4], [0.0, 0.3], [0.0, 0.9], [1.0, 0.0]],
+                              dtype=torch.float64)
+    for weights, norm in (([1.0, 0.5], True), (None, True), ([2.0, 1.0], False)):
+        adv, ret = pc.compute_gdpo_outcome_advantage(mask, index, components, weights, norm_adv_by_std_in_grpo=norm)
+        w = weights or [1.0, 1.0]
+        total = [0.0] * len(index)
+        for k in range(2):
+            for key in set(index):
+                members = [i for i in range(len(index)) if index[i] == key]
+                values = [components[i, k].item() for i in members]
+                mean, std = statistics.fmean(values), statistics.stdev(values)
+                for i in members:
+                    total[i] += w[k] * (components[i, k].item() - mean) / ((std + 1e-6) if norm else 1.0)
+        tokens = [total[i] for i, n in enumerate(lengths) for _ in range(n)]
+        mean, var = statistics.fmean(tokens), statistics.variance(tokens)
+        want = torch.tensor([[(total[i] - mean) / math.sqrt(var + 1e-8) if t < n else 0.0 for t in range(5)]
+                             for i, n in enumerate(lengths)], dtype=torch.float64)
+        torch.testing.assert_close(adv, want)
+        assert torch.equal(adv, ret)
+
+
 def tir_otb_reference(rewards, mask, index, old_lp, sum_sq, is_weights=None, zero_tail=True, eps=1e-8):
     """verl 0.9.1's tir_optimal_token_baseline written out with loops: each sample's valid tokens listed in
     order, the baseline of its k-th one from the k-th valid tokens of its group's non-empty samples."""
