@@ -646,8 +646,11 @@ def check_model_split(cfg: Config, dims: ParallelDims) -> None:
 def memory_report(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_gb: float) -> dict[str, Any]:
     """The planner's `memory` section: per FSDP rank and phase, bytes per item, and the verdict.
     {"error": message} when the model's config.json cannot be read."""
-    path = cfg.actor_rollout_ref.model.path
-    message = (f"no memory plan: cannot read the config.json of actor_rollout_ref.model.path={path!r}. Give a "
+    paths = {"actor_rollout_ref.model.path": cfg.actor_rollout_ref.model.path}
+    if plan.critic_update is not None and cfg.critic.model.path is not None:
+        paths["critic.model.path"] = cfg.critic.model.path
+    key, path = next(((k, p) for k, p in paths.items() if not has_config_json(p)), next(iter(paths.items())))
+    message = (f"no memory plan: cannot read the config.json of {key}={path!r}. Give a "
                f"local model directory, or download the model to the HF cache first (huggingface-cli download "
                f"{path}); the planner reads only config.json and never downloads.")
     if not has_config_json(path):  # say so at once, without importing transformers (seconds)

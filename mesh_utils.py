@@ -32,7 +32,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from config import Config, ConfigError, adv_estimator_traits, check_supported, load_config
+from config import Config, ConfigError, adv_estimator_traits, check_supported, describe_verl_keys, load_config
 
 # -----------------------------------------------------------------------------
 # Parallel degrees
@@ -597,7 +597,8 @@ def describe(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> str:
     dm = plan_device_map(dims)
     actor_rollout_ref = cfg.actor_rollout_ref
     w = dims.world_size
-    lines = [f"Device map: {dims.nnodes} node(s) x {dims.n_gpus_per_node} devices = world {w}"]
+    lines = [line for line in [describe_verl_keys(cfg)] if line]
+    lines.append(f"Device map: {dims.nnodes} node(s) x {dims.n_gpus_per_node} devices = world {w}")
     if dims.ddp == 1:
         lines.append(f"  FSDP      fsdp_size={actor_rollout_ref.actor.fsdp_config.fsdp_size}: mesh ('fsdp',) = ({w},), "
                      f"one group {_fmt(dm.fsdp_groups)}")

@@ -322,8 +322,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
 
     # 5. advantages
     with timed(metrics, "adv"):
+        components = reward_components(reward_extras, algo_cfg.gdpo_reward_keys, run.env.device)  # gdpo's
         metrics.update(compute_advantages(batch, algo_cfg, run.kl_ctrl, run.dp_group, plan.total_samples,
-                                          plan.n))
+                                          plan.n, components))
     # 5b. the sync check, and rollout correction (decoupled mode): the old actor against the engine over
     # the whole step batch; IS weights for the policy loss, rejected tokens out of every loss
     if old is not None:
@@ -706,8 +707,23 @@ def teacher_log_probs(run: Run, batch: Batch) -> Batch:
 # 5. Advantages; 5b. the sync check and rollout correction
 
 
+def reward_components(reward_extras: list[dict[str, float]], keys: list[str] | None,
+                      device: torch.device) -> torch.Tensor | None:
+    """(B, K): each sample's reward extras named by algorithm.gdpo_reward_keys, in the rows' order; None without keys."""
+    if keys is None:
+        return None
+    missing = sorted({key for extras in reward_extras for key in keys if key not in extras})
+    if missing:
+        given = sorted({key for extras in reward_extras for key in extras})
+        raise ValueError(f"algorithm.gdpo_reward_keys names {missing}, which the reward function does not return "
+                         f"for every sample (its extras: {given}); return a dict with those keys.")
+    return torch.tensor([[float(extras[key]) for key in keys] for extras in reward_extras], dtype=torch.float32,
+                        device=device)  # (B, K)
+
+
 def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLController,
-                       dp_group: dist.ProcessGroup, total_samples: int, samples_per_prompt: int) -> dict[str, float]:
+                       dp_group: dist.ProcessGroup, total_samples: int, samples_per_prompt: int,
+                       reward_components: torch.Tensor | None = None) -> dict[str, float]:
     """Token-level rewards, advantages and returns of this rank's samples, written into `batch`.
 
     The ranks of dp_group hold the step's samples between them, each once: prompt-major as generated (a
@@ -743,6 +759,9 @@ def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLCont
         # the old policy's per-token statistics, when asked for (the optimal token baseline reads them)
         per_token = {k: gather_rows(batch[k], dp_group) for k in ("old_log_probs", "sum_pi_squared")
                      if "sum_pi_squared" in batch}  # (B * dp, R) each
+        if reward_components is not None:  # gdpo's components, (B * dp, K), and their weights
+            per_token.update(reward_components=gather_rows(reward_components, dp_group),
+                             reward_weights=algo_cfg.gdpo_reward_weights)
         all_adv, _ = core.compute_advantage(
             estimator.name, token_level_rewards=all_rewards, response_mask=all_mask, index=all_index.tolist(),
             norm_adv_by_std_in_grpo=algo_cfg.norm_adv_by_std_in_grpo, **per_token)  # (B * dp, R)

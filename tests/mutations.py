@@ -172,6 +172,21 @@ MUTATIONS = (
     Mutation("code reward: a batch's programs run one sample after another", "rewards.py", ((
         "    if base is not default_compute_score or not code:", "    if True:"),),
         "tests/test_code_reward.py::test_score_batch_runs_a_batchs_programs_at_once"),
+    Mutation("tir_optimal_token_baseline compares absolute positions, as optimal_token_baseline", "ppo_core.py", ((
+        "k = (mask.long().cumsum(-1) - 1)[rows, cols]", "k = cols"),),
+        "tests/test_ppo_core.py::test_tir_optimal_token_baseline_compares_the_kth_generated_tokens_as_verl_does"),
+    Mutation("gdpo does not whiten the weighted sum over the batch", "ppo_core.py", ((
+        "advantages = masked_whiten(total, mask.bool()) * mask", "advantages = total * mask"),),
+        "tests/test_ppo_core.py::test_gdpo_normalises_each_reward_component_in_its_group_then_whitens_the_weighted_sum"),
+    Mutation("dro rewards the log-ratio's square instead of penalising it", "ppo_core.py", ((
+        "- 0.5 * dro_beta * log_ratio.square()", "+ 0.5 * dro_beta * log_ratio.square()"),),
+        "tests/test_ppo_core.py::test_dro_is_the_policy_gradient_with_a_quadratic_log_ratio_penalty"),
+    Mutation("verl config: a not-implemented verl key is accepted at any value", "config.py", ((
+        "            if value != default:", "            if False:"),),
+        "tests/test_config.py::test_verls_generated_config_loads_and_plans"),
+    Mutation("verl config: an interpolated verl default is compared as written, not resolved", "config.py", ((
+        'if not (isinstance(default, str) and "${" in default):', "if True:"),),
+        "tests/test_config.py::test_verls_generated_config_loads_and_plans"),
 )
 
 
