@@ -169,6 +169,12 @@ MUTATIONS = (
     Mutation("code reward: a program the sandbox killed still passes on what it printed", "code_reward.py", ((
         "    if not run.ok:\n        return False\n", ""),),
         "tests/test_code_reward.py::test_hostile_programs_score_zero_and_harm_nothing"),
+    Mutation("sandbox: no PID namespace (the caller's /proc, signals and daemons in reach)", "sandbox.py", ((
+        'namespaces = ["--unshare-pid", ', 'namespaces = ['),),
+        "tests/test_sandbox.py::test_full_sandbox_holds_against_the_battery"),
+    Mutation("sandbox: bwrap not killed with its caller (a program outlives a dead trainer)", "sandbox.py", ((
+        '"--die-with-parent", ', ''),),
+        "tests/test_sandbox.py::test_full_sandbox_holds_against_the_battery"),
     Mutation("code reward: a batch's programs run one sample after another", "rewards.py", ((
         "    if base is not default_compute_score or not code:", "    if True:"),),
         "tests/test_code_reward.py::test_score_batch_runs_a_batchs_programs_at_once"),

@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,11 +28,12 @@ import sandbox  # noqa: E402
 
 
 def _processes_with(marker: str) -> list[int]:
+    """The pids of `sleep MARKER`."""
     found = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
+                if f.read().startswith(b"sleep\0" + marker.encode()):  # the program, not its caller
                     found.append(int(entry))
         except OSError:
             pass
@@ -75,7 +77,7 @@ def battery(isolation: str, work: Path) -> list[dict]:
     # signals to the caller
     got = []
     old = signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
-    r = run(f"import os, signal\nos.kill({os.getpid()}, signal.SIGUSR1)\nos.kill(-1, signal.SIGUSR1)")
+    r = run(f"import os, signal\nos.kill({os.getpid()}, signal.SIGUSR1)")
     time.sleep(0.2)
     signal.signal(signal.SIGUSR1, old)
     report("signal the caller", not got, r.text)
@@ -120,13 +122,33 @@ def battery(isolation: str, work: Path) -> list[dict]:
     report("2 GB in one process (memory_mb=512)", r.exit_code != 0, r.text)
     r = run("print(open('/proc/self/oom_score_adj').read())")
     report("the OOM killer's first choice", r.stdout.strip() == "1000", r.text)
+    # the caller dies (SIGKILL) in the middle of a call: the program must not outlive it
+    marker = f"{time.time() % 1000:.6f}{os.getpid() % 1000 + 1000}"
+    caller = subprocess.Popen([sys.executable, "-I", __file__, "--isolation", isolation, "--sleep", marker],
+                              stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while not _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    started = bool(_processes_with(marker))
+    caller.kill()
+    caller.wait()
+    report("outlive its caller", started and _gone(marker), f"started={started}")
+    for pid in _processes_with(marker):
+        os.kill(pid, signal.SIGKILL)
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--isolation", default="full")
+    parser.add_argument("--sleep", help="only run `sleep SLEEP` in the sandbox (a caller to kill mid-call)")
     args = parser.parse_args()
+    if args.isolation == "basic" and os.geteuid() == 0:  # the code would run as root, unconfined
+        sys.exit("the battery does not run the basic sandbox as root: its programs would act as root on this machine")
+    if args.sleep:
+        sandbox.run_python_sandboxed(f"import os; os.execv('/bin/sleep', ['sleep', {args.sleep!r}])",
+                                     isolation=args.isolation, timeout_s=120)
+        return
     with tempfile.TemporaryDirectory(prefix="sandbox-battery-") as work:
         for row in battery(args.isolation, Path(work)):
             print(json.dumps(row), flush=True)
