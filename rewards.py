@@ -309,21 +309,23 @@ def _builtin_rule(data_source: str) -> Callable[..., float | dict[str, Any]]:
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None, *,
     sandbox_fusion_url: str | None = None, memory_limit_mb: int = 1024, max_concurrent: int = 64,
+    isolation: str = "full",
 ) -> float | dict[str, Any]:
     """The built-in rule for this data_source (table in the module docstring); ConfigError for any other.
     The keywords (reward_model.sandbox_fusion.*) are read by the code rule: where and how its programs run.
     Thread-safe."""
     rule = _builtin_rule(data_source)
     if rule is code_reward.code_score:
-        return rule(solution_str, ground_truth, _code_limits(sandbox_fusion_url, memory_limit_mb, max_concurrent))
+        return rule(solution_str, ground_truth,
+                    _code_limits(sandbox_fusion_url, memory_limit_mb, max_concurrent, isolation))
     return rule(solution_str, ground_truth)
 
 
 def _code_limits(sandbox_fusion_url: str | None = None, memory_limit_mb: int = 1024,
-                 max_concurrent: int = 64) -> code_reward.CodeLimits:
+                 max_concurrent: int = 64, isolation: str = "full") -> code_reward.CodeLimits:
     """default_compute_score's keywords as the code rule's limits."""
     return code_reward.CodeLimits(url=sandbox_fusion_url, memory_limit_mb=memory_limit_mb,
-                                  max_concurrent=max_concurrent)
+                                  max_concurrent=max_concurrent, isolation=isolation)
 
 
 def _code_scored_at_once(reward_fn: RewardFn, texts: list[str], prompts: list[Prompt]) -> RewardFn:
@@ -363,7 +365,8 @@ def load_reward_fn(path: str | None, name: str, sandbox_fusion: Config | None = 
     if path is None:
         return functools.wraps(default_compute_score)(functools.partial(
             default_compute_score, sandbox_fusion_url=sandbox_fusion.url,
-            memory_limit_mb=sandbox_fusion.memory_limit_mb, max_concurrent=sandbox_fusion.max_concurrent))
+            memory_limit_mb=sandbox_fusion.memory_limit_mb, max_concurrent=sandbox_fusion.max_concurrent,
+            isolation=sandbox_fusion.isolation))
     if sandbox_fusion is not None and sandbox_fusion.url is not None:
         raise ConfigError(f"reward_model.sandbox_fusion.url={sandbox_fusion.url!r} is read by the built-in code "
                           f"rule only, and custom_reward_function.path={path!r} replaces it; unset one of them.")

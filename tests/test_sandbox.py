@@ -116,3 +116,22 @@ def test_full_isolation_refuses_to_start_without_bubblewrap(readable_copy):
 def test_an_unknown_isolation_is_refused_with_the_valid_ones():
     with pytest.raises(ValueError, match="isolation='auto'; valid: full, basic"):
         sandbox.sandbox_plan("auto")
+
+
+@linux_only
+def test_the_code_rewards_isolation_key_takes_effect():
+    """reward_model.sandbox_fusion.isolation reaches the sandbox: a program that sees the host's /sys (only
+    the basic sandbox shows it) passes under basic and fails under full."""
+    from config import CHOICES, ConfigError, load_config
+    from rewards import load_reward_fn
+
+    assert CHOICES["reward_model.sandbox_fusion.isolation"] == sandbox.ISOLATIONS
+    with pytest.raises(ConfigError, match="isolation"):
+        load_config(None, ["reward_model.sandbox_fusion.isolation=auto"])
+    response = "```python\nimport os\nprint(os.path.isdir('/sys/kernel'))\n```"
+    tests = '{"inputs": [""], "outputs": ["True"]}'
+    scores = {}
+    for isolation in sandbox.ISOLATIONS:
+        cfg = load_config(None, [f"reward_model.sandbox_fusion.isolation={isolation}"])
+        scores[isolation] = load_reward_fn(None, "compute_score", cfg.reward_model.sandbox_fusion)("apps", response, tests)
+    assert scores == {"full": 0.0, "basic": 1.0}
