@@ -53,7 +53,7 @@ class CodeLimits:
     memory_limit_mb: int = 1024  # address space of each program
     timeout_s: float = 10.0  # wall clock and CPU seconds of each program (verl's per-test timeout)
     max_output_mb: int = 16  # a program that prints more is killed (locally: RLIMIT_FSIZE on its stdout)
-    isolation: str = "auto"  # sandbox.sandbox_plan: auto | basic
+    isolation: str = "full"  # sandbox.sandbox_plan: full | basic (weak, only by name)
     api_key_env: str | None = None  # SandboxFusion: the environment variable sent as a bearer token
     max_retries: int = 2  # SandboxFusion: the attempts after the first (429, 5xx, connection errors)
 

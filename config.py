@@ -266,6 +266,9 @@ SCHEMA: dict[str, Any] = {
             # the environment variable sent as `Authorization: Bearer ...`
             "max_retries": (int, 2),
             "api_key_env": (_STR_OR_NONE, None),
+            # project key: the local sandbox's isolation (sandbox.py): full (bubblewrap; refuses to start
+            # without it) or basic (the caller's user, weak: only when named)
+            "isolation": (str, "full"),
         },
         # project keys (verl has none): scorers over HTTP (reward_remote.py); a url turns one on
         "remote": _http_scorer(),  # POST {"items": [...]} -> {"scores": [...]}
@@ -520,6 +523,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "critic.optim.warmup_style": ("constant", "cosine"),
     # one score per sample from a rule or custom function; dapo adds `acc` and the overlong buffer
     "reward_model.reward_manager": ("naive", "dapo"),
+    "reward_model.sandbox_fusion.isolation": ("full", "basic"),  # sandbox.ISOLATIONS
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
     "distillation.distillation_loss.loss_mode": _ALGORITHMS.distillation_losses,
     "distillation.distillation_loss.policy_loss_mode": ("vanilla",),  # verl's only one

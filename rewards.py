@@ -310,7 +310,7 @@ def _builtin_rule(data_source: str) -> Callable[..., float | dict[str, Any]]:
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None, *,
     sandbox_fusion_url: str | None = None, memory_limit_mb: int = 1024, max_concurrent: int = 64,
-    sandbox_fusion_api_key_env: str | None = None, sandbox_fusion_max_retries: int = 2,
+    sandbox_fusion_api_key_env: str | None = None, sandbox_fusion_max_retries: int = 2, isolation: str = "full",
 ) -> float | dict[str, Any]:
     """The built-in rule for this data_source (table in the module docstring); ConfigError for any other.
     The keywords (reward_model.sandbox_fusion.*) are read by the code rule: where and how its programs run.
@@ -318,17 +318,18 @@ def default_compute_score(
     rule = _builtin_rule(data_source)
     if rule is code_reward.code_score:
         return rule(solution_str, ground_truth, _code_limits(sandbox_fusion_url, memory_limit_mb, max_concurrent,
-                                                             sandbox_fusion_api_key_env, sandbox_fusion_max_retries))
+                                                             sandbox_fusion_api_key_env, sandbox_fusion_max_retries,
+                                                             isolation))
     return rule(solution_str, ground_truth)
 
 
 def _code_limits(sandbox_fusion_url: str | None = None, memory_limit_mb: int = 1024,
                  max_concurrent: int = 64, sandbox_fusion_api_key_env: str | None = None,
-                 sandbox_fusion_max_retries: int = 2) -> code_reward.CodeLimits:
+                 sandbox_fusion_max_retries: int = 2, isolation: str = "full") -> code_reward.CodeLimits:
     """default_compute_score's keywords as the code rule's limits."""
     return code_reward.CodeLimits(url=sandbox_fusion_url, memory_limit_mb=memory_limit_mb,
                                   max_concurrent=max_concurrent, api_key_env=sandbox_fusion_api_key_env,
-                                  max_retries=sandbox_fusion_max_retries)
+                                  max_retries=sandbox_fusion_max_retries, isolation=isolation)
 
 
 def _code_scored_at_once(reward_fn: RewardFn, texts: list[str], prompts: list[Prompt]) -> RewardFn:
@@ -369,7 +370,8 @@ def load_reward_fn(path: str | None, name: str, sandbox_fusion: Config | None = 
         return functools.wraps(default_compute_score)(functools.partial(
             default_compute_score, sandbox_fusion_url=sandbox_fusion.url,
             memory_limit_mb=sandbox_fusion.memory_limit_mb, max_concurrent=sandbox_fusion.max_concurrent,
-            sandbox_fusion_api_key_env=sandbox_fusion.api_key_env, sandbox_fusion_max_retries=sandbox_fusion.max_retries))
+            sandbox_fusion_api_key_env=sandbox_fusion.api_key_env, sandbox_fusion_max_retries=sandbox_fusion.max_retries,
+            isolation=sandbox_fusion.isolation))
     if sandbox_fusion is not None and sandbox_fusion.url is not None:
         raise ConfigError(f"reward_model.sandbox_fusion.url={redact_url(sandbox_fusion.url)!r} is read by the built-in code "
                           f"rule only, and custom_reward_function.path={path!r} replaces it; unset one of them.")

@@ -149,8 +149,9 @@ MUTATIONS = (
              "checkpoint.py", (
         ('final, tmp = root / f"global_step_{step}", root / f"global_step_{step}.tmp"',
          'final = tmp = root / f"global_step_{step}"'),
-        ('            if final.exists():  # re-saving a step (after a resume): replace it only now\n'
-         '                shutil.rmtree(final)\n            os.replace(tmp, final)\n', ''),
+        ('            if final.exists():  # re-saving a step (after a resume): the complete one stays until the new '
+         'one is in\n                shutil.rmtree(old, ignore_errors=True)\n                os.replace(final, old)\n'
+         '            os.replace(tmp, final)\n', ''),
         ('if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]',
          'if (m := _STEP_DIR.match(p.name))]')),
         "tests/test_faults.py::test_rank_killed_while_saving_keeps_the_previous_checkpoint"),
@@ -169,6 +170,12 @@ MUTATIONS = (
     Mutation("code reward: a program the sandbox killed still passes on what it printed", "code_reward.py", ((
         "    if not run.ok:\n        return False\n", ""),),
         "tests/test_code_reward.py::test_hostile_programs_score_zero_and_harm_nothing"),
+    Mutation("sandbox: no PID namespace (the caller's /proc, signals and daemons in reach)", "sandbox.py", ((
+        'namespaces = ["--unshare-pid", ', 'namespaces = ['),),
+        "tests/test_sandbox.py::test_full_sandbox_holds_against_the_battery"),
+    Mutation("sandbox: bwrap not killed with its caller (a program outlives a dead trainer)", "sandbox.py", ((
+        '"--die-with-parent", ', ''),),
+        "tests/test_sandbox.py::test_full_sandbox_holds_against_the_battery"),
     Mutation("code reward: a batch's programs run one sample after another", "rewards.py", ((
         "    if base is not default_compute_score or not code:", "    if True:"),),
         "tests/test_code_reward.py::test_score_batch_runs_a_batchs_programs_at_once"),
