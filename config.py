@@ -559,6 +559,13 @@ class Config(dict):
         except KeyError:
             raise AttributeError(f"config has no key {name!r}") from None
 
+    def at(self, path: str) -> Any:
+        """The value of a dotted key below this one, `cfg.at("actor_rollout_ref.actor.optim.lr")`; a read."""
+        node: Any = self
+        for part in path.split("."):
+            node = node[part]
+        return node
+
     def section(self, name: str) -> Config:
         """The sub-config `name`, creating it (used while building)."""
         if not dict.__contains__(self, name):

@@ -991,7 +991,7 @@ class ActorLoss:
         mode = actor.policy_loss.loss_mode
         low, high = (actor.clip_ratio if c is None else c for c in (actor.clip_ratio_low, actor.clip_ratio_high))
         params = dict(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=actor.clip_ratio_c,
-                      **{key: functools.reduce(Config.__getitem__, policy_loss_key(key).split("."), cfg)
+                      **{key: cfg.at(policy_loss_key(key))
                          for key in core.POLICY_LOSSES[mode].keys})
         rc_cfg = cfg.algorithm.rollout_correction
         return cls(mode, params, actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None,
