@@ -884,12 +884,16 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override {text!r} is not of the form key=value (e.g. data.train_batch_size=60).")
     key, raw = text.split("=", 1)
     key = key.strip().lstrip("+")  # verl/hydra users write +key=value for new keys
+    if key in _SECTIONS or key in _verl_sections():
+        raise ConfigError(f"override {text[:80]!r}: {key!r} is a section; give its keys one by one, e.g. "
+                          f"{key}.<name>=<value>.")
     if key not in _KEYS and key not in verl_defaults():
         raise _unknown_key(key, "the command line")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: the value is not valid YAML ({e}).") from None
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: an int of more than 4300 digits
+        raise ConfigError(f"override {text[:80]!r}: the value is not valid YAML or too long a number "
+                          f"({str(e)[:200]}).") from None
     if isinstance(value, int | float) and not isinstance(value, bool) and "_" in raw:
         value = raw.strip()  # YAML 1.1 reads 0.5_2 as 0.52; it is a "lower_upper" threshold
     return key, value

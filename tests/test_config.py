@@ -518,3 +518,23 @@ def test_a_partial_file_that_names_other_verl_groups_is_refused(tmp_path):
     broken.write_text(PARTIAL.replace("${data.max_prompt_length}", "${data.max_prompt_lenght}"))
     with pytest.raises(ConfigError, match=r"interpolation does not resolve.*max_prompt_lenght"):
         load_config(broken)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.actor.optim.lr=inf", "must be a finite number"),
+    ("actor_rollout_ref.actor.optim.weight_decay=.inf", "must be a finite number"),
+    ("algorithm.kl_ctrl.kl_coef=inf", "must be a finite number"),
+    ("reward_model.timeout_s=inf", "must be a finite number"),
+    ("actor_rollout_ref.actor.entropy_coeff=nan", "must be a finite number"),
+    ("reward_model.judge.score_range=[10,0]", "two finite numbers low < high"),
+    ("data.train_batch_size=" + "9" * 5000, "too long a number"),
+    ("data={a: 1}", "'data' is a section; give its keys one by one"),
+])
+def test_non_finite_and_malformed_values_are_refused_before_anything_loads(override, message):
+    """The audit's G2/G3: inf and nan where they mean nothing, a 5000-digit number, a section as a value."""
+    with pytest.raises(ConfigError, match=message):
+        check_supported(load_config("configs/tiny_cpu.yaml", [override]))
+
+
+def test_inf_where_it_means_no_limit_is_accepted():
+    check_supported(load_config("configs/tiny_cpu.yaml", ["actor_rollout_ref.actor.grad_clip=inf"]))

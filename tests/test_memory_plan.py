@@ -546,3 +546,11 @@ def test_teacher_is_counted_like_the_reference(tiny_assets, tmp_path):
     remedies = dict(mp._remedies(m, "log_prob", on_device[0]["log_prob"], 1000, 64))
     assert remedies["distillation.teacher_models.teacher_model.fsdp_config.param_offload=true"] == \
         on_device[0]["log_prob"]["teacher.params"]
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "nan", "inf", "lots"])
+def test_the_device_memory_must_be_a_positive_number(value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        mp.main(["--config", "configs/tiny_cpu.yaml", "--gpu-memory-gb", value])
+    assert exit_.value.code == 2
+    assert "must be the device's memory in GiB, a number > 0" in capsys.readouterr().err
