@@ -135,3 +135,14 @@ def test_the_code_rewards_isolation_key_takes_effect():
         cfg = load_config(None, [f"reward_model.sandbox_fusion.isolation={isolation}"])
         scores[isolation] = load_reward_fn(None, "compute_score", cfg.reward_model.sandbox_fusion)("apps", response, tests)
     assert scores == {"full": 0.0, "basic": 1.0}
+
+
+@linux_only
+@pytest.mark.parametrize("isolation", sandbox.ISOLATIONS)
+def test_a_program_cannot_pass_for_a_failed_sandbox(isolation):
+    """Only the sandbox's own set-up can raise (the run stops on it); a program that prints what a failed
+    set-up prints and exits as it would is a failed program, nothing more."""
+    for stderr, status in [("sandbox setup failed: OSError: x", 121), ("bwrap: Can't mount proc", 1)]:
+        result = sandbox.run_python_sandboxed(f"import sys\nsys.stderr.write({stderr!r})\nsys.exit({status})",
+                                              isolation=isolation, timeout_s=10)
+        assert result.exit_code == status and result.text.startswith(stderr)
