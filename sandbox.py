@@ -243,8 +243,8 @@ def _probe_plan(isolation: str) -> SandboxPlan:
     for per_call_uid in ([True, False] if os.geteuid() == 0 else [False]):
         for binary in binaries:
             namespaces = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
-            if not per_call_uid:  # an ordinary user gets its namespaces through a user namespace of its own
-                namespaces = ["--unshare-user", "--disable-userns", *namespaces]
+            if not per_call_uid:  # its namespaces through a user namespace of its own, with no capability in it
+                namespaces = ["--unshare-user", "--disable-userns", "--cap-drop", "ALL", *namespaces]
             version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.strip()
             plan = SandboxPlan("full", bwrap=(binary, *namespaces, "--die-with-parent", "--new-session",
                                               "--proc", "/proc", "--dev", "/dev"),

@@ -88,7 +88,7 @@ def test_full_sandbox_holds_against_the_battery(role, readable_copy):
     print(f"\n{role}: {summary}")
     for row in rows:
         print(f"  {'held' if row['held'] else 'NOT HELD':8} {row['probe']}")
-    assert len(rows) == 13
+    assert len(rows) == 14
     assert [r for r in rows if not r["held"]] == []
     assert summary.startswith("sandbox: full")
     # root gets a uid of its own per call; an ordinary user, or a root only inside a user namespace (where
