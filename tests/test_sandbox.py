@@ -146,3 +146,20 @@ def test_a_program_cannot_pass_for_a_failed_sandbox(isolation):
         result = sandbox.run_python_sandboxed(f"import sys\nsys.stderr.write({stderr!r})\nsys.exit({status})",
                                               isolation=isolation, timeout_s=10)
         assert result.exit_code == status and result.text.startswith(stderr)
+
+
+@linux_only
+def test_full_isolation_refuses_where_user_namespaces_are_off():
+    """Finding S2's machine (no user namespaces, not root), made inside a user namespace of this test whose
+    limit of nested user namespaces is set to 0: `full` is refused with the reason, after trying both
+    variants, and names `isolation: basic`; it never falls back by itself."""
+    unshare = shutil.which("unshare")
+    assert unshare, "this test needs unshare (util-linux)"
+    code = ("import sandbox\ntry:\n    sandbox.run_python_sandboxed('print(1)')\nexcept sandbox.SandboxUnavailable as e:\n"
+            "    print('refused:', e)")
+    out = subprocess.run([unshare, "--user", "--map-root-user", "--", "sh", "-c",
+                          f"echo 0 > /proc/sys/user/max_user_namespaces && exec {sys.executable} -c \"$0\"", code],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("refused: sandbox isolation=full") and "a uid per call" in out.stdout
+    assert "max_*_namespaces exceeded" in out.stdout and "isolation: basic" in out.stdout
