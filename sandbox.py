@@ -56,7 +56,6 @@ from pathlib import Path
 # file (not argv), and a fresh scratch directory as cwd.
 
 ISOLATIONS = ("full", "basic")
-_SANDBOX_SETUP_FAILED = 121  # the prelude's exit code when it could not set the sandbox up
 
 _PRELUDE = r'''
 import json, os, resource, sys
@@ -77,6 +76,8 @@ try:
         os.setgroups([])
         os.setgid(cfg["uid"])
         os.setuid(cfg["uid"])
+    os.write(cfg["status_fd"], b"ok")  # set up: what follows is the program's doing (closed before it runs)
+    os.close(cfg["status_fd"])
 except BaseException as e:
     print("sandbox setup failed: %s: %s" % (type(e).__name__, e), file=sys.stderr)
     os._exit(121)
@@ -242,8 +243,8 @@ def _probe_plan(isolation: str) -> SandboxPlan:
     for per_call_uid in ([True, False] if os.geteuid() == 0 else [False]):
         for binary in binaries:
             namespaces = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
-            if not per_call_uid:  # an ordinary user gets its namespaces through a user namespace of its own
-                namespaces = ["--unshare-user", "--disable-userns", *namespaces]
+            if not per_call_uid:  # its namespaces through a user namespace of its own, with no capability in it
+                namespaces = ["--unshare-user", "--disable-userns", "--cap-drop", "ALL", *namespaces]
             version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.strip()
             plan = SandboxPlan("full", bwrap=(binary, *namespaces, "--die-with-parent", "--new-session",
                                               "--proc", "/proc", "--dev", "/dev"),
@@ -373,17 +374,17 @@ def _run(plan: SandboxPlan, code: str, timeout_s: float, cpu_s: int, memory_mb: 
     start, timed_out = time.monotonic(), False
     # Nothing named on the host: the program and the outputs are unlinked files, gone with their last handle
     with (tempfile.TemporaryFile() as program, tempfile.TemporaryFile() as inp, tempfile.TemporaryFile() as out,
-          tempfile.TemporaryFile() as err):
+          tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as status):
         try:
             program.write(code.encode("utf-8", "surrogatepass"))
             inp.write(stdin.encode("utf-8", "surrogatepass"))
             program.seek(0)
             inp.seek(0)
-            cfg = {"code_fd": program.fileno(), "scratch": scratch, "uid": uid, "rlimits": rlimits,
+            cfg = {"code_fd": program.fileno(), "status_fd": status.fileno(), "scratch": scratch, "uid": uid, "rlimits": rlimits,
                    "block_network": plan.block_network, "block_processes": plan.block_processes}
             argv = [*command, sys.executable, "-I", "-B", "-u", "-c", _PRELUDE, json.dumps(cfg)]
             proc = subprocess.Popen(argv, stdin=inp, stdout=out, stderr=err, env=env, cwd="/",
-                                    start_new_session=True, pass_fds=(program.fileno(),))
+                                    start_new_session=True, pass_fds=(program.fileno(), status.fileno()))
             try:
                 proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -411,13 +412,14 @@ def _run(plan: SandboxPlan, code: str, timeout_s: float, cpu_s: int, memory_mb: 
             return f.read(max_output_chars * 4).decode("utf-8", "replace")[:max_output_chars]
 
         stdout, stderr = read(out), read(err)
+        status.seek(0)
+        set_up = status.read() == b"ok"  # the prelude says so before the program runs: the program cannot fake it
     rc = proc.returncode
     if full and 128 < rc < 160:  # bwrap relays a signal as 128 + N
         rc = 128 - rc
-    if rc == _SANDBOX_SETUP_FAILED and stderr.startswith("sandbox setup failed"):
-        raise RuntimeError(stderr.strip())
-    if full and rc == 1 and stderr.startswith("bwrap:"):  # bwrap itself failed (the code never ran)
-        raise RuntimeError(f"sandbox setup failed: {stderr.strip()}")
+    if not set_up and not timed_out:  # bwrap or the prelude failed: the code never ran
+        raise RuntimeError(stderr.strip() if stderr.startswith("sandbox setup failed") else
+                           f"sandbox setup failed (exit status {rc}): {stderr.strip()}")
     text = stdout + ("\n" if stdout and stderr and not stdout.endswith("\n") else "") + stderr
     why = (f"the code ran longer than {timeout_s:g} s (wall clock) and was killed" if timed_out else
            f"the code used more than {cpu_s} s of CPU time and was killed" if rc == -signal.SIGXCPU else

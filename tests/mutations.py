@@ -176,6 +176,9 @@ MUTATIONS = (
     Mutation("sandbox: bwrap not killed with its caller (a program outlives a dead trainer)", "sandbox.py", ((
         '"--die-with-parent", ', ''),),
         "tests/test_sandbox.py::test_full_sandbox_holds_against_the_battery"),
+    Mutation("sandbox: a fake root's user namespace keeps every capability", "sandbox.py", ((
+        '"--cap-drop", "ALL", ', ''),),
+        "tests/test_sandbox.py::test_full_sandbox_holds_against_the_battery"),
     Mutation("code reward: a batch's programs run one sample after another", "rewards.py", ((
         "    if base is not default_compute_score or not code:", "    if True:"),),
         "tests/test_code_reward.py::test_score_batch_runs_a_batchs_programs_at_once"),

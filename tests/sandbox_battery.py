@@ -122,6 +122,9 @@ def battery(isolation: str, work: Path) -> list[dict]:
     report("fork bomb", time.monotonic() - start < 6 and r.exit_code != 0, r.text)
     r = run("x = bytearray(2 * 1024**3)")
     report("2 GB in one process (memory_mb=512)", r.exit_code != 0, r.text)
+    r = run("print([line.split()[1] for line in open('/proc/self/status') if line.startswith('Cap')])")
+    caps = r.stdout.strip("[]'\n").split("', '")  # inheritable, permitted, effective, bounding, ambient
+    report("hold capabilities", len(caps) == 5 and {caps[i] for i in (0, 1, 2, 4)} == {"0" * 16}, r.text)
     r = run("print(open('/proc/self/oom_score_adj').read())")
     report("the OOM killer's first choice", r.stdout.strip() == "1000", r.text)
     # the caller dies (SIGKILL) in the middle of a call: the program must not outlive it

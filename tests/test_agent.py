@@ -629,8 +629,8 @@ def test_sandbox_writes_outside_its_dir_fail_or_vanish(tmp_path):
         print("usr", os.path.isdir("/usr/lib"))  # the system's read-only directories are there
         print("secret", os.path.exists({str(secret)!r}), "passwd", os.path.exists("/etc/passwd"))
     """))
-    # the checkout is not in the sandbox (or read-only where the interpreter lives in it)
-    assert f"{repo_file} written" not in result.text and not repo_file.exists()
+    # the checkout is not in the sandbox (a write there fails, or lands in its tmpfs root and vanishes)
+    assert not repo_file.exists()
     assert f"{tmp_file} written" in result.text and not os.path.exists(tmp_file)  # a private tmpfs, gone
     assert "usr True" in result.text and "secret False passwd False" in result.text
 

@@ -88,7 +88,7 @@ def test_full_sandbox_holds_against_the_battery(role, readable_copy):
     print(f"\n{role}: {summary}")
     for row in rows:
         print(f"  {'held' if row['held'] else 'NOT HELD':8} {row['probe']}")
-    assert len(rows) == 13
+    assert len(rows) == 14
     assert [r for r in rows if not r["held"]] == []
     assert summary.startswith("sandbox: full")
     # root gets a uid of its own per call; an ordinary user, or a root only inside a user namespace (where
@@ -135,3 +135,31 @@ def test_the_code_rewards_isolation_key_takes_effect():
         cfg = load_config(None, [f"reward_model.sandbox_fusion.isolation={isolation}"])
         scores[isolation] = load_reward_fn(None, "compute_score", cfg.reward_model.sandbox_fusion)("apps", response, tests)
     assert scores == {"full": 0.0, "basic": 1.0}
+
+
+@linux_only
+@pytest.mark.parametrize("isolation", sandbox.ISOLATIONS)
+def test_a_program_cannot_pass_for_a_failed_sandbox(isolation):
+    """Only the sandbox's own set-up can raise (the run stops on it); a program that prints what a failed
+    set-up prints and exits as it would is a failed program, nothing more."""
+    for stderr, status in [("sandbox setup failed: OSError: x", 121), ("bwrap: Can't mount proc", 1)]:
+        result = sandbox.run_python_sandboxed(f"import sys\nsys.stderr.write({stderr!r})\nsys.exit({status})",
+                                              isolation=isolation, timeout_s=10)
+        assert result.exit_code == status and result.text.startswith(stderr)
+
+
+@linux_only
+def test_full_isolation_refuses_where_user_namespaces_are_off():
+    """Finding S2's machine (no user namespaces, not root), made inside a user namespace of this test whose
+    limit of nested user namespaces is set to 0: `full` is refused with the reason, after trying both
+    variants, and names `isolation: basic`; it never falls back by itself."""
+    unshare = shutil.which("unshare")
+    assert unshare, "this test needs unshare (util-linux)"
+    code = ("import sandbox\ntry:\n    sandbox.run_python_sandboxed('print(1)')\nexcept sandbox.SandboxUnavailable as e:\n"
+            "    print('refused:', e)")
+    out = subprocess.run([unshare, "--user", "--map-root-user", "--", "sh", "-c",
+                          f"echo 0 > /proc/sys/user/max_user_namespaces && exec {sys.executable} -c \"$0\"", code],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("refused: sandbox isolation=full") and "a uid per call" in out.stdout
+    assert "max_*_namespaces exceeded" in out.stdout and "isolation: basic" in out.stdout
