@@ -21,6 +21,7 @@ for `PeftModel.from_pretrained(base, out)` or vLLM's `LLM(base, enable_lora=True
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -41,6 +42,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     problems = check_files(found[-1], deep=True)
     if problems:
         raise SystemExit(f"export_hf: checkpoint {found[-1]} is damaged, not exporting it: {'; '.join(problems)}.")
+    unrecorded = "files" not in json.loads((found[-1] / STATE_FILE).read_text())
+    print(f"export_hf: reading {found[-1]}{' (no file record: its files are unchecked)' if unrecorded else ''}; its "
+          f"DCP index (.metadata) is a pickle, run when read: export only checkpoints you trust", file=sys.stderr)
     return found[-1]
 
 
