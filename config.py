@@ -831,7 +831,19 @@ def _read_yaml(path: Path) -> Any:
     return OmegaConf.merge(*(layers[e] for e in entries))
 
 
+# Keys of older verl versions that 0.9.1 dropped, and what does their job here.
+FORMER_VERL_KEYS: dict[str, str] = {
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": (
+        "older verl's simulated user (a YAML of BaseInteraction classes, which subclass verl's own class) is gone "
+        "from verl 0.9.1; here a simulated user is an agent.Environment (reset / step / close, see "
+        "tests/multi_turn_env.py): set actor_rollout_ref.rollout.multi_turn.environment=module.Class"),
+}
+
+
 def _unknown_key(key: str, where: str) -> ConfigError:
+    if key in FORMER_VERL_KEYS:
+        return ConfigError(f"config key {key!r} in {where} is not a key of verl {VERL_VERSION} or of this program: "
+                           f"{FORMER_VERL_KEYS[key]}.")
     known = [*_KEYS, *sorted(_SECTIONS), *verl_defaults(), *sorted(_verl_sections())]
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     hint = f" Did you mean {close[0]!r}?" if close else ""

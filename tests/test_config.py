@@ -518,3 +518,9 @@ def test_a_partial_file_that_names_other_verl_groups_is_refused(tmp_path):
     broken.write_text(PARTIAL.replace("${data.max_prompt_length}", "${data.max_prompt_lenght}"))
     with pytest.raises(ConfigError, match=r"interpolation does not resolve.*max_prompt_lenght"):
         load_config(broken)
+
+
+def test_a_key_verl_dropped_is_refused_with_what_does_its_job_here(tmp_path):
+    with pytest.raises(ConfigError, match=r"interaction_config_path' in the command line is not a key of verl "
+                                          r"0.9.1.*multi_turn.environment=module.Class"):
+        load_config(None, ["actor_rollout_ref.rollout.multi_turn.interaction_config_path=interaction.yaml"])
