@@ -6,8 +6,11 @@ Every key the programs read is declared once in `SCHEMA` below with its type and
     closest valid one), never silently ignored;
   * a value of the wrong type (`data.train_batch_size=sixty`) is an error that names the key and
     the expected type;
-  * there is no interpolation and no inheritance: the resolved config is a plain nested mapping,
-    printed once at start-up.
+  * this program's own files have no interpolation and no inheritance: the resolved config is a plain
+    nested mapping, printed once at start-up;
+  * verl's own files are read as verl reads them (a whole config, or a hydra-style partial file over
+    verl's defaults, `${...}` resolved by OmegaConf), and every verl key this program lacks is decided
+    by VERL_KEY_RULES: no effect here, or accepted at verl's default only.
 
 The device (CUDA or CPU) is detected at run time, not configured, so one file runs on both.
 Keys that verl derives at run time (the normalised per-rank batch sizes) are not config keys here:
