@@ -6,8 +6,11 @@ Every key the programs read is declared once in `SCHEMA` below with its type and
     closest valid one), never silently ignored;
   * a value of the wrong type (`data.train_batch_size=sixty`) is an error that names the key and
     the expected type;
-  * there is no interpolation and no inheritance: the resolved config is a plain nested mapping,
-    printed once at start-up.
+  * this program's own files have no interpolation and no inheritance: the resolved config is a plain
+    nested mapping, printed once at start-up;
+  * verl's own files are read as verl reads them (a whole config, or a hydra-style partial file over
+    verl's defaults, `${...}` resolved by OmegaConf), and every verl key this program lacks is decided
+    by VERL_KEY_RULES: no effect here, or accepted at verl's default only.
 
 The device (CUDA or CPU) is detected at run time, not configured, so one file runs on both.
 Keys that verl derives at run time (the normalised per-rank batch sizes) are not config keys here:
@@ -854,7 +857,19 @@ def _read_yaml(path: Path) -> Any:
     return OmegaConf.merge(*(layers[e] for e in entries))
 
 
+# Keys of older verl versions that 0.9.1 dropped, and what does their job here.
+FORMER_VERL_KEYS: dict[str, str] = {
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": (
+        "older verl's simulated user (a YAML of BaseInteraction classes, which subclass verl's own class) is gone "
+        "from verl 0.9.1; here a simulated user is an agent.Environment (reset / step / close, see "
+        "tests/multi_turn_env.py): set actor_rollout_ref.rollout.multi_turn.environment=module.Class"),
+}
+
+
 def _unknown_key(key: str, where: str) -> ConfigError:
+    if key in FORMER_VERL_KEYS:
+        return ConfigError(f"config key {key!r} in {where} is not a key of verl {VERL_VERSION} or of this program: "
+                           f"{FORMER_VERL_KEYS[key]}.")
     known = [*_KEYS, *sorted(_SECTIONS), *verl_defaults(), *sorted(_verl_sections())]
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     hint = f" Did you mean {close[0]!r}?" if close else ""

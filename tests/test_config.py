@@ -538,3 +538,9 @@ def test_non_finite_and_malformed_values_are_refused_before_anything_loads(overr
 
 def test_inf_where_it_means_no_limit_is_accepted():
     check_supported(load_config("configs/tiny_cpu.yaml", ["actor_rollout_ref.actor.grad_clip=inf"]))
+
+
+def test_a_key_verl_dropped_is_refused_with_what_does_its_job_here(tmp_path):
+    with pytest.raises(ConfigError, match=r"interaction_config_path' in the command line is not a key of verl "
+                                          r"0.9.1.*multi_turn.environment=module.Class"):
+        load_config(None, ["actor_rollout_ref.rollout.multi_turn.interaction_config_path=interaction.yaml"])
