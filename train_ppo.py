@@ -120,6 +120,7 @@ from models import (
     set_optimizer_config,
     token_budget_micro_batches,
 )
+from moe import engine_names
 from offload import LOADED, PHASES, OffloadFlags, plan_moves
 from reward_model import RewardModel
 from rewards import (
@@ -462,6 +463,7 @@ def sync_weights(run: Run) -> float:
         weights = iter_sync_params(run.actor, run.param_dtype, engine.lora_modules if engine.synced_once else None)
     else:
         weights = iter_full_params(run.actor, dtype=run.param_dtype)
+    weights = engine_names(run.actor, weights)  # a MoE's checkpoint names, which the engine loads
     seconds = rollout.sync_weights(engine.llm, weights, partial=bool(run.lora_spec) and engine.synced_once)
     engine.synced_once = True
     run.actor.eval()
