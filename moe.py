@@ -37,3 +37,82 @@ def engine_names(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tens
 
     for name, tensor in named_tensors:
         yield from revert_weight_conversion(model, {name: tensor}).items()
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing: the routers of a transformers MoE, and replaying recorded routes through them
+
+
+def routers(model: nn.Module) -> list[nn.Module]:
+    """The model's MoE routers in layer order (`mlp.gate` of Qwen2-MoE, Qwen3-MoE and Mixtral): modules that
+    map hidden states (N, H) to (router logits (N, E), top-k weights (N, k), top-k expert ids (N, k))."""
+    found = [m for name, m in model.named_modules() if name.endswith("mlp.gate") and hasattr(m, "top_k")]
+    if not found and is_moe(model.config):
+        raise ValueError(f"{type(model).__name__} is a MoE model, but no router (a `mlp.gate` with top_k) was found")
+    return found
+
+
+def _replayed(router: nn.Module, logits: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router's output with `experts` (N, k) chosen: their weights gathered from the dense softmax of
+    this forward's logits (so the router keeps its gradient), renormalised where the router does so."""
+    probs = torch.softmax(logits.float(), dim=-1)  # (N, E)
+    chosen = probs.gather(-1, experts)  # (N, k)
+    if getattr(router, "norm_topk_prob", True):  # Mixtral's router always renormalises
+        chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+    return logits, chosen.to(weights.dtype), experts
+
+
+class RouterReplay:
+    """Records the experts each router chose, or forces recorded ones, in the forwards run inside it.
+
+        with RouterReplay(model, "record") as rec:   # the old-log-prob forward (R2), or the engine's (R3)
+            model(**inputs)
+        routes = rec.routes                          # (layers, N, k) int64, N = tokens of the forward
+        with RouterReplay(model, "replay", routes):  # the update's forward: the same experts
+            loss = ...; loss.backward()              # the router still gets gradients
+
+    Routes are in the order the routers see tokens: the forward's flattened (batch x sequence) layout.
+    Each router must be called once per forward; the forward's tokens must be the recorded ones.
+    """
+
+    def __init__(self, model: nn.Module, mode: str, routes: torch.Tensor | None = None) -> None:
+        if mode not in ("record", "replay"):
+            raise ValueError(f"RouterReplay mode {mode!r}: use 'record' or 'replay'")
+        if (mode == "replay") != (routes is not None):
+            raise ValueError("RouterReplay: routes are given to 'replay', and only to it")
+        self.routers = routers(model)
+        if routes is not None and routes.shape[0] != len(self.routers):
+            raise ValueError(f"routes for {routes.shape[0]} MoE layers; the model has {len(self.routers)}")
+        self.mode, self.given = mode, routes
+        self.recorded: list[torch.Tensor | None] = [None] * len(self.routers)
+        self.handles: list = []
+
+    def _hook(self, layer: int):
+        def hook(router: nn.Module, args: tuple, output: tuple) -> tuple:
+            logits, weights, experts = output
+            if self.mode == "record":
+                self.recorded[layer] = experts.detach().clone()
+                return output
+            forced = self.given[layer].to(experts.device)
+            if forced.shape != experts.shape:
+                raise ValueError(f"router of MoE layer {layer}: recorded routes {tuple(forced.shape)} for a forward "
+                                 f"of {tuple(experts.shape)} (tokens x top_k); replay needs the recorded tokens")
+            return _replayed(router, logits, weights, forced)
+        return hook
+
+    def __enter__(self) -> RouterReplay:
+        self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    @property
+    def routes(self) -> torch.Tensor:
+        """(layers, N, k): the recorded experts of each MoE layer."""
+        if any(r is None for r in self.recorded):
+            raise RuntimeError("RouterReplay.routes: not every router ran inside the 'record' block")
+        return torch.stack(self.recorded)

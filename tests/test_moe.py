@@ -78,3 +78,69 @@ def test_dense_models_keep_their_names(tiny_assets):
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     assert not moe.is_moe(model.config)
     assert [n for n, _ in moe.engine_names(model, iter(named))] == [n for n, _ in named]
+
+
+# ---------------------------------------------------------------------------------------------
+# Router replay (trainer side), on the HF models in this process
+
+
+def _model_and_batch(path: Path) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _experts_used(model: torch.nn.Module) -> tuple[list[torch.Tensor], list]:
+    """What each layer's experts module is handed (its top-k ids), seen from the experts, not the router."""
+    seen: list[torch.Tensor] = []
+    handles = [m.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone()))
+               for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    return seen, handles
+
+
+@pytest.mark.parametrize("arch", make_assets.MOE_ARCHS)
+def test_replaying_the_recorded_routes_equals_the_free_forward(arch, moe_assets):
+    model, batch = _model_and_batch(moe_assets[arch])
+    with torch.no_grad():
+        free = model(**batch).logits
+        with moe.RouterReplay(model, "record") as rec:
+            recorded = model(**batch).logits
+        with moe.RouterReplay(model, "replay", rec.routes):
+            replayed = model(**batch).logits
+    assert rec.routes.shape == (2, 2 * 12, 2)  # (layers, tokens, top_k)
+    assert torch.equal(recorded, free) and torch.equal(replayed, free)
+
+
+@pytest.mark.parametrize("arch", make_assets.MOE_ARCHS)
+def test_replay_forces_flipped_routes_back_and_the_router_keeps_its_gradient(arch, moe_assets):
+    model, batch = _model_and_batch(moe_assets[arch])
+    with torch.no_grad(), moe.RouterReplay(model, "record") as rec:
+        model(**batch)
+    with torch.no_grad():  # move the routers: many tokens now pick other experts
+        for router in moe.routers(model):
+            router.weight.add_(torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(1)))
+        with moe.RouterReplay(model, "record") as moved:
+            model(**batch)
+    flipped = (moved.routes.sort(-1).values != rec.routes.sort(-1).values).any(-1)  # (layers, tokens)
+    assert flipped.sum() > 5, "the perturbation flipped too few routes to test anything"
+
+    seen, handles = _experts_used(model)
+    with moe.RouterReplay(model, "replay", rec.routes):
+        loss = model(**batch).logits.logsumexp(-1).mean()
+    for handle in handles:
+        handle.remove()
+    assert all(torch.equal(used, want) for used, want in zip(seen, rec.routes, strict=True))  # forced back
+    loss.backward()
+    for router in moe.routers(model):
+        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+def test_replay_refuses_routes_of_other_tokens(moe_assets):
+    model, batch = _model_and_batch(moe_assets["qwen3_moe"])
+    with torch.no_grad(), moe.RouterReplay(model, "record") as rec:
+        model(**batch)
+    with pytest.raises(ValueError, match="replay needs the recorded tokens"), torch.no_grad():
+        with moe.RouterReplay(model, "replay", rec.routes[:, :-1]):
+            model(**batch)
+    with pytest.raises(ValueError, match="MoE layers"):
+        moe.RouterReplay(model, "replay", rec.routes[:1])
