@@ -21,7 +21,7 @@ WORKER = ROOT / "tests" / "dist_moe_check.py"
 PARITY = 1e-5  # float32 engine and actor, same weights: only the kernels' summation order differs
 
 # architecture -> (world size, rollout TP)
-LAUNCHES = {"qwen3_moe": (1, 1), "qwen2_moe": (1, 1), "mixtral": (2, 2)}
+LAUNCHES = {"qwen3_moe": (1, 1), "qwen2_moe": (1, 1), "mixtral": (2, 1)}
 _RESULTS: dict[str, list[dict]] = {}
 
 
@@ -144,3 +144,13 @@ def test_replay_refuses_routes_of_other_tokens(moe_assets):
             model(**batch)
     with pytest.raises(ValueError, match="MoE layers"):
         moe.RouterReplay(model, "replay", rec.routes[:1])
+
+
+def test_lora_on_a_moe_model_is_refused(moe_assets):
+    from config import ConfigError
+    from lora import LoraSpec
+
+    spec = LoraSpec(rank=8, alpha=16, target_modules="all-linear", adapter_path=None, base_model="tiny")
+    model = AutoModelForCausalLM.from_pretrained(moe_assets["mixtral"], dtype=torch.float32)
+    with pytest.raises(ConfigError, match="LoRA on a mixture-of-experts model"):
+        spec.add_adapter(model)
