@@ -116,3 +116,43 @@ class RouterReplay:
         if any(r is None for r in self.recorded):
             raise RuntimeError("RouterReplay.routes: not every router ran inside the 'record' block")
         return torch.stack(self.recorded)
+
+
+# ---------------------------------------------------------------------------------------------
+# The routers' load-balancing loss, as a metric
+
+
+class RouterLogits:
+    """Keeps each router's logits (N, E) of the forwards run inside it, detached: `with RouterLogits(model) as
+    seen: model(...)`, then load_balancing_loss(seen.logits, ...). Without routers (a dense model) it keeps
+    nothing."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.routers = routers(model)
+        self.logits: list[torch.Tensor] = []
+        self.handles: list = []
+
+    def __enter__(self) -> RouterLogits:
+        def hook(router: nn.Module, args: tuple, output: tuple) -> None:
+            self.logits.append(output[0].detach())
+
+        self.handles = [r.register_forward_hook(hook) for r in self.routers]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def load_balancing_loss(logits: list[torch.Tensor], top_k: int) -> torch.Tensor:
+    """The Switch-Transformer auxiliary loss that transformers' MoE models add with output_router_logits
+    (router_aux_loss_coef x this), over every token of every layer given: E x sum_e f_e x P_e, where f_e is
+    the picks of expert e per token (summed over the top_k slots) and P_e its mean router probability.
+    top_k for balanced routing, more the more the likely experts are also the ones picked most (E
+    at most). logits: one (N, E) tensor per layer."""
+    probs = torch.softmax(torch.cat(logits).float(), dim=-1)  # (layers x N, E)
+    num_experts = probs.shape[-1]
+    picks = nn.functional.one_hot(probs.topk(top_k, dim=-1).indices, num_experts).float()  # (L x N, k, E)
+    share = picks.mean(0)  # (k, E): per slot, the fraction of tokens sent to each expert
+    return (share * probs.mean(0)).sum() * num_experts

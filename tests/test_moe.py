@@ -154,3 +154,52 @@ def test_lora_on_a_moe_model_is_refused(moe_assets):
     model = AutoModelForCausalLM.from_pretrained(moe_assets["mixtral"], dtype=torch.float32)
     with pytest.raises(ConfigError, match="LoRA on a mixture-of-experts model"):
         spec.add_adapter(model)
+
+
+@pytest.mark.parametrize("arch", make_assets.MOE_ARCHS)
+def test_load_balancing_loss_is_transformers_aux_loss(arch, moe_assets):
+    model, batch = _model_and_batch(moe_assets[arch])
+    with torch.no_grad(), moe.RouterLogits(model) as seen:
+        want = model(**batch, output_router_logits=True).aux_loss  # transformers' own, from the same logits
+    assert len(seen.logits) == 2 and want > 1.0
+    got = moe.load_balancing_loss(seen.logits, model.config.num_experts_per_tok)
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
+    # every expert equally likely and, by topk's ties, the same two picked: balanced probabilities give top_k
+    assert moe.load_balancing_loss([torch.zeros(24, 4)], 2).item() == pytest.approx(2.0)
+
+
+def test_the_update_reports_the_routers_load_balance(moe_assets):
+    """train_ppo.update_actor on a (1-rank FSDP) Qwen2-MoE: actor/moe_load_balance is the load-balancing loss
+    of a plain forward of the same packed tokens before the step."""
+    import dataclasses
+
+    import config
+    import models
+    import train_ppo
+    from conftest import one_rank_process_group
+    from torch.distributed.device_mesh import init_device_mesh
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 128, (4, 11), generator=g)
+    attention = torch.ones_like(ids)
+    response_mask = attention[:, 5:].clone()
+    batch = {"input_ids": ids, "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1),
+             "responses": ids[:, 5:], "response_mask": response_mask, "advantages": torch.randn(4, 6, generator=g)}
+    plain, _ = _model_and_batch(moe_assets["qwen2_moe"])
+    with torch.no_grad(), moe.RouterLogits(plain) as seen:
+        plain(input_ids=ids)
+    want = moe.load_balancing_loss(seen.logits, 2).item()
+    with one_rank_process_group():
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+        actor = models.load_causal_lm(str(moe_assets["qwen2_moe"]), mesh, device=torch.device("cpu"),
+                                      param_dtype=torch.float32, reduce_dtype=torch.float32)
+        with torch.no_grad():
+            batch["old_log_probs"] = models.compute_log_probs(actor, batch, 1.0, 4).log_probs
+        cfg = config.load_config(None, [])
+        spec = train_ppo.UpdateSpec(epochs=1, mini_batch_size=4, micro_batch_size=4, max_token_len=None,
+                                    shuffle=False, loss_agg_mode="token-mean", use_remove_padding=True, grad_clip=1e9)
+        loss = dataclasses.replace(train_ppo.ActorLoss.from_config(cfg), temperature=1.0, loss_scale_factor=6)
+        metrics, _ = train_ppo.update_actor(actor, torch.optim.SGD(actor.parameters(), lr=0.1), batch, loss, spec,
+                                            torch.Generator().manual_seed(0))
+    assert metrics["actor/moe_load_balance"] == pytest.approx(want, rel=1e-5)
+    assert want > 2.0  # top_k is the balanced value: this random router is not balanced
