@@ -173,11 +173,12 @@ def test_the_update_reports_the_routers_load_balance(moe_assets):
     of a plain forward of the same packed tokens before the step."""
     import dataclasses
 
+    from conftest import one_rank_process_group
+    from torch.distributed.device_mesh import init_device_mesh
+
     import config
     import models
     import train_ppo
-    from conftest import one_rank_process_group
-    from torch.distributed.device_mesh import init_device_mesh
 
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, 128, (4, 11), generator=g)
