@@ -23,6 +23,32 @@ def is_moe(config: Any) -> bool:
     return (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0) > 0
 
 
+def mlp_widths(config: Any) -> dict[str, int]:
+    """The MLP widths vLLM shards over tensor-parallel ranks, by config key: a dense model's
+    intermediate_size; a MoE's expert width (moe_intermediate_size; Mixtral's intermediate_size), its shared
+    expert's (Qwen2-MoE) and the dense MLP's of any layer without experts (mlp_only_layers, decoder_sparse_step)."""
+    dense = {"intermediate_size": config.intermediate_size} if hasattr(config, "intermediate_size") else {}
+    if not is_moe(config):
+        return dense
+    if not hasattr(config, "moe_intermediate_size"):  # Mixtral: intermediate_size is each expert's width
+        return dense
+    widths = {"moe_intermediate_size": config.moe_intermediate_size}
+    if getattr(config, "shared_expert_intermediate_size", 0):
+        widths["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) > 1:
+        widths.update(dense)
+    return widths
+
+
+def active_mlp_width(config: Any) -> int:
+    """The MLP width one token runs through in a layer: a dense model's intermediate_size; a MoE's top_k x
+    the expert width, plus its shared expert's (what its activations scale with, not the dense width)."""
+    if not is_moe(config):
+        return config.intermediate_size
+    expert = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    return config.num_experts_per_tok * expert + (getattr(config, "shared_expert_intermediate_size", 0) or 0)
+
+
 def engine_names(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) for each (HF parameter name, full tensor): the names and layout a

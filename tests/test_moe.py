@@ -204,3 +204,38 @@ def test_the_update_reports_the_routers_load_balance(moe_assets):
                                             torch.Generator().manual_seed(0))
     assert metrics["actor/moe_load_balance"] == pytest.approx(want, rel=1e-5)
     assert want > 2.0  # top_k is the balanced value: this random router is not balanced
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner and the TP check on MoE widths
+
+
+def test_tensor_parallel_is_checked_against_the_expert_width():
+    from config import ConfigError
+    from models import check_tensor_parallel
+
+    narrow = make_assets.moe_config("qwen3_moe", expert_intermediate=34)  # dense intermediate_size 136 splits by 4
+    with pytest.raises(ConfigError, match="moe_intermediate_size=34 over the TP ranks. Valid values up to 64: 1, 2."):
+        check_tensor_parallel(narrow, 4, "narrow")
+    unused_dense = make_assets.moe_config("qwen3_moe")
+    unused_dense.intermediate_size = 250  # no layer without experts uses it: vLLM never shards it
+    check_tensor_parallel(unused_dense, 4, "unused_dense")
+    shared = make_assets.moe_config("qwen2_moe")
+    shared.shared_expert_intermediate_size = 98  # the shared expert is sharded too
+    with pytest.raises(ConfigError, match="shared_expert_intermediate_size=98"):
+        check_tensor_parallel(shared, 4, "shared")
+    check_tensor_parallel(make_assets.moe_config("mixtral"), 2, "mixtral")  # Mixtral: intermediate_size is the expert's
+
+
+@pytest.mark.parametrize("arch", make_assets.MOE_ARCHS)
+def test_planner_counts_active_experts_and_gathers_a_whole_layer(arch, moe_assets):
+    import memory_plan
+
+    shape = memory_plan.model_shape(str(moe_assets[arch]))
+    config = AutoModelForCausalLM.from_pretrained(moe_assets[arch]).config
+    assert shape.intermediate == 2 * 64 + (128 if arch == "qwen2_moe" else 0)  # top_k x expert width (+ shared)
+    plain = AutoModelForCausalLM.from_pretrained(moe_assets[arch], dtype=torch.float32)
+    layer0 = sum(p.numel() for n, p in plain.named_parameters() if n.startswith("model.layers.0."))
+    experts = sum(p.numel() for n, p in plain.named_parameters() if n.startswith("model.layers.0.mlp.experts."))
+    assert experts == 4 * 3 * 64 * 128 and shape.largest_block_numel == layer0  # all 4 experts in the unit
+    assert moe.active_mlp_width(config) == shape.intermediate
