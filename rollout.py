@@ -17,7 +17,8 @@ call `generate` with the same prompts and parameters, and they get the same samp
 
 vLLM is imported inside the functions that need it (it takes seconds), so importing this module is cheap.
 Every access to vLLM's engine internals goes through `_vllm_internals`, except two: wake_up asks
-`llm.llm_engine.is_sleeping()`, and the sync's log filters name vLLM's loggers. The rest uses vLLM's
+`llm.llm_engine.is_sleeping()`, and the sync's log filters name vLLM's loggers. `_restore_cpu_moe_layout`,
+beside it, works around a vLLM bug with the MoE layers' kernels (docs/moe.md). The rest uses vLLM's
 public API.
 """
 
