@@ -239,3 +239,15 @@ def test_planner_counts_active_experts_and_gathers_a_whole_layer(arch, moe_asset
     experts = sum(p.numel() for n, p in plain.named_parameters() if n.startswith("model.layers.0.mlp.experts."))
     assert experts == 4 * 3 * 64 * 128 and shape.largest_block_numel == layer0  # all 4 experts in the unit
     assert moe.active_mlp_width(config) == shape.intermediate
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.rollout.enable_rollout_routing_replay=true", "GPU model runner V2"),
+    ("actor_rollout_ref.actor.router_replay.mode=R3", "router_replay.mode=R3 is not supported yet"),
+    ("actor_rollout_ref.actor.router_replay.mode=R4", "valid values: disabled, R2, R3")])
+def test_router_replay_keys_are_refused_until_wired(override, message):
+    from config import ConfigError, check_supported, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        check_supported(load_config(None, ["data.train_files=x.parquet", override]))
+    check_supported(load_config(None, ["data.train_files=x.parquet"]))  # the defaults pass
