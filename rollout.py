@@ -100,7 +100,7 @@ def _restore_cpu_moe_layout(llm: LLM, reloaded: set[str]) -> int:
     unquantized MoE method packs its experts for the kernel (`moe_kernel.fused_experts`'s own
     process_weights_after_loading: the CPU kernel's prepack) only the first time, when it builds the
     kernel (UnquantizedFusedMoEMethod._setup_kernel). After a sync the experts hold the raw tensors
-    while the CPU kernel reads them as prepacked: log-probs off by ~0.1 (docs/moe.md, the
+    while the CPU kernel reads them as prepacked: log-probs off by 0.1 to 0.9 (docs/moe.md, the
     reproduction). tests/test_moe.py shows the bug is still there; drop this once it is fixed."""
     from vllm.platforms import current_platform
 
