@@ -289,3 +289,22 @@ def test_stale_cpu_shm_segments_are_cleared_and_a_live_one_is_named(tmp_path):
         assert f"other-cpushm_0 by pid [{holder.pid}]" in result["error"], result
         assert "tensor_model_parallel_size=1" in result["error"]
     assert sorted(p.name for p in shm.iterdir()) == ["other-cpushm_0", "ours-cpushm_1", "unrelated"]
+
+
+def test_stream_without_cut_is_generate_and_a_cut_resumes_on_policy(launch):
+    """rollout.stream_generate: run to the end, it gives generate's samples bit for bit (tokens, masks,
+    log-probs); cut after a few engine steps and resubmitted as prompt + tokens so far under the same
+    weights, every resumed token's engine log-prob equals the actor's (the re-prefill continues the
+    positions; fp32 bound as the sync check's). The TP ranks of a group cut at the same step: the same
+    carried samples, tokens and log-probs."""
+    groups: dict[int, list[dict]] = {}
+    for rank in launch:
+        result = rank["stream"]
+        assert all(result["equals_generate"].values()), (rank["rank"], result["equals_generate"])
+        assert result["aborted"] > 0 and result["carried"], "the cut left nothing to carry: the resume is untested"
+        assert result["reprefilled_tokens"] == sum(len(tokens) for _, _, tokens, _ in result["carried"])
+        assert result["resumed_tokens"] > 0 and result["resumed_diff_max"] < 1e-4, result
+        assert result["all_diff_max"] < 1e-4, result
+        groups.setdefault(rank["dp_rank"], []).append(result["carried"])
+    for members in groups.values():
+        assert all(m == members[0] for m in members), "TP ranks of a group cut at different engine steps"
