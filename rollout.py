@@ -351,6 +351,8 @@ def logprob_diff(
     are of the same distribution: the same temperature and, as vLLM's are of its top-k / top-p cut,
     actor log-probs under that cut (ppo_core.truncated_log_probs)."""
     diff = (rollout_log_probs - actor_log_probs).abs()[response_mask.bool()]  # (num_tokens,)
+    if diff.numel() == 0:  # no token to compare (a rank whose samples are all of older weights)
+        return {"logprob_diff_mean": 0.0, "logprob_diff_max": 0.0}
     return {"logprob_diff_mean": diff.mean().item(), "logprob_diff_max": diff.max().item()}
 
 

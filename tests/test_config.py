@@ -352,3 +352,38 @@ def test_every_short_run_config_is_valid():
             validate(cfg, LAUNCHES[launch_of(name)][0])
         except ConfigError as e:
             raise AssertionError(f"short run {name}: {e}") from None
+
+
+V1 = "trainer.v1"
+ASYNC = [DATA, f"{V1}.trainer_mode=colocate_async", f"{V1}.sampler.max_off_policy_strategy=wait",
+         f"{V1}.sampler.max_off_policy_threshold=2", "algorithm.rollout_correction.rollout_is=token"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor_rollout_ref.rollout.over_sample_rate=0.1"], "over_sample_rate=0.1 is not implemented"),
+    (["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.environment=agent.GuessNumberEnv"],
+     "multi_turn.enable=true is not supported yet"),
+    (["algorithm.filter_groups.enable=true"], "dynamic sampling) is not supported yet"),
+    (["algorithm.adv_estimator=remax"], "baseline rollout"),
+    ([f"{V1}.colocate_async.num_warmup_batches=2"], "num_warmup_batches <= 1"),
+    ([f"{V1}.sampler.max_off_policy_threshold=0"], "max_off_policy_threshold=0 must be >= 1"),
+    # tokens of older weights without a correction: the clip would be anchored at a policy that never sampled
+    (["algorithm.rollout_correction.rollout_is=null"], "rollout_is=token"),
+    ([f"{V1}.trainer_mode=separate_async"], "valid values: sync, colocate_async"),
+    ([f"{V1}.sampler.max_off_policy_strategy=keep"], "valid values: drop, wait"),
+])
+def test_colocate_async_refusals(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_supported(load_config(None, [*ASYNC, *overrides]))
+
+
+def test_colocate_async_accepts_the_corrected_and_the_degenerate_settings():
+    check_supported(load_config(None, ASYNC))
+    check_supported(load_config(None, [*ASYNC, "algorithm.rollout_correction.rollout_is=null",
+                                       "algorithm.rollout_correction.bypass_mode=true"]))
+    # no batch ahead: nothing is ever cut, no token is stale, so nothing needs correcting
+    check_supported(load_config(None, [*ASYNC, "algorithm.rollout_correction.rollout_is=null",
+                                       f"{V1}.colocate_async.num_warmup_batches=0"]))
+    # drop never lets a group pass the threshold, whatever the warm-up
+    check_supported(load_config(None, [*ASYNC, f"{V1}.sampler.max_off_policy_strategy=drop",
+                                       f"{V1}.colocate_async.num_warmup_batches=3"]))
