@@ -158,7 +158,17 @@ def stream_check(llm, actor, prompts, indices, eos, pad, step) -> dict:
     with torch.no_grad():
         actor_lp = models.compute_log_probs(actor, vars(batch), temperature=1.0, micro_batch_size=8).log_probs
     resumed = versions == 1  # (N, R) the tokens sampled after the cut
-    return {"equals_generate": same, "carried": carried, "aborted": first.aborted,
+    # cut again, move the engine's weights (every one x 1.01) and resume: the carried tokens keep the
+    # log-probs they were sampled with (the behaviour policy's), whatever the new weights say of them
+    moved = fresh()
+    rollout.stream_generate(llm, sampling, moved, version=0, stop=lambda ts: max(len(t.tokens) for t in ts) >= 5)
+    before = {(t.prompt_index, t.sample_index): list(t.log_probs) for t in moved if not t.finished}
+    rollout.sync_weights(llm, ((name, tensor * 1.01) for name, tensor in models.iter_full_params(actor)))
+    rollout.stream_generate(llm, sampling, moved, version=1)
+    rollout.sync_weights(llm, models.iter_full_params(actor))
+    kept = all(t.log_probs[:len(before[t.prompt_index, t.sample_index])] == before[t.prompt_index, t.sample_index]
+               for t in moved if (t.prompt_index, t.sample_index) in before)
+    return {"carried_log_probs_kept": kept and bool(before),"equals_generate": same, "carried": carried, "aborted": first.aborted,
             "reprefilled_tokens": second.reprefilled_tokens, "resumed_tokens": int(resumed.sum()),
             "resumed_diff_max": float((batch.rollout_log_probs - actor_lp).abs()[resumed].max()) if resumed.any() else None,
             "all_diff_max": float((batch.rollout_log_probs - actor_lp).abs()[batch.response_mask.bool()].max())}

@@ -48,7 +48,7 @@ MUTATIONS = (
          "            if out.prompt_logprobs and traj.log_probs and len(traj.log_probs) == len(traj.tokens):\n"
          "                traj.log_probs[:] = [e[t].logprob for t, e in zip(traj.tokens, out.prompt_logprobs["
          "len(traj.prompt):], strict=True)]\n")),
-        "tests/test_train_ppo_colocate_async.py::test_carried_tokens_stay_within_the_bound_and_fresh_ones_match_the_engine"),
+        "tests/test_rollout.py -k stream_without_cut and w2_tp1"),
     Mutation("one rank of a rollout TP group cuts the stream one engine step late", "rollout.py", ((
         "if live and stop is not None and stop(trajectories):",
         "if live and stop is not None and stop(trajectories) and (not dist.get_rank() % 2 or getattr(stop, 'late', 0)"

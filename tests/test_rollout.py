@@ -296,7 +296,8 @@ def test_stream_without_cut_is_generate_and_a_cut_resumes_on_policy(launch):
     log-probs); cut after a few engine steps and resubmitted as prompt + tokens so far under the same
     weights, every resumed token's engine log-prob equals the actor's (the re-prefill continues the
     positions; fp32 bound as the sync check's). The TP ranks of a group cut at the same step: the same
-    carried samples, tokens and log-probs."""
+    carried samples, tokens and log-probs. Resumed under other weights, a carried sample keeps the
+    log-probs its tokens were sampled with (the behaviour policy's), bit for bit."""
     groups: dict[int, list[dict]] = {}
     for rank in launch:
         result = rank["stream"]
@@ -305,6 +306,7 @@ def test_stream_without_cut_is_generate_and_a_cut_resumes_on_policy(launch):
         assert result["reprefilled_tokens"] == sum(len(tokens) for _, _, tokens, _ in result["carried"])
         assert result["resumed_tokens"] > 0 and result["resumed_diff_max"] < 1e-4, result
         assert result["all_diff_max"] < 1e-4, result
+        assert result["carried_log_probs_kept"], "a carried sample's log-probs changed when it was resumed"
         groups.setdefault(rank["dp_rank"], []).append(result["carried"])
     for members in groups.values():
         assert all(m == members[0] for m in members), "TP ranks of a group cut at different engine steps"

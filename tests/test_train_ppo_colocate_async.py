@@ -61,6 +61,7 @@ def test_resume_with_carried_samples_repeats_the_run(short_runs):
 def test_tp_ranks_cut_alike_and_drop_keeps_the_bound(short_runs):
     rows = step_rows(short_run(short_runs, "async_tp2"))
     assert [r["step"] for r in rows] == [1, 2, 3]
-    for r in rows:
-        assert r[f"{OFF}trajectory_staleness_worst/max"] <= 1 and r["rollout/logprob_diff_max"] < 1e-4
+    for r in rows:  # bypass mode: no old-log-prob forward, so no sync check to read
+        assert r[f"{OFF}trajectory_staleness_worst/max"] <= 1 and r[f"{OFF}trajectory_spans/max"] <= 2
         assert r["actor/on_policy_shortcut"] == 0
+    assert all(r["rollout/carried_groups"] > 0 for r in rows) and rows[-1][f"{OFF}stale_token_fraction"] > 0
