@@ -509,7 +509,7 @@ def stream_generate(llm: LLM, sampling: Sampling, trajectories: Sequence[Traject
                     stop: Callable[[Sequence[Trajectory]], bool] | None = None) -> StreamStats:
     """Advance the unfinished trajectories on the engine, step by step, mirroring each step's new tokens
     and log-probs into them (tagged with weight `version`), until all finish or `stop(trajectories)` says
-    to cut; then the rest are aborted and stay unfinished, to be resubmitted by a later call as prompt +
+    to cut (asked first before any request is made, then after every engine step); then the rest are aborted and stay unfinished, to be resubmitted by a later call as prompt +
     tokens so far, with the remaining budget (sampling.max_tokens - len(tokens)) and the seed of their
     next segment. stop sees only what the engine returned, so every rank of a TP group, which gets the same
     outputs, cuts at the same engine step. Without a cut, one call on fresh trajectories gives exactly
@@ -518,6 +518,8 @@ def stream_generate(llm: LLM, sampling: Sampling, trajectories: Sequence[Traject
     from vllm.sampling_params import RequestOutputKind
 
     stats, live = StreamStats(), {}
+    if stop is not None and stop(trajectories):  # enough already (complete groups carried over): no engine work
+        return stats
     for traj in trajectories:
         if traj.finished:
             continue
