@@ -291,7 +291,12 @@ def sync_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]], pa
     finally:
         for log in loggers:
             log.removeFilter(quiet)
-    # Cached prompt KV blocks were computed with the old weights.
+    # Cached prompt KV blocks were computed with the old weights. vLLM keeps the blocks of requests still in
+    # the engine: a stream that left one there would sample on from KV of the old weights.
+    held = llm.llm_engine.get_num_unfinished_requests()
+    if held:
+        raise RuntimeError(f"{held} requests are still in the rollout engine at a weight sync: their KV is of the "
+                           f"old weights (every stream must finish or abort its requests before the next sync)")
     llm.reset_prefix_cache()
     wake_up(llm, ["kv_cache"])
     return time.perf_counter() - start
