@@ -57,6 +57,7 @@ def test_resume_with_carried_samples_repeats_the_run(short_runs):
         assert compared(r) == compared(reference[r["step"]]), r["step"]
 
 
+@pytest.mark.slow  # the TP=2 launch runs in the full suite only
 @pytest.mark.short_run("async_tp2")
 def test_tp_ranks_cut_alike_and_drop_keeps_the_bound(short_runs):
     rows = step_rows(short_run(short_runs, "async_tp2"))
