@@ -867,7 +867,7 @@ def check_versions(batch: Batch, step: int, threshold: int, old_log_probs_from: 
     if too_old or too_new:
         raise RuntimeError(
             f"step {step}: {too_old:.0f} samples hold tokens older than trainer.v1.sampler.max_off_policy_threshold="
-            f"{threshold} versions and {too_new:.0f} tokens newer than the weights synced for this step "
+            f"{threshold} versions and {too_new:.0f} hold tokens newer than the weights synced for this step "
             f"({current}): the in-flight bookkeeping is wrong.")
     if old_log_probs_from == "update" and stale:
         raise RuntimeError(
