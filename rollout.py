@@ -510,15 +510,32 @@ class StreamStats:
     aborted: int = 0
 
 
+def _check_same_decision(cut: bool, tp_group: dist.ProcessGroup | None, engine_step: int) -> None:
+    """Every rank of the TP group must cut at the same engine step: a rank that stepped on alone would wait
+    in the engine's all-reduce forever. Compare the decision (a collective per engine step, TP > 1 only) and
+    raise on every rank at the first step they differ."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(tp_group)) else "cpu"
+    votes = torch.tensor([int(cut)], device=device)
+    dist.all_reduce(votes, group=tp_group)
+    if votes.item() not in (0, dist.get_world_size(tp_group)):
+        raise RuntimeError(f"the ranks of rollout TP group {dist.get_process_group_ranks(tp_group)} disagree on "
+                           f"cutting the stream at engine step {engine_step} ({votes.item()} of them would): the stop "
+                           f"rule must read the engine's outputs only.")
+
+
 def stream_generate(llm: LLM, sampling: Sampling, trajectories: Sequence[Trajectory], *, version: int,
-                    stop: Callable[[Sequence[Trajectory]], bool] | None = None) -> StreamStats:
+                    stop: Callable[[Sequence[Trajectory]], bool] | None = None,
+                    tp_group: dist.ProcessGroup | None = None) -> StreamStats:
     """Advance the unfinished trajectories on the engine, step by step, mirroring each step's new tokens
     and log-probs into them (tagged with weight `version`), until all finish or `stop(trajectories)` says
     to cut (asked first before any request is made, then after every engine step); then the rest are aborted and stay unfinished, to be resubmitted by a later call as prompt +
     tokens so far, with the remaining budget (sampling.max_tokens - len(tokens)) and the seed of their
     next segment. stop sees only what the engine returned, so every rank of a TP group, which gets the same
     outputs, cuts at the same engine step. Without a cut, one call on fresh trajectories gives exactly
-    `generate`'s samples: the same requests in the same order with the same seeds."""
+    `generate`'s samples: the same requests in the same order with the same seeds. tp_group: the rollout TP
+    group, whose ranks compare each decision (_check_same_decision)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -550,7 +567,9 @@ def stream_generate(llm: LLM, sampling: Sampling, trajectories: Sequence[Traject
             if out.finished:
                 traj.finish_reason = "stop" if sampled.finish_reason == "stop" else "length"
                 del live[out.request_id]
-        if live and stop is not None and stop(trajectories):
+        cut = bool(live) and stop is not None and stop(trajectories)
+        _check_same_decision(cut, tp_group, stats.engine_steps)
+        if cut:
             _abort(llm, list(live))
             stats.aborted = len(live)
             break

@@ -597,7 +597,8 @@ def stream_rollout(run: Run, step: int, metrics: dict[str, float]) -> tuple[roll
                             for i in fresh for k in range(sampling.n)]
     cut = functools.partial(rollout.should_cut, step=step, quota=quota, threshold=flight.threshold,
                             strategy=flight.strategy)
-    stream = rollout.stream_generate(llm, sampling, flight.trajectories, version=step - 1, stop=cut)
+    stream = rollout.stream_generate(llm, sampling, flight.trajectories, version=step - 1, stop=cut,
+                                     tp_group=run.meshes.rollout.get_group("infer_tp"))
     selected, flight.trajectories = rollout.select_groups(flight.trajectories, quota)
     dropped = 0
     if flight.strategy == "drop":  # groups the next step could not train within the bound

@@ -133,7 +133,7 @@ def train_towards_eos(actor: torch.nn.Module, batch: rollout.RolloutBatch, eos: 
     return loss.item()
 
 
-def stream_check(llm, actor, prompts, indices, eos, pad, step) -> dict:
+def stream_check(llm, actor, prompts, indices, eos, pad, step, tp_group) -> dict:
     """rollout.stream_generate against rollout.generate (the same requests, seeds and step), and a cut one."""
     sampling = rollout.Sampling(n=N_SAMPLES, temperature=1.0, max_tokens=MAX_TOKENS, stop_token_ids=(eos,),
                                 pad_token_id=pad, seed=SAMPLE_SEED)
@@ -151,7 +151,7 @@ def stream_check(llm, actor, prompts, indices, eos, pad, step) -> dict:
     same["log_prob_diff_zero"] = (streamed.rollout_log_probs - reference.rollout_log_probs).abs().max().item() == 0
     cut = fresh()
     first = rollout.stream_generate(llm, sampling, cut, version=0, stop=lambda ts: sum(t.finished for t in ts) >= 1
-                                    or max(len(t.tokens) for t in ts) >= 5)
+                                    or max(len(t.tokens) for t in ts) >= 5, tp_group=tp_group)
     carried = [(t.prompt_index, t.sample_index, list(t.tokens), list(t.log_probs)) for t in cut if not t.finished]
     second = rollout.stream_generate(llm, sampling, cut, version=1)
     batch, versions = rollout.trajectories_batch(cut, sampling)
@@ -255,7 +255,8 @@ def main() -> None:
     result["sampling_after"], batch = sample_and_check(llm, actor, prompts, indices, eos, pad, step=1)
     share = rollout.split_for_training(batch, tp_rank, tp)
     result["training_share_prompt_index"] = share.prompt_index.tolist()
-    result["stream"] = stream_check(llm, actor, prompts, indices, eos, pad, step=2)
+    result["stream"] = stream_check(llm, actor, prompts, indices, eos, pad, step=2,
+                                    tp_group=meshes.rollout.get_group("infer_tp"))
 
     result["rss_mb_peak"] = peak_rss_mb()
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps(result))

@@ -37,8 +37,8 @@ MUTATIONS = (
         "if warmup > 0 and not (rc.bypass_mode or rc.rollout_is is not None):", "if False:"),),
         "tests/test_config.py -k test_colocate_async_refusals"),
     Mutation("colocate_async tags tokens with a weight version one too new", "train_ppo.py", ((
-        "stream = rollout.stream_generate(llm, sampling, flight.trajectories, version=step - 1, stop=cut)",
-        "stream = rollout.stream_generate(llm, sampling, flight.trajectories, version=step, stop=cut)"),),
+        "flight.trajectories, version=step - 1, stop=cut,",
+        "flight.trajectories, version=step, stop=cut,"),),
         "tests/test_train_ppo_colocate_async.py::test_carried_tokens_stay_within_the_bound_and_fresh_ones_match_the_engine"),
     Mutation("a carried sample's log-probs recomputed under the new weights instead of kept", "rollout.py", (
         ("stop_token_ids=list(sampling.stop_token_ids), logprobs=0, seed=seed,\n",
@@ -50,9 +50,9 @@ MUTATIONS = (
          "len(traj.prompt):], strict=True)]\n")),
         "tests/test_rollout.py -k stream_without_cut and w2_tp1"),
     Mutation("one rank of a rollout TP group cuts the stream one engine step late", "rollout.py", ((
-        "if live and stop is not None and stop(trajectories):",
-        "if live and stop is not None and stop(trajectories) and (not dist.get_rank() % 2 or getattr(stop, 'late', 0)"
-        " or setattr(stop, 'late', 1)):"),),
+        "cut = bool(live) and stop is not None and stop(trajectories)",
+        "cut = bool(live) and stop is not None and stop(trajectories) and (not dist.get_rank() % 2 or "
+        "getattr(stop, 'late', 0) or setattr(stop, 'late', 1) or False)"),),
         "tests/test_train_ppo_colocate_async.py::test_tp_ranks_cut_alike_and_drop_keeps_the_bound"),
     # (dcp.load fills the state dicts in place, and they share storage with the model and the optimizer:
     # the load itself restores them, so the mutations drop what is loaded, not only what is set after)
