@@ -66,7 +66,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 test: setup lint chromium
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=30
 
 # Debian's headless Chromium, which the trace viewer's tests render pages in. Idempotent; installs
 # (root, apt-get) only when missing, refreshing the package lists once if the first try fails.

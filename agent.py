@@ -822,7 +822,7 @@ class PythonTool(BaseTool):
         "parameters": {"type": "object", "required": ["code"], "properties": {
             "code": {"type": "string", "description": "a complete program; print the results you need"}}}}}
     LIMITS = {"timeout_s": 10.0, "cpu_s": 5, "memory_mb": 1024, "max_processes": 32, "max_file_mb": 16,
-              "max_output_chars": 4096, "tmpfs_mb": 64, "isolation": "auto"}
+              "max_output_chars": 4096, "tmpfs_mb": 64, "isolation": "full"}
 
     def __init__(self, config: dict | None = None, tool_schema: Any = None) -> None:
         super().__init__(config, tool_schema)

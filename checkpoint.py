@@ -40,6 +40,7 @@ import json
 import os
 import re
 import shutil
+import time
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from config import ConfigError
+from tracking import print0
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -103,16 +105,23 @@ def save_checkpoint(
             files.update(_digests(tmp, "hf", None) if (tmp / "hf").is_dir() else {})
             state = dict(trainer_state, step=step, world_size=world, files=dict(sorted(files.items())),
                          schedulers={name: s.state_dict() for name, (_, _, s) in models.items()})
-            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))  # the completion marker, written last
-            if final.exists():  # re-saving a step (after a resume): replace it only now
-                shutil.rmtree(final)
+            with open(tmp / STATE_FILE, "w") as f:  # the completion marker, written last, on disk before the rename
+                f.write(json.dumps(state, indent=1))
+                f.flush()
+                os.fsync(f.fileno())
+            old = root / f"global_step_{step}.old"
+            if final.exists():  # re-saving a step (after a resume): the complete one stays until the new one is in
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
             os.replace(tmp, final)
             _fsync_dir(root)
+            shutil.rmtree(old, ignore_errors=True)
         except OSError as e:
             failure = f"rank 0: {e}"
     _raise_if_any(failure, tmp, step)
-    if rank == 0 and keep is not None and keep > 0:
-        for old in complete_checkpoints(root)[:-keep]:
+    if rank == 0 and keep is not None and keep > 0:  # the newest `keep` up to this one; never a later one
+        older = [p for p in complete_checkpoints(root) if step_of(p) < step]
+        for old in older[:len(older) - (keep - 1)]:
             shutil.rmtree(old)
     dist.barrier()
     return final
@@ -217,6 +226,29 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def step_of(path: Path) -> int:
+    """N of a global_step_N directory."""
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
+def abandon_later(root: str | Path, path: Path) -> list[Path]:
+    """Resuming from `path` below the newest checkpoint of root (a rewind): move the later ones to
+    root/abandoned/, so that pruning and a later automatic resume follow the rewound run, not the
+    abandoned one. Returns where they went (rank 0 calls it)."""
+    root = Path(root)
+    if path.parent.resolve() != root.resolve():
+        return []
+    moved = []
+    for later in [p for p in complete_checkpoints(root) if step_of(p) > step_of(path)]:
+        target = root / "abandoned" / later.name
+        if target.exists():
+            target = target.with_name(f"{later.name}.{int(time.time())}")
+        target.parent.mkdir(exist_ok=True)
+        os.replace(later, target)
+        moved.append(target)
+    return moved
+
+
 def complete_checkpoints(root: str | Path) -> list[Path]:
     """Complete checkpoints under root, oldest first (a `.tmp` directory is never one)."""
     root = Path(root)
@@ -251,18 +283,13 @@ def find_resume_path(mode: str, root: str | Path, resume_from_path: str | None) 
         problems = check_files(path)
         if not problems:
             if skipped:
-                _print0(f"warning: skipping damaged checkpoint(s): {'; '.join(skipped)}. Resuming from {path} instead.")
+                print0(f"warning: skipping damaged checkpoint(s): {'; '.join(skipped)}. Resuming from {path} instead.")
             return path
         skipped.append(f"{path.name} ({'; '.join(problems)})")
     if skipped:  # starting over silently would throw the run away
         raise CheckpointError(f"every checkpoint under {root} is damaged: {'; '.join(skipped)}. Set "
                               f"trainer.resume_mode=disable to start fresh.")
     return None
-
-
-def _print0(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
 
 
 def load_checkpoint(

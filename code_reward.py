@@ -35,14 +35,12 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import sandbox
+from http_json import HTTPFailure, post_json, redact_url
 
 CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")  # verl's names for its code data sets
 MAX_TESTS = 10  # verl's continuous score reads the first 10 tests only (some problems have hundreds)
@@ -55,7 +53,9 @@ class CodeLimits:
     memory_limit_mb: int = 1024  # address space of each program
     timeout_s: float = 10.0  # wall clock and CPU seconds of each program (verl's per-test timeout)
     max_output_mb: int = 16  # a program that prints more is killed (locally: RLIMIT_FSIZE on its stdout)
-    isolation: str = "auto"  # sandbox.sandbox_plan: auto | basic
+    isolation: str = "full"  # sandbox.sandbox_plan: full | basic (weak, only by name)
+    api_key_env: str | None = None  # SandboxFusion: the environment variable sent as a bearer token
+    max_retries: int = 2  # SandboxFusion: the attempts after the first (429, 5xx, connection errors)
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,10 @@ def passed(test: CodeTest, run: Run) -> bool:
     last = run.stdout.rstrip("\n").rpartition("\n")[2]
     if not last.startswith(_RESULT_MARK):
         return False
-    got = json.loads(last[len(_RESULT_MARK):])
+    try:  # cut short (too long an output) or written by the program itself: a wrong answer, not an error
+        got = json.loads(last[len(_RESULT_MARK):])
+    except ValueError:
+        return False
     want = test.expected
     return got == want or (isinstance(want, list) and len(want) == 1 and got == want[0])
 
@@ -172,34 +175,30 @@ def run_local(code: str, stdin: str, limits: CodeLimits, output_chars: int) -> R
     return Run(result.exit_code == 0 and not result.timed_out, result.stdout)
 
 
-_RETRIES = 3  # a 504 (the service's gateway timed out) is retried, as verl does
-
-
 def run_remote(code: str, stdin: str, limits: CodeLimits) -> Run:
-    """POST the program to SandboxFusion's /run_code; RuntimeError when the service fails (not the program)."""
-    request = json.dumps({"code": code, "stdin": stdin, "language": "python", "compile_timeout": limits.timeout_s,
-                          "run_timeout": limits.timeout_s, "memory_limit_MB": limits.memory_limit_mb,
-                          "files": {}, "fetch_files": []}).encode()
-    for attempt in range(_RETRIES):
-        try:
-            req = urllib.request.Request(limits.url, request, {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=2 * limits.timeout_s + 10) as response:
-                reply = json.loads(response.read())
-            break
-        except urllib.error.HTTPError as e:
-            if e.code == 504 and attempt + 1 < _RETRIES:
-                time.sleep(attempt + 1)
-                continue
-            raise RuntimeError(f"reward_model.sandbox_fusion.url={limits.url}: HTTP {e.code} {e.reason}") from e
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise RuntimeError(f"reward_model.sandbox_fusion.url={limits.url} did not answer ({e}); is the "
-                               "SandboxFusion service running there? (unset the url to run programs locally)") from e
-    status, run = reply.get("status"), reply.get("run_result") or {}
+    """POST the program to SandboxFusion's /run_code; RuntimeError when the service fails (not the program),
+    whatever its answer is (not JSON, not the shape SandboxFusion answers with, a status it does not use)."""
+    request = {"code": code, "stdin": stdin, "language": "python", "compile_timeout": limits.timeout_s,
+               "run_timeout": limits.timeout_s, "memory_limit_MB": limits.memory_limit_mb, "files": {},
+               "fetch_files": []}
+    key, shown = "reward_model.sandbox_fusion", redact_url(limits.url)
+    try:
+        reply = post_json(limits.url, request, 2 * limits.timeout_s + 10, limits.max_retries, key, limits.api_key_env)
+    except HTTPFailure as e:
+        raise RuntimeError(f"{key}.url: {e}; is the SandboxFusion service running there? (unset the url to run "
+                           f"programs locally)") from None
+    status = reply.get("status") if isinstance(reply, dict) else None
+    run = reply.get("run_result") if isinstance(reply, dict) else None
     if status not in ("Success", "Failed"):  # SandboxError: the service itself failed
-        raise RuntimeError(f"reward_model.sandbox_fusion.url={limits.url} answered status={status!r}: "
-                           f"{reply.get('message', '')!r}")
+        message = reply.get("message", "") if isinstance(reply, dict) else reply
+        raise RuntimeError(f"{key}.url={shown} answered status={status!r}: {str(message)[:300]!r}")
+    run = run or {}
+    stdout = run.get("stdout") if isinstance(run, dict) else None
+    if not isinstance(run, dict) or not isinstance(stdout, str | None):
+        raise RuntimeError(f"{key}.url={shown} answered a run_result that is not SandboxFusion's "
+                           f"{{status, return_code, stdout, ...}}: {str(run)[:300]!r}")
     ok = status == "Success" and run.get("status") == "Finished" and run.get("return_code") == 0
-    return Run(ok, run.get("stdout") or "")
+    return Run(ok, stdout or "")
 
 
 # -----------------------------------------------------------------------------

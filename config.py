@@ -18,7 +18,13 @@ from __future__ import annotations
 
 import ast
 import difflib
+import fnmatch
 import functools
+import json
+import math
+import re
+import sys
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +32,8 @@ from types import MappingProxyType
 from typing import Any
 
 import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 # A key's type: a type, or a tuple of types (NoneType where `null` means "derive it").
 _NONE = type(None)
@@ -51,9 +59,10 @@ def _optim(lr: float) -> dict[str, tuple[Any, Any]]:
 
 
 def _http_scorer(**more: tuple[Any, Any]) -> dict[str, tuple[Any, Any]]:
-    """A scorer over HTTP: where, how long an attempt may take, how many requests at once, how many retries."""
+    """A scorer over HTTP: where, how long an attempt may take, how many requests at once, how many retries,
+    and the environment variable whose value is sent as `Authorization: Bearer ...` (null: no header)."""
     return {"url": (_STR_OR_NONE, None), "timeout_s": (float, 60.0), "max_concurrent": (int, 8),
-            "max_retries": (int, 3), **more}
+            "max_retries": (int, 3), "api_key_env": (_STR_OR_NONE, None), **more}
 
 
 def _fsdp_config(fsdp_size: tuple[Any, Any] = (int, -1)) -> dict[str, tuple[Any, Any]]:
@@ -141,6 +150,7 @@ SCHEMA: dict[str, Any] = {
                 "clip_cov_ub": (float, 5.0),
                 "kl_cov_ratio": (float, 0.0002),  # kl_cov: fraction of tokens that get the KL penalty
                 "ppo_kl_coef": (float, 0.1),  # kl_cov: that penalty's coefficient
+                "dro_beta": (_FLOAT_OR_NONE, None),  # dro: the quadratic log-ratio penalty's weight (> 0, no default)
             },
             "ulysses_sequence_parallel_size": (int, 1),
             "optim": _optim(1e-6),
@@ -255,6 +265,13 @@ SCHEMA: dict[str, Any] = {
             "url": (_STR_OR_NONE, None),  # a SandboxFusion /run_code endpoint; null: the local sandbox
             "max_concurrent": (int, 64),  # programs (requests) at once per rank
             "memory_limit_mb": (int, 1024),  # the memory of each program
+            # project keys (verl has none): the attempts after the first (429, 5xx, connection errors), and
+            # the environment variable sent as `Authorization: Bearer ...`
+            "max_retries": (int, 2),
+            "api_key_env": (_STR_OR_NONE, None),
+            # project key: the local sandbox's isolation (sandbox.py): full (bubblewrap; refuses to start
+            # without it) or basic (the caller's user, weak: only when named)
+            "isolation": (str, "full"),
         },
         # project keys (verl has none): scorers over HTTP (reward_remote.py); a url turns one on
         "remote": _http_scorer(),  # POST {"items": [...]} -> {"scores": [...]}
@@ -264,6 +281,7 @@ SCHEMA: dict[str, Any] = {
             max_tokens=(int, 64),  # the judge's reply length
             response_regex=(_STR_OR_NONE, None),  # vLLM servers: the reply is made to match it; null: free text
             unparsed_score=(_FLOAT_OR_NONE, None),  # the score of a reply without `Score: N`; null: an error
+            score_range=(list, [0.0, 10.0]),  # a score outside [low, high] counts as a reply without one
         ),
     },
     "custom_reward_function": {
@@ -275,6 +293,10 @@ SCHEMA: dict[str, Any] = {
         "gamma": (float, 1.0),
         "lam": (float, 1.0),
         "norm_adv_by_std_in_grpo": (bool, True),
+        # gdpo: the reward function's extras (its returned dict's keys) normalised one by one, and their weights
+        # (null: 1 each); verl reads both with config.get (`+algorithm.gdpo_reward_keys=[...]`)
+        "gdpo_reward_keys": ((list, _NONE), None),
+        "gdpo_reward_weights": ((list, _NONE), None),
         "filter_groups": {  # DAPO's dynamic sampling: train only on groups whose metric differs
             "enable": (bool, False),
             "metric": (str, "reward"),  # reward / seq_reward: the reward (score + overlong penalty); score: the
@@ -320,6 +342,9 @@ SCHEMA: dict[str, Any] = {
         "balance_batch": (bool, True),
         "resume_mode": (str, "auto"),  # auto | disable | resume_path
         "resume_from_path": (_STR_OR_NONE, None),
+        # project key (verl has none): resume although the data, its order, the batch size or the model
+        # changed since the checkpoint (run_dir.DANGEROUS); other changes are printed and take effect
+        "resume_force": (bool, False),
         "max_actor_ckpt_to_keep": (_INT_OR_NONE, None),
         "max_critic_ckpt_to_keep": (_INT_OR_NONE, None),
         "default_local_dir": (str, "outputs/run"),
@@ -501,7 +526,8 @@ ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum
 
 # Keys whose value must be one of a few names; checked at load time, before any model loads.
 CHOICES: dict[str, tuple[str, ...]] = {
-    "actor_rollout_ref.actor.strategy": ("fsdp2",),
+    # verl's default fsdp (FSDP1) runs as FSDP2 here: the same sharded data parallelism, another implementation
+    "actor_rollout_ref.actor.strategy": ("fsdp2", "fsdp"),
     "actor_rollout_ref.rollout.name": ("vllm",),
     "actor_rollout_ref.actor.loss_agg_mode": _ALGORITHMS.loss_agg_modes,
     "actor_rollout_ref.actor.policy_loss.loss_mode": tuple(_ALGORITHMS.policy_losses),
@@ -519,6 +545,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "critic.optim.warmup_style": ("constant", "cosine"),
     # one score per sample from a rule or custom function; dapo adds `acc` and the overlong buffer
     "reward_model.reward_manager": ("naive", "dapo"),
+    "reward_model.sandbox_fusion.isolation": ("full", "basic"),  # sandbox.ISOLATIONS
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
     "trainer.v1.trainer_mode": ("sync", "colocate_async"),
     "trainer.v1.sampler.max_off_policy_strategy": ("drop", "wait"),
@@ -555,6 +582,13 @@ class Config(dict):
             return self[name]
         except KeyError:
             raise AttributeError(f"config has no key {name!r}") from None
+
+    def at(self, path: str) -> Any:
+        """The value of a dotted key below this one, `cfg.at("actor_rollout_ref.actor.optim.lr")`; a read."""
+        node: Any = self
+        for part in path.split("."):
+            node = node[part]
+        return node
 
     def section(self, name: str) -> Config:
         """The sub-config `name`, creating it (used while building)."""
@@ -620,22 +654,248 @@ def _check_value(key: str, value: Any) -> Any:
     return value
 
 
+# --- verl's own files and keys ----------------------------------------------------------------------
+# A verl user's YAML runs as it is: a whole config (verl's generated one, a verl run's saved config) or a
+# partial file with hydra's header (`defaults: [ppo_trainer, _self_]`), composed over verl's defaults and
+# its `${...}` interpolations resolved by OmegaConf, as verl does. Every leaf key of verl's generated config
+# is of one of three kinds: a key of SCHEMA (implemented), or one of VERL_KEY_RULES' two kinds below.
+# configs/verl/ppo_trainer-<version>.json holds verl's keys and defaults (tests/make_verl_keys.py writes it
+# from verl's wheel); tests/test_config.py checks that the rules classify every one of them.
+
+VERL_VERSION = "0.9.1"
+VERL_DEFAULTS_FILE = Path(__file__).with_name("configs") / "verl" / f"ppo_trainer-{VERL_VERSION}.json"
+IMPLEMENTED, NO_EFFECT, NOT_IMPLEMENTED = "implemented", "no effect", "not implemented"
+_MISSING = "???"  # OmegaConf's mandatory value: verl makes the user set it (rollout.name)
+
+
+@dataclass(frozen=True)
+class VerlKeyRule:
+    """verl keys matching `pattern` (fnmatch over the dotted key; the first rule that matches decides).
+    NO_EFFECT: any value changes nothing here. NOT_IMPLEMENTED: accepted at verl's default only (where it
+    changes nothing here); any other value is refused, with `why` (what verl does, what to use here)."""
+    pattern: str
+    kind: str
+    why: str
+
+
+def _rules(kind: str, why: str, *patterns: str) -> tuple[VerlKeyRule, ...]:
+    return tuple(VerlKeyRule(p, kind, why) for p in patterns)
+
+
+_ENGINE = "the engine here is set by rollout.tensor_model_parallel_size, gpu_memory_utilization, enforce_eager, " \
+          "max_num_seqs, max_num_batched_tokens"
+_FSDP = "FSDP2 here shards each decoder layer, then the root, bf16 compute with fp32 master weights on GPU " \
+        "(fp32 on CPU); its keys: fsdp_config.{fsdp_size,param_offload,optimizer_offload,reshard_after_forward}"
+VERL_KEY_RULES: tuple[VerlKeyRule, ...] = (
+    # -- no effect here, whatever the value --
+    *_rules(NO_EFFECT, "the class verl builds the section into; this program reads the keys", "*._target_"),
+    *_rules(NO_EFFECT, "Ray's start-up and timeouts; there is no Ray here (torchrun starts every rank)",
+            "ray_kwargs.*", "trainer.ray_wait_register_center_timeout"),
+    *_rules(NO_EFFECT, "verl's worker processes; here each rank loads data, scores and runs its loop in process",
+            "*.num_workers", "data.dataloader_num_workers", "data.filter_overlong_prompts_workers"),
+    *_rules(NO_EFFECT, "torch.compile of verl's log-prob / entropy functions: speed only; nothing is compiled here",
+            "*.use_torch_compile"),
+    *_rules(NO_EFFECT, "vLLM's periodic stats lines; library logs go to <default_local_dir>/logs/rank<r>.log",
+            "actor_rollout_ref.rollout.disable_log_stats"),
+    *_rules(NO_EFFECT, "copies the checkpoint into /dev/shm before loading it: load time only, the same weights",
+            "*.use_shm"),
+    *_rules(NO_EFFECT, "how vLLM gets its first weights; here it starts with dummy weights and the first sync sends "
+            "the actor's full weights (a LoRA run's later syncs send the adapted layers only, which is what "
+            "verl's load_format=safetensors is for)", "actor_rollout_ref.rollout.load_format"),
+    *_rules(NO_EFFECT, "LoRA syncs gather the FSDP weights layer by layer (less peak memory); here every sync "
+            "already gathers a bounded bucket of tensors at a time (models.iter_full_params, lora.iter_sync_params)",
+            "actor_rollout_ref.rollout.layered_summon"),
+    *_rules(NO_EFFECT, "a margin before verl's ESI scheduler expires the job; no such scheduler here",
+            "trainer.esi_redundant_time"),
+    # -- accepted at verl's default only --
+    *_rules(NOT_IMPLEMENTED, "Liger's fused kernels (the same maths, less activation memory) are not implemented; "
+            "set it false (memory_plan.py shows the memory without them)", "*.use_liger"),
+    *_rules(NOT_IMPLEMENTED, "a copy of actor_rollout_ref.rollout.n that verl's workers read; set rollout.n",
+            "*.rollout_n"),
+    *_rules(NOT_IMPLEMENTED, "verl's profilers are not implemented here", "*.profiler.*", "global_profiler.*",
+            "actor_rollout_ref.rollout.prometheus.*"),
+    *_rules(NOT_IMPLEMENTED, "rollout tracing is not implemented; trainer.rollout_data_dir writes each step's "
+            "samples", "actor_rollout_ref.rollout.trace.*"),
+    *_rules(NOT_IMPLEMENTED, "verl's data plane and rollout dumps between Ray workers; here each rank holds its "
+            "share of the batch", "transfer_queue.*", "skip.*"),
+    *_rules(NOT_IMPLEMENTED, "verl's V1 trainer beyond trainer.v1.trainer_mode (sync | colocate_async), "
+            "colocate_async.num_warmup_batches and the sampler's max_off_policy_* (docs/partial_rollout.md): "
+            "separate_async, custom samplers and refills are not implemented", "trainer.v1.*", "trainer.use_v1"),
+    *_rules(NOT_IMPLEMENTED, "the device is detected at run time here (CUDA, else CPU)", "trainer.device"),
+    *_rules(NOT_IMPLEMENTED, "not implemented here; every validation's samples go to trainer.validation_data_dir",
+            "trainer.val_only", "trainer.log_val_generations"),
+    *_rules(NOT_IMPLEMENTED, "HDFS copies and checkpoint callbacks are not implemented; checkpoints are "
+            "trainer.default_local_dir's, with the model, optimizer and extra state, always",
+            "trainer.default_hdfs_dir", "trainer.del_local_ckpt_after_load", "trainer.checkpoint_callback_class",
+            "*.checkpoint.*"),
+    *_rules(NOT_IMPLEMENTED, "the seed of verl's mini-batch shuffle; here trainer.seed", "*.data_loader_seed"),
+    *_rules(NOT_IMPLEMENTED, "the optimizer here is torch.optim.AdamW, cosine over half a cycle, gradients clipped "
+            "at actor.grad_clip / critic.grad_clip", "actor_rollout_ref.actor.optim.*", "critic.optim.*"),
+    *_rules(NOT_IMPLEMENTED, "verl 0.9.1's critic engine section; set critic.fsdp_config.{fsdp_size,param_offload,"
+            "optimizer_offload,reshard_after_forward} here", "critic.fsdp.*"),
+    *_rules(NOT_IMPLEMENTED, "quantization-aware training and quantized rollout are not implemented", "*.qat.*",
+            "*.qat", "*.quantization", "*.quantization_config_file"),
+    *_rules(NOT_IMPLEMENTED, "multi-token prediction is not implemented", "*.mtp.*", "*.mtp"),
+    *_rules(NOT_IMPLEMENTED, "memory-saving kernels are not implemented (memory_plan.py shows the memory "
+            "without them); activation checkpointing: model.enable_gradient_checkpointing", "*.tiled_mlp.*",
+            "*.use_fused_kernels", "*.fused_kernel_options.*", "*.enable_activation_offload", "*.entropy_checkpointing",
+            "*.entropy_from_logits_with_chunking", "*.entropy_from_logits_chunk_size", "*.pad_to_length",
+            "*.pad_to_length_bucket"),
+    *_rules(NOT_IMPLEMENTED, _FSDP, "*.fsdp_config.*"),
+    *_rules(NOT_IMPLEMENTED, "Megatron's LoRA section; LoRA here: model.lora_rank, lora_alpha, target_modules, "
+            "lora_adapter_path", "actor_rollout_ref.model.lora.*", "actor_rollout_ref.model.exclude_modules"),
+    *_rules(NOT_IMPLEMENTED, "the model is the checkpoint as it is, with its own tokenizer (data.tokenizer) and "
+            "chat template", "actor_rollout_ref.model.hf_config_path", "actor_rollout_ref.model.tokenizer_path",
+            "actor_rollout_ref.model.custom_chat_template", "actor_rollout_ref.model.external_lib",
+            "actor_rollout_ref.model.override_config"),
+    *_rules(NOT_IMPLEMENTED, "the critic here takes critic.model.path, enable_gradient_checkpointing and "
+            "use_remove_padding; its tokenizer and trust_remote_code are the actor's, and it has no LoRA",
+            "critic.model.*"),
+    *_rules(NOT_IMPLEMENTED, "verl's older global batch sizes; set the *_per_gpu keys",
+            "*.ppo_micro_batch_size", "*.log_prob_micro_batch_size", "critic.forward_micro_batch_size"),
+    *_rules(NOT_IMPLEMENTED, "the strategy here is FSDP2 for every model (actor_rollout_ref.actor.strategy)",
+            "actor_rollout_ref.ref.strategy", "critic.strategy"),
+    *_rules(NOT_IMPLEMENTED, "a copy of actor_rollout_ref.model.use_remove_padding; set that key",
+            "actor_rollout_ref.actor.use_remove_padding"),
+    *_rules(NOT_IMPLEMENTED, "the critic runs when algorithm.adv_estimator needs one (gae)", "critic.enable"),
+    *_rules(NOT_IMPLEMENTED, "the loss is scaled as verl's default; other scales are not implemented",
+            "*.loss_scale_factor"),
+    *_rules(NOT_IMPLEMENTED, "not implemented here", "actor_rollout_ref.actor.calculate_entropy",
+            "actor_rollout_ref.actor.freeze_vision_tower", "actor_rollout_ref.actor.use_prefix_grouper",
+            "algorithm.use_pf_ppo", "algorithm.pf_ppo.*",
+            "algorithm.filter_groups.max_inflight_gen_batches"),
+    *_rules(NOT_IMPLEMENTED, "the rollout runs on the actor's ranks, its mesh ('dp','infer_tp') set by "
+            "rollout.tensor_model_parallel_size; no separate pool, no other parallelism",
+            "actor_rollout_ref.rollout.nnodes", "actor_rollout_ref.rollout.n_gpus_per_node",
+            "actor_rollout_ref.rollout.data_parallel_size", "actor_rollout_ref.rollout.expert_parallel_size",
+            "actor_rollout_ref.rollout.pipeline_model_parallel_size", "actor_rollout_ref.rollout.disaggregation.*",
+            "actor_rollout_ref.rollout.checkpoint_engine.*", "actor_rollout_ref.rollout.router_config_path"),
+    *_rules(NOT_IMPLEMENTED, "the engine's lengths here are data.max_prompt_length and data.max_response_length",
+            "actor_rollout_ref.rollout.prompt_length", "actor_rollout_ref.rollout.response_length",
+            "actor_rollout_ref.rollout.max_model_len"),
+    *_rules(NOT_IMPLEMENTED, "the engine's dtype is the actor's compute dtype here (bf16 on GPU, fp32 on CPU)",
+            "actor_rollout_ref.rollout.dtype"),
+    *_rules(NOT_IMPLEMENTED, f"not implemented; {_ENGINE}",
+            "actor_rollout_ref.rollout.cudagraph_capture_sizes", "actor_rollout_ref.rollout.enable_chunked_prefill",
+            "actor_rollout_ref.rollout.enable_prefix_caching", "actor_rollout_ref.rollout.engine_kwargs.*",
+            "actor_rollout_ref.rollout.scheduling_policy", "actor_rollout_ref.rollout.multi_stage_wake_up",
+            "actor_rollout_ref.rollout.full_determinism", "actor_rollout_ref.rollout.enable_rollout_routing_replay",
+            "actor_rollout_ref.rollout.moe_load_balance_metrics_interval"),
+    *_rules(NOT_IMPLEMENTED, "the engine samples training responses with their log-probs (processed, after "
+            "temperature), stops at EOS, from token ids, with per-request seeds from trainer.seed; validation: "
+            "rollout.val_kwargs", "actor_rollout_ref.rollout.calculate_log_probs", "actor_rollout_ref.rollout.do_sample",
+            "actor_rollout_ref.rollout.ignore_eos", "actor_rollout_ref.rollout.logprobs_mode",
+            "actor_rollout_ref.rollout.skip_tokenizer_init", "actor_rollout_ref.rollout.seed"),
+    *_rules(NOT_IMPLEMENTED, "the turn loop here is agent_loop.py: tools from multi_turn.tool_config_path / "
+            "function_tool_path, or multi_turn.environment", "actor_rollout_ref.rollout.agent.*",
+            "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",
+            "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode",
+            "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts",
+            "data.tool_config_path", "data.function_tool_path"),
+    *_rules(NOT_IMPLEMENTED, "rows are read in verl's format (prompt_key, data_source, reward_model.ground_truth, "
+            "images) by data.py; other row layouts and processors are not implemented; data.max_val_samples "
+            "caps validation", "data.apply_chat_template_kwargs", "data.audio_key", "data.video_key",
+            "data.image_key", "data.image_patch_size", "data.mm_processor_kwargs", "data.return_multi_modal_inputs",
+            "data.custom_cls.*", "data.return_full_prompt", "data.return_raw_input_ids", "data.reward_fn_key",
+            "data.train_max_samples", "data.val_max_samples", "data.validation_shuffle", "data.trust_remote_code"),
+    *_rules(NOT_IMPLEMENTED, "the teacher here is one FSDP2 model on the actor's mesh: "
+            "distillation.teacher_models.teacher_model.model_path", "distillation.teacher_key",
+            "distillation.teacher_models.*"),
+    *_rules(NOT_IMPLEMENTED, "verl 0.9.1's reward section; set custom_reward_function.{path,name} here",
+            "reward.custom_reward_function.*"),
+    *_rules(NOT_IMPLEMENTED, "verl 0.9.1's reward section; set reward_model.reward_manager (naive or dapo) here",
+            "reward.reward_manager.*"),
+    *_rules(NOT_IMPLEMENTED, "verl 0.9.1's reward section; set reward_model.sandbox_fusion.* here",
+            "reward.sandbox_fusion.*", "sandbox_fusion.*"),
+    *_rules(NOT_IMPLEMENTED, "a reward model here is an FSDP2 model on the actor's mesh: reward_model.enable, "
+            "reward_model.model.path", "reward.reward_model.*", "reward_model.enable_resource_pool",
+            "reward_model.n_gpus_per_node", "reward_model.nnodes", "reward_model.reward_loop_*",
+            "reward_model.model.external_lib", "reward_model.rollout.*"),
+)
+
+
+@functools.cache
+def verl_key_rule(key: str) -> VerlKeyRule | None:
+    """The rule that decides verl key `key` (None: no rule matches; a key of SCHEMA needs none)."""
+    return next((rule for rule in VERL_KEY_RULES if fnmatch.fnmatchcase(key, rule.pattern)), None)
+
+
+@functools.cache
+def verl_defaults() -> MappingProxyType:
+    """verl's generated config's leaf keys -> their defaults as verl writes them (interpolations kept)."""
+    return MappingProxyType(json.loads(VERL_DEFAULTS_FILE.read_text())["defaults"])
+
+
+def verl_key_table() -> list[tuple[str, str, str]]:
+    """(key, kind, why) for every leaf of verl's generated config; kind None where no rule decides."""
+    rows = []
+    for key in verl_defaults():
+        rule = None if key in _KEYS else verl_key_rule(key)
+        rows.append((key, IMPLEMENTED, "") if key in _KEYS else (key, rule.kind if rule else None,
+                                                                 rule.why if rule else ""))
+    return rows
+
+
+@functools.cache
+def _verl_sections() -> frozenset[str]:
+    return frozenset(k.rsplit(".", i)[0] for k in verl_defaults() for i in range(1, k.count(".") + 1))
+
+
+def _nested(flat: Mapping[str, Any]) -> dict[str, Any]:
+    root: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = root
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return root
+
+
+def _read_yaml(path: Path) -> Any:
+    """A YAML file as OmegaConf reads it (interpolations unresolved); a hydra-style partial file (a
+    `defaults` list naming ppo_trainer) is composed over verl's defaults in the list's order, as hydra
+    does; its `hydra` section (search paths, output dirs) is dropped."""
+    try:
+        tree = OmegaConf.load(path)
+    except (OmegaConfBaseException, yaml.YAMLError) as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    if not OmegaConf.is_dict(tree):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, not {type(tree).__name__}.")
+    defaults = tree.pop("defaults", None)
+    tree.pop("hydra", None)
+    if defaults is None:
+        return tree
+    entries = list(defaults) if OmegaConf.is_list(defaults) else [defaults]
+    if "_self_" not in entries:
+        entries.append("_self_")  # hydra >= 1.1: the file's own values come last unless the list says otherwise
+    unknown = [e for e in entries if e not in ("ppo_trainer", "_self_")]
+    if unknown:
+        raise ConfigError(f"config file {str(path)!r}: defaults {OmegaConf.to_container(defaults)} names "
+                          f"{unknown}; only verl's ppo_trainer (and _self_) can be composed here: the other "
+                          f"config groups are verl's engines (megatron, ...) that this program does not have.")
+    layers = {"ppo_trainer": OmegaConf.create(_nested(verl_defaults())), "_self_": tree}
+    return OmegaConf.merge(*(layers[e] for e in entries))
+
+
 def _unknown_key(key: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, list(_KEYS) + sorted(_SECTIONS), n=1, cutoff=0.6)
+    known = [*_KEYS, *sorted(_SECTIONS), *verl_defaults(), *sorted(_verl_sections())]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    return ConfigError(f"unknown config key {key!r} in {where}.{hint} Valid keys: python config.py --keys")
+    return ConfigError(f"unknown config key {key!r} in {where} (neither this program's nor verl {VERL_VERSION}'s)."
+                       f"{hint} Valid keys: python config.py --keys")
 
 
 def _flatten_user(tree: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-    """Flatten a user's nested YAML mapping to dotted keys, rejecting keys the schema lacks."""
+    """Flatten a user's nested mapping to dotted keys, rejecting keys that neither SCHEMA nor verl has."""
     out: dict[str, Any] = {}
     for name, value in tree.items():
         key = f"{prefix}{name}"
-        if key in _KEYS:
+        if key in _KEYS or key in verl_defaults():
             out[key] = value
-        elif key in _SECTIONS and isinstance(value, dict):
+        elif (key in _SECTIONS or key in _verl_sections()) and isinstance(value, dict):
             out.update(_flatten_user(value, where, key + "."))
-        elif key in _SECTIONS:
+        elif key in _SECTIONS or key in _verl_sections():
             raise ConfigError(f"config key {key!r} in {where} is a section; give its keys, e.g. {key}.<name>.")
         else:
             raise _unknown_key(key, where)
@@ -648,12 +908,16 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override {text!r} is not of the form key=value (e.g. data.train_batch_size=60).")
     key, raw = text.split("=", 1)
     key = key.strip().lstrip("+")  # verl/hydra users write +key=value for new keys
-    if key not in _KEYS:
+    if key in _SECTIONS or key in _verl_sections():
+        raise ConfigError(f"override {text[:80]!r}: {key!r} is a section; give its keys one by one, e.g. "
+                          f"{key}.<name>=<value>.")
+    if key not in _KEYS and key not in verl_defaults():
         raise _unknown_key(key, "the command line")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: the value is not valid YAML ({e}).") from None
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: an int of more than 4300 digits
+        raise ConfigError(f"override {text[:80]!r}: the value is not valid YAML or too long a number "
+                          f"({str(e)[:200]}).") from None
     if isinstance(value, int | float) and not isinstance(value, bool) and "_" in raw:
         value = raw.strip()  # YAML 1.1 reads 0.5_2 as 0.52; it is a "lower_upper" threshold
     return key, value
@@ -670,27 +934,144 @@ def _nest(flat: dict[str, Any]) -> Config:
     return root
 
 
+def _allows_none(key: str) -> bool:
+    types = _KEYS[key][0]
+    return _NONE in (types if isinstance(types, tuple) else (types,))
+
+
+def _verl_default_here(key: str, context: Any) -> Any:
+    """verl's default of `key`, its interpolation (if any) resolved in this config (`context`, an OmegaConf
+    tree of every value): rollout.prompt_length's default is data.max_prompt_length's value."""
+    default = verl_defaults()[key]
+    if not (isinstance(default, str) and "${" in default):
+        return default
+    try:
+        OmegaConf.update(context, key, default, merge=False)
+        value = OmegaConf.select(context, key, throw_on_missing=False)
+        return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    except OmegaConfBaseException:
+        return default  # refers to a key this config does not give: only the default as written matches
+
+
+def _check_verl_values(given: dict[str, Any], context: Any, where: str, from_command_line: set[str]) -> dict[str, str]:
+    """verl's keys that SCHEMA lacks, as given: each NOT_IMPLEMENTED one at verl's default (resolved in
+    `context`, the whole config as given), else a ConfigError naming the key, the value and what to set
+    instead. Returns {key: kind}."""
+    kinds = {}
+    for key, value in given.items():
+        rule = verl_key_rule(key)
+        if rule is None:
+            raise ConfigError(f"verl key {key!r} has no rule in config.VERL_KEY_RULES (a new verl key?): refused "
+                              f"rather than ignored.")
+        if rule.kind == NOT_IMPLEMENTED:
+            default = _verl_default_here(key, context)
+            if value != default:
+                raise ConfigError(f"{key}={value!r} (in {'the command line' if key in from_command_line else where}) changes what verl does in a way this program does "
+                                  f"not implement: {rule.why}. Leave it at verl's default ({default!r}) or remove it.")
+        kinds[key] = rule.kind
+    return kinds
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- YAML file <- `key=value` overrides, each key and type checked."""
-    values = {k: default for k, (_, default) in _KEYS.items()}
+    """Defaults <- YAML file <- `key=value` overrides, each key and type checked.
+
+    The file may be this program's own, or verl's (whole, or a hydra-style partial file composed over
+    verl's defaults); overrides apply before OmegaConf resolves `${...}`, as in verl. verl's keys that
+    SCHEMA lacks are checked against VERL_KEY_RULES (`verl_keys_without_effect` lists them)."""
+    where = "the command line"
+    tree = OmegaConf.create({})
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist (see configs/ for the shipped ones).")
-        tree = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(tree, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, not {type(tree).__name__}.")
-        for key, value in _flatten_user(tree, str(path)).items():
-            values[key] = _check_value(key, value)
+        tree, where = _read_yaml(path), str(path)
+    from_command_line = set()
     for text in overrides or []:
         key, value = parse_override(text)
-        values[key] = _check_value(key, value)
-    return _nest(values)
+        OmegaConf.update(tree, key, value, merge=False)
+        from_command_line.add(key)
+    try:
+        resolved = OmegaConf.to_container(tree, resolve=True, throw_on_missing=False)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{where}: an interpolation does not resolve: {e}") from None
+    values = {k: default for k, (_, default) in _KEYS.items()}
+    verl_given, unset, given = {}, {}, _flatten_user(resolved, where)
+    for key, value in given.items():
+        if key not in _KEYS:
+            verl_given[key] = value
+        elif key in verl_defaults() and verl_defaults()[key] in (_MISSING, None) and value == verl_defaults()[key] \
+                and (value == _MISSING or not _allows_none(key)):
+            unset[key] = value  # verl's "set it" / "unset" where this program has a default
+        else:
+            values[key] = _check_value(key, value)
+    kinds = _check_verl_values(verl_given, OmegaConf.create(_nested({**values, **given})), where,
+                               from_command_line)
+    cfg = _nest(values)
+    cfg._verl_keys = kinds
+    cfg._verl_unset = {key: (value, values[key]) for key, value in unset.items()}
+    return cfg
+
+
+def verl_keys_without_effect(cfg: Config) -> list[str]:
+    """The verl keys the config gave that SCHEMA lacks (each accepted by VERL_KEY_RULES: at any value, or
+    at verl's default), in the file's order."""
+    return list(getattr(cfg, "_verl_keys", {}))
+
+
+def _collapsed(keys: list[str]) -> list[str]:
+    """`keys` with every verl section whose leaves are all among them written once as `section.*`."""
+    chosen, out = set(keys), []
+    for key in keys:
+        parts = key.split(".")
+        for depth in range(1, len(parts)):
+            section = ".".join(parts[:depth]) + "."
+            if all(k in chosen for k in verl_defaults() if k.startswith(section)):
+                key = section + "*"
+                break
+        if key not in out:
+            out.append(key)
+    return out
+
+
+def describe_verl_keys(cfg: Config) -> str:
+    """The start-up's lines about verl's keys: those given that have no effect here, and verl's unset values
+    (`???`, null) that take this program's default. Empty for a config of this program's keys only."""
+    lines, keys = [], verl_keys_without_effect(cfg)
+    if keys:
+        lines.append(f"verl keys with no effect here ({len(keys)}, accepted at these values; why: python config.py "
+                     f"--keys): {', '.join(_collapsed(keys))}")
+    unset = getattr(cfg, "_verl_unset", {})
+    if unset:
+        lines.append("verl values left unset, this program's default used: "
+                     + ", ".join(f"{k}={v!r} -> {d!r}" for k, (v, d) in unset.items()))
+    return "\n".join(lines)
 
 
 def to_yaml(cfg: dict[str, Any]) -> str:
-    """The resolved config as YAML, for the start-up print and the run directory."""
-    return yaml.safe_dump(_plain(cfg), sort_keys=False, default_flow_style=False)
+    """The resolved config as YAML, for the start-up print and the run directory (URLs redacted)."""
+    return yaml.safe_dump(shown(cfg), sort_keys=False, default_flow_style=False)
+
+
+def redact_url(url: str) -> str:
+    """The url with its user:password and every query value replaced by ***: what may be printed or
+    stored (errors, the start-up config, config.yaml, W&B)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<an unparsable url>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    query = re.sub(r"=[^&;]*", "=***", parts.query)
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+def shown(node: Any, key: str = "") -> Any:
+    """The config as plain dicts, with every `*url` value's secrets redacted (redact_url): what may be
+    printed, written to config.yaml or sent to an experiment tracker."""
+    if isinstance(node, dict):
+        return {k: shown(v, k) for k, v in node.items()}
+    return redact_url(node) if key.endswith("url") and isinstance(node, str) else node
 
 
 LOGGERS = ("console", "tensorboard", "wandb")
@@ -734,6 +1115,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     f"{_ARR}.actor.policy_loss.clip_cov_ratio": _between(0, 1, low_open=True),
     f"{_ARR}.actor.policy_loss.kl_cov_ratio": _between(0, 1, low_open=True),
     f"{_ARR}.actor.policy_loss.ppo_kl_coef": _NON_NEGATIVE,
+    f"{_ARR}.actor.policy_loss.dro_beta": _POSITIVE,
     f"{_ARR}.actor.tau_pos": _POSITIVE,
     f"{_ARR}.actor.tau_neg": _POSITIVE,
     f"{_ROLLOUT}.top_k": _TOP_K,
@@ -752,6 +1134,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reward_model.overlong_buffer.penalty_factor": _NON_NEGATIVE,
     "reward_model.sandbox_fusion.max_concurrent": _ONE_OR_MORE,
     "reward_model.sandbox_fusion.memory_limit_mb": _ONE_OR_MORE,
+    "reward_model.sandbox_fusion.max_retries": (_NON_NEGATIVE[0], ">= 0 (the attempts after the first)"),
     **{f"reward_model.{scorer}.{key}": rule for scorer in ("remote", "judge")
        for key, rule in (("timeout_s", (_POSITIVE[0], "> 0 seconds per attempt")), ("max_concurrent", _ONE_OR_MORE),
                          ("max_retries", (_NON_NEGATIVE[0], ">= 0 (the attempts after the first)")))},
@@ -798,8 +1181,26 @@ def _peek(cfg: dict[str, Any], key: str) -> Any:
     return node
 
 
+# Float keys where an infinite value has a meaning (no clipping); every other float must be finite.
+_INFINITY_MEANS_OFF = {f"{_ARR}.actor.grad_clip", "critic.grad_clip"}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_ranges(cfg: Config) -> None:
-    """Every numeric key of _RANGES within its range, and optim.betas two numbers in [0, 1)."""
+    """Every float key finite (but _INFINITY_MEANS_OFF's), every numeric key of _RANGES within its range,
+    optim.betas two numbers in [0, 1), the judge's score_range two numbers low < high."""
+    for key in _KEYS:
+        value = _peek(cfg, key)
+        if isinstance(value, float) and not math.isfinite(value) and key not in _INFINITY_MEANS_OFF:
+            raise ConfigError(f"{key}={value!r} must be a finite number; e.g. {key}={_KEYS[key][1]!r} (the default).")
+    low_high = _peek(cfg, "reward_model.judge.score_range")
+    if not (isinstance(low_high, list) and len(low_high) == 2 and all(map(_is_number, low_high))
+            and low_high[0] < low_high[1]):
+        raise ConfigError(f"reward_model.judge.score_range={low_high!r} must be two finite numbers low < high, the "
+                          f"scores the judge's template asks for; e.g. reward_model.judge.score_range=[0,10].")
     for key, (test, rule) in _RANGES.items():
         value = _peek(cfg, key)
         if value is not None and not test(value):
@@ -1008,11 +1409,39 @@ def check_algorithm(cfg: Config) -> None:
             raise ConfigError(f"{key}={value!r} is read by loss_mode={' / '.join(readers)} only, not by "
                               f"{prefix}loss_mode={mode.name}, which would ignore it. Set loss_mode={readers[0]}, "
                               f"or leave {name} at its default ({default!r}).")
+    check_gdpo(algorithm)
+    if mode.name == "dro" and policy_loss.dro_beta is None:
+        raise ConfigError(f"{prefix}loss_mode=dro needs {prefix}dro_beta, the weight of its quadratic penalty on the "
+                          f"log-ratio (> 0; verl has no default either), e.g. {prefix}dro_beta=0.1.")
     check_estimator_inputs(cfg)
     lower, upper = _peek(policy_loss, "clip_cov_lb"), _peek(policy_loss, "clip_cov_ub")
     if not lower < upper:
         raise ConfigError(f"{prefix}clip_cov_lb={lower} must be below clip_cov_ub={upper}: clip_cov draws its "
                           f"tokens from the covariances between them (defaults 1.0, 5.0).")
+
+
+def check_gdpo(algorithm: Config) -> None:
+    """algorithm.gdpo_reward_keys / gdpo_reward_weights: with adv_estimator=gdpo only, the keys a list of
+    names and the weights one number per key."""
+    keys, weights = algorithm.gdpo_reward_keys, algorithm.gdpo_reward_weights
+    if algorithm.adv_estimator != "gdpo":
+        for name, value in (("gdpo_reward_keys", keys), ("gdpo_reward_weights", weights)):
+            if value is not None:
+                raise ConfigError(f"algorithm.{name}={value} is read by algorithm.adv_estimator=gdpo only, not by "
+                                  f"{algorithm.adv_estimator}; set adv_estimator=gdpo, or {name}=null.")
+        return
+    if not keys or not all(isinstance(k, str) for k in keys):
+        raise ConfigError(f"algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys, the names of the reward "
+                          f"components your reward function returns in its dict (got {keys}), e.g. "
+                          f"algorithm.gdpo_reward_keys=[acc,format] (as verl).")
+    if weights is not None and (len(weights) != len(keys) or not all(
+            isinstance(w, int | float) and not isinstance(w, bool) for w in weights)):
+        raise ConfigError(f"algorithm.gdpo_reward_weights={weights} must be one number per gdpo_reward_keys={keys}, "
+                          f"or null (1 each).")
+    if algorithm.use_kl_in_reward:
+        raise ConfigError("algorithm.adv_estimator=gdpo with algorithm.use_kl_in_reward=true: gdpo's advantages come "
+                          "from the reward components alone (as verl's), so the KL penalty in the reward would be "
+                          "dropped; use actor_rollout_ref.actor.use_kl_loss=true instead.")
 
 
 def check_estimator_inputs(cfg: Config) -> None:
@@ -1024,17 +1453,17 @@ def check_estimator_inputs(cfg: Config) -> None:
         raise ConfigError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} with algorithm.adv_estimator="
                           f"{estimator}, which has no critic to warm up; set trainer.critic_warmup=0, or "
                           f"adv_estimator={' / '.join(critics)}.")
-    if estimator != "optimal_token_baseline":
+    if estimator not in ("optimal_token_baseline", "tir_optimal_token_baseline"):
         return
     if not actor.calculate_sum_pi_squared:
-        raise ConfigError("algorithm.adv_estimator=optimal_token_baseline reads sum_v pi(v)^2 per token from the "
+        raise ConfigError(f"algorithm.adv_estimator={estimator} reads sum_v pi(v)^2 per token from the "
                           "old-log-prob forward; set actor_rollout_ref.actor.calculate_sum_pi_squared=true (as verl).")
     rc = algorithm.rollout_correction
     if rc.bypass_mode:
-        raise ConfigError(f"algorithm.adv_estimator=optimal_token_baseline with {_RC}.bypass_mode=true: bypass mode "
+        raise ConfigError(f"algorithm.adv_estimator={estimator} with {_RC}.bypass_mode=true: bypass mode "
                           f"runs no old-log-prob forward, so there is no sum_v pi(v)^2; set {_RC}.bypass_mode=false.")
     if rc.rollout_is is not None:
-        raise ConfigError(f"algorithm.adv_estimator=optimal_token_baseline with {_RC}.rollout_is={rc.rollout_is!r}: "
+        raise ConfigError(f"algorithm.adv_estimator={estimator} with {_RC}.rollout_is={rc.rollout_is!r}: "
                           f"here the IS weights are computed after the advantages, so the baseline cannot be "
                           f"weighted by them as verl's is; set {_RC}.rollout_is=null.")
 
@@ -1188,30 +1617,57 @@ def check_reward_source(cfg: Config) -> None:
             raise ConfigError(f"{key}={url!r} must be an http:// or https:// URL.")
 
 
+def flat_values(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Every schema key's value, as {'a.b.c': value}, looked at without counting as reads."""
+    return {key: _peek(cfg, key) for key in _KEYS}
+
+
 def non_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
     """The resolved config's keys whose value differs from the schema's default, as {'a.b.c': value}:
     what the start-up prints (the whole config goes to <default_local_dir>/config.yaml)."""
-    values = {key: _peek(cfg, key) for key in _KEYS}
-    return {key: value for key, value in values.items() if value != _KEYS[key][1]}
+    return {key: shown(value, key) for key, value in flat_values(cfg).items() if value != _KEYS[key][1]}
 
 
-def _plain(node: Any) -> Any:
-    return {k: _plain(v) for k, v in node.items()} if isinstance(node, dict) else node
+def verl_rules_markdown() -> str:
+    """VERL_KEY_RULES as the table in docs/verl-semantics.md (tests/test_config.py keeps the two equal)."""
+    table = verl_key_table()
+    implemented = sum(kind == IMPLEMENTED for _, kind, _ in table)
+    lines = [f"verl {VERL_VERSION}'s generated config has {len(table)} leaf keys: {implemented} are this program's "
+             f"keys (`python config.py --keys`); each of the others is decided by the first rule below that "
+             f"matches it. *no effect*: accepted at any value; *not implemented*: accepted at verl's default "
+             f"only, any other value refused before anything loads.", "",
+             "| verl keys | kind | keys | what verl does, what to use here |", "|---|---|---|---|"]
+    for rule in VERL_KEY_RULES:
+        n = sum(1 for key, _, _ in table if key not in _KEYS and verl_key_rule(key) is rule)
+        lines.append(f"| `{rule.pattern}` | {rule.kind} | {n} | {rule.why} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description="Print the resolved config, or every valid key.")
-    ap.add_argument("--config", help="YAML file under configs/")
-    ap.add_argument("--keys", action="store_true", help="list every valid key with its type and default")
+    ap.add_argument("--config", help="YAML file: this program's (configs/) or verl's (whole, or hydra-style partial)")
+    ap.add_argument("--keys", action="store_true", help="list every valid key with its type and default, then "
+                    "verl's keys that this program does not implement, by rule")
+    ap.add_argument("--markdown", action="store_true", help="with --keys: verl's rules as docs/verl-semantics.md's table")
     ap.add_argument("overrides", nargs="*", help="key=value overrides")
     args = ap.parse_args()
-    if args.keys:
+    if args.keys and args.markdown:
+        print(verl_rules_markdown(), end="")
+    elif args.keys:
         for key, (types, default) in _KEYS.items():
             print(f"{key:<66} {_type_name(types):<18} {default!r}")
+        print(f"\nverl {VERL_VERSION}'s keys that this program does not implement, by the first rule that matches "
+              f"(no effect: any value accepted; not implemented: verl's default only):")
+        for key, kind, why in verl_key_table():
+            if kind != IMPLEMENTED:
+                print(f"{key:<66} {kind:<16} {verl_defaults()[key]!r}: {why}")
     else:
         try:
-            print(to_yaml(load_config(args.config, args.overrides)), end="")
+            cfg = load_config(args.config, args.overrides)
+            print(to_yaml(cfg), end="")
+            if describe_verl_keys(cfg):
+                print(describe_verl_keys(cfg), file=sys.stderr)
         except ConfigError as e:
             raise SystemExit(f"config error: {e}") from None

@@ -196,7 +196,10 @@ class PromptSampler:
         return self._order(self.epoch)[start:start + self.batch_size]
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "position": self.position, "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        """The position in batches of the checkpoint's size; another size (trainer.resume_force) goes on
+        from the prompts already drawn, rounded up to whole batches of this size (none drawn twice)."""
+        drawn = int(state["position"]) * int(state.get("batch_size", self.batch_size))
+        self.epoch, self.position = int(state["epoch"]), -(-drawn // self.batch_size)

@@ -9,6 +9,9 @@ The result (config.json, tokenizer, model.safetensors) loads with
 process group: DCP reads the shards written by any number of ranks into one full state dict, with
 tensors loaded weights_only.
 
+A checkpoint is code: DCP's own index (`<model>/.metadata`) is a pickle, which runs whatever it holds
+when read. Export only checkpoints you or someone you trust wrote (as with resuming).
+
 A LoRA run's checkpoint holds the adapter only; its hf/adapter_config.json names the base model,
 which is read again. The default export is the merged model (W + scale * B @ A, a plain HF model);
 --adapter-only writes the adapter in peft's format (adapter_config.json, adapter_model.safetensors),
@@ -18,6 +21,7 @@ for `PeftModel.from_pretrained(base, out)` or vLLM's `LLM(base, enable_lora=True
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -38,6 +42,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     problems = check_files(found[-1], deep=True)
     if problems:
         raise SystemExit(f"export_hf: checkpoint {found[-1]} is damaged, not exporting it: {'; '.join(problems)}.")
+    unrecorded = "files" not in json.loads((found[-1] / STATE_FILE).read_text())
+    print(f"export_hf: reading {found[-1]}{' (no file record: its files are unchecked)' if unrecorded else ''}; its "
+          f"DCP index (.metadata) is a pickle, run when read: export only checkpoints you trust", file=sys.stderr)
     return found[-1]
 
 
@@ -95,7 +102,8 @@ def _export_lora(ckpt: Path, out: Path, dtype: str, adapter_only: bool) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="A checkpoint is code: DCP's index "
+                                 "(<model>/.metadata) is a pickle, run when read. Export only checkpoints you trust.")
     ap.add_argument("checkpoint", help="global_step_N directory, or a run directory (latest checkpoint)")
     ap.add_argument("--out", required=True, help="output HF model directory")
     ap.add_argument("--which", choices=["actor", "critic"], default="actor")

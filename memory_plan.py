@@ -1,45 +1,22 @@
-"""Where everything lives in each phase of a step, and how many bytes that is per rank.
-
-Two plans, both pure arithmetic, both used before (and while) anything touches a GPU:
-
-  placement   for each phase of a step (sync, generate, log_prob, update), where the actor's
-              parameters, gradients and optimizer state, the critic's, the reference model's
-              parameters, and the engine's weights and KV cache live, given the offload flags.
-              `plan_moves(flags, src, dst)` is the list of moves between two phases; train_ppo.py
-              hands it to models.apply_moves, which moves the actor's and critic's shards and Adam
-              state and puts the engine to sleep. The engine's moves back to the device are not
-              applied there: rollout.sync_weights wakes the engine itself.
-  memory      per rank and phase, the estimated bytes of each of those, plus the activations of one
-              micro batch (its layout: padded rows, one packed row, or a token budget's packed row;
-              1/sp of its positions per rank under Ulysses) and the log-prob chunk, and a verdict
-              against the device's memory. The log_prob and update phases are planned moment by
-              moment (what FSDP2 holds gathered as each unit unshards and runs its backward, the LM
-              head's logits and their gradient), each phase as its largest moment.
+"""How many bytes each phase of a step holds per rank, before (and while) anything touches a GPU: for
+each phase (sync, generate, log_prob, update) and each item of the placement plan (offload.py: where
+the actor's parameters, gradients and optimizer state, the critic's, the frozen models' parameters, and
+the engine's weights and KV cache live, given the offload flags), the estimated bytes, plus the
+activations of one micro batch (its layout: padded rows, one packed row, or a token budget's packed
+row; 1/sp of its positions per rank under Ulysses) and the log-prob chunk, and a verdict against the
+device's memory. The log_prob and update phases are planned moment by moment (what FSDP2 holds gathered
+as each unit unshards and runs its backward, the LM head's logits and their gradient), each phase as its
+largest moment.
 
 The whole planner, `python memory_plan.py --config X [--gpu-memory-gb 80] [--json] [key=value ...]`,
-prints mesh_utils.py's device map and batch flow, then the memory plan.
-
-One offload mechanism per model, as verl does it:
-  actor, critic  plain FSDP2 modules; with fsdp_config.param_offload their shards are moved to the
-                 host while the engine generates and back for the forwards and updates; with
-                 fsdp_config.optimizer_offload Adam's moments live on the host except in the update.
-                 Gradients exist only inside the update (zero_grad(set_to_none=True) frees them).
-  reference      never stepped: ref.fsdp_config.param_offload builds it with FSDP2's
-                 CPUOffloadPolicy, which streams one block at a time to the device in its forward.
-                 The reward model and distillation's teacher are frozen models too, with their own
-                 param_offload keys.
-  LoRA           (actor_rollout_ref.model.lora_rank > 0) the actor's base weights are frozen: gradients
-                 and AdamW state exist for the adapter only, and the reference model is the actor
-                 with its adapter disabled, so it holds no memory of its own.
-  engine         rollout.free_cache_engine puts vLLM to sleep after generating (KV cache freed;
-                 weights discarded, as the next sync overwrites them all, or with LoRA, whose later
-                 syncs send the adapted modules only, copied to the host); rollout.sync_weights wakes
-                 it again. Without vLLM sleep mode (the CPU) nothing moves, and everything is in host
-                 memory anyway.
+prints mesh_utils.py's device map and batch flow, then the memory plan. Nothing in the trainer imports
+it: the trainer places its models with offload.py's rules, and the tests check this file's estimates
+against measured bytes (tests/test_memory_plan.py, bench/memory_rehearsal.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -48,121 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 from config import Config, ConfigError
 from mesh_utils import BatchPlan, ParallelDims, describe, plan_arguments, plan_device_map, plan_from_args
+from offload import DEVICE, ITEMS, PHASES, OffloadFlags, placement
 
 if TYPE_CHECKING:
     from lora import LoraSpec
     from mesh_utils import UpdateSpec
-
-PHASES = ("sync", "generate", "log_prob", "update")
-DEVICE, HOST, FREED, NONE = "device", "host", "freed", "-"
-# What the placement plan covers, in table order.
-ITEMS = ("actor.params", "actor.grads", "actor.optimizer", "critic.params", "critic.grads", "critic.optimizer",
-         "ref.params", "reward_model.params", "teacher.params", "engine.weights", "engine.kv_cache")
-
-
-# -----------------------------------------------------------------------------
-# Placement: where each thing lives in each phase
-
-
-@dataclass(frozen=True)
-class OffloadFlags:
-    """The config's offload switches (keys in the comments)."""
-
-    actor_param: bool = False  # actor_rollout_ref.actor.fsdp_config.param_offload
-    actor_optimizer: bool = False  # actor_rollout_ref.actor.fsdp_config.optimizer_offload
-    critic_param: bool = False  # critic.fsdp_config.param_offload
-    critic_optimizer: bool = False  # critic.fsdp_config.optimizer_offload
-    ref_param: bool = False  # actor_rollout_ref.ref.fsdp_config.param_offload
-    reward_model_param: bool = False  # reward_model.model.fsdp_config.param_offload (true in the config)
-    teacher_param: bool = False  # distillation.teacher_models.teacher_model.fsdp_config.param_offload
-    free_cache_engine: bool = True  # actor_rollout_ref.rollout.free_cache_engine
-    # actor_rollout_ref.model.lora_rank > 0: later syncs send only the adapted modules, so the sleeping engine
-    # keeps its weights on the host (vLLM sleep level 1); otherwise they are discarded (level 2), as the next
-    # sync overwrites every one (rollout.sleep_level)
-    partial_sync: bool = False
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> OffloadFlags:
-        roles = cfg.actor_rollout_ref
-        return cls(actor_param=roles.actor.fsdp_config.param_offload,
-                   actor_optimizer=roles.actor.fsdp_config.optimizer_offload,
-                   critic_param=cfg.critic.fsdp_config.param_offload,
-                   critic_optimizer=cfg.critic.fsdp_config.optimizer_offload,
-                   ref_param=roles.ref.fsdp_config.param_offload,
-                   reward_model_param=cfg.reward_model.model.fsdp_config.param_offload,
-                   teacher_param=cfg.distillation.teacher_models.teacher_model.fsdp_config.param_offload,
-                   free_cache_engine=roles.rollout.free_cache_engine, partial_sync=roles.model.lora_rank > 0)
-
-
-def placement(flags: OffloadFlags, phase: str) -> dict[str, str]:
-    """Where each of ITEMS lives during `phase` (device, host, freed, or '-' for does not exist).
-
-    sync      the actor's shards are gathered into the engine, which is awake (weights, then KV cache)
-    generate  the engine generates; offloaded actor/critic shards wait on the host
-    log_prob  no-grad forwards of actor, reference and critic; a sleeping engine holds no device memory
-    update    forward + backward + AdamW step of critic and actor: the only phase with gradients
-              and with the optimizer state on the device
-    """
-    if phase not in PHASES:
-        raise ValueError(f"phase {phase!r} is not one of {PHASES}")
-    training = phase in ("log_prob", "update")
-    engine_asleep = training and flags.free_cache_engine
-    return {
-        "actor.params": HOST if phase == "generate" and flags.actor_param else DEVICE,
-        "actor.grads": DEVICE if phase == "update" else NONE,
-        "actor.optimizer": HOST if phase != "update" and flags.actor_optimizer else DEVICE,
-        "critic.params": HOST if not training and flags.critic_param else DEVICE,
-        "critic.grads": DEVICE if phase == "update" else NONE,
-        "critic.optimizer": HOST if phase != "update" and flags.critic_optimizer else DEVICE,
-        "ref.params": HOST if flags.ref_param else DEVICE,  # CPUOffloadPolicy: streamed per block
-        "reward_model.params": HOST if flags.reward_model_param else DEVICE,  # the same
-        "teacher.params": HOST if flags.teacher_param else DEVICE,  # the same
-        "engine.weights": (HOST if flags.partial_sync else FREED) if engine_asleep else DEVICE,
-        "engine.kv_cache": FREED if engine_asleep else DEVICE,
-    }
-
-
-# As loaded: every model on the device, the engine awake, optimizer state (empty) on the device.
-LOADED = "loaded"
-
-
-def plan_moves(flags: OffloadFlags, src: str, dst: str) -> list[tuple[str, str]]:
-    """The moves (item, destination) that take `src`'s placement to `dst`'s, in ITEMS order.
-    `src` may be LOADED (right after the models and the engine are built). Gradients never move:
-    they are created in the update and freed at its end. The frozen models (reference, reward model,
-    teacher) never move: they live where they were built (models.load_frozen_model)."""
-    frozen = ("ref.params", "reward_model.params", "teacher.params")
-    before = ({item: DEVICE for item in ITEMS} | {item: placement(flags, dst)[item] for item in frozen}
-              if src == LOADED else placement(flags, src))
-    after = placement(flags, dst)
-    return [(item, after[item]) for item in ITEMS
-            if before[item] != after[item] and not item.endswith(".grads") and item not in frozen]
-
-
-def flag_combinations() -> list[tuple[str, OffloadFlags]]:
-    """The README table's rows: the actor's flags (the critic's behave the same), with and without
-    the reference offloaded and the engine sleeping."""
-    return [
-        ("no offload, free_cache_engine=false", OffloadFlags(free_cache_engine=False)),
-        ("no offload", OffloadFlags()),
-        ("param_offload", OffloadFlags(actor_param=True, critic_param=True)),
-        ("optimizer_offload", OffloadFlags(actor_optimizer=True, critic_optimizer=True)),
-        ("param_offload + optimizer_offload + ref param_offload",
-         OffloadFlags(actor_param=True, actor_optimizer=True, critic_param=True, critic_optimizer=True,
-                      ref_param=True)),
-    ]
-
-
-def placement_table() -> str:
-    """The README's table, rendered from `placement` (tests check the README holds this text)."""
-    items = ("actor.params", "actor.grads", "actor.optimizer", "ref.params", "engine.weights", "engine.kv_cache")
-    lines = ["| flags | phase | " + " | ".join(items) + " |", "|---|---|" + "---|" * len(items)]
-    for label, flags in flag_combinations():
-        for phase in PHASES:
-            where = placement(flags, phase)
-            lines.append(f"| {label} | {phase} | " + " | ".join(where[i] for i in items) + " |")
-    return "\n".join(lines)
-
 
 # -----------------------------------------------------------------------------
 # Model shapes, from config.json only
@@ -599,14 +466,6 @@ def _head_positions(m: MemoryInputs, micro: int, max_tokens: int | None) -> int:
     return head_positions(rows, row_len, m.actor_packed, micro, m.response_len, m.sp, max_tokens is not None)
 
 
-def _head_bytes(m: MemoryInputs, micro: int, max_tokens: int | None, backward: bool = False,
-                model: ModelShape | None = None) -> int:
-    """The actor's (or `model`'s) LM-head logits and float32 chunks (logprob_chunk_bytes) of one micro
-    batch on one rank, in a no-grad forward or (backward) in the update."""
-    return logprob_chunk_bytes(model or m.actor, _head_positions(m, micro, max_tokens), m.compute_bytes,
-                               backward=backward)
-
-
 def _remedies(m: MemoryInputs, phase: str, items: dict[str, int], over: int,
               ppo_mini_per_rank: int) -> list[tuple[str, int]]:
     """(the key=value to set, the bytes it frees in `phase`), in the order worth trying."""
@@ -787,8 +646,11 @@ def check_model_split(cfg: Config, dims: ParallelDims) -> None:
 def memory_report(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_gb: float) -> dict[str, Any]:
     """The planner's `memory` section: per FSDP rank and phase, bytes per item, and the verdict.
     {"error": message} when the model's config.json cannot be read."""
-    path = cfg.actor_rollout_ref.model.path
-    message = (f"no memory plan: cannot read the config.json of actor_rollout_ref.model.path={path!r}. Give a "
+    paths = {"actor_rollout_ref.model.path": cfg.actor_rollout_ref.model.path}
+    if plan.critic_update is not None and cfg.critic.model.path is not None:
+        paths["critic.model.path"] = cfg.critic.model.path
+    key, path = next(((k, p) for k, p in paths.items() if not has_config_json(p)), next(iter(paths.items())))
+    message = (f"no memory plan: cannot read the config.json of {key}={path!r}. Give a "
                f"local model directory, or download the model to the HF cache first (huggingface-cli download "
                f"{path}); the planner reads only config.json and never downloads.")
     if not has_config_json(path):  # say so at once, without importing transformers (seconds)
@@ -855,12 +717,23 @@ def describe_memory(report: dict[str, Any]) -> str:
 # The planner: the layout and batch flow (mesh_utils), then the memory plan
 
 
+def _memory_gb(text: str) -> float:
+    """--gpu-memory-gb: a finite number of GiB > 0 (argparse reports the error as a usage error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} must be the device's memory in GiB, a number > 0 (e.g. 80)")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = plan_arguments("Explain and validate a config with no GPU and no process group: the device map and "
                         "batch flow (as mesh_utils.py prints them), then the memory per rank and phase. Exits 1 "
                         "with the reason when the config is invalid.",
                         "python memory_plan.py --config configs/gsm8k_grpo_lora_1gpu.yaml --gpu-memory-gb 80")
-    ap.add_argument("--gpu-memory-gb", type=float, default=80.0,
+    ap.add_argument("--gpu-memory-gb", type=_memory_gb, default=80.0,
                     help="device memory per GPU that the memory plan is checked against (default 80)")
     args = ap.parse_args(argv)
     planned = plan_from_args(args)

@@ -22,19 +22,17 @@ too, and checks more (the launch, the data, the models) as it starts.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import socket
 import sys
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from config import Config, ConfigError, adv_estimator_traits, check_supported, load_config
+from config import Config, ConfigError, adv_estimator_traits, check_supported, describe_verl_keys, load_config
 
 # -----------------------------------------------------------------------------
 # Parallel degrees
@@ -573,75 +571,6 @@ def train_dp_group(meshes: Meshes) -> Any:
     return meshes.sp.get_group("dp") if meshes.sp is not None else dist.group.WORLD
 
 
-def all_gather_single(output: Any, tensor: Any, group: Any = None) -> None:
-    """dist.all_gather_single (torch >= 2.13), or all_gather_into_tensor, its deprecated name, which
-    is all that older releases (2.11 on some GPU images) have."""
-    import torch.distributed as dist
-
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=group)
-
-
-def gather_in_group(x: Any, group: Any) -> Any:
-    """Concatenate equal-sized 1D tensors of every rank of `group`, in group-rank order."""
-    import torch
-    import torch.distributed as dist
-
-    out = torch.empty(x.numel() * dist.get_world_size(group), dtype=x.dtype, device=x.device)
-    all_gather_single(out, x.contiguous(), group=group)
-    return out
-
-
-def gather_rows(x: Any, group: Any) -> Any:
-    """Every rank's rows of x (the same shape on each), in group-rank order: (B, ...) -> (B * size, ...).
-    With my_rows, the one way to compute on the step's whole batch and keep this rank's part. Collective."""
-    return gather_in_group(x.flatten(), group).view(-1, *x.shape[1:])
-
-
-def gather_items(items: list[Any], group: Any) -> list[Any]:
-    """Every rank's list, concatenated in group-rank order: gather_rows for per-row Python objects (each
-    sample's reward extras), so that they stay beside their rows. Collective."""
-    import torch.distributed as dist
-
-    every_rank: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every_rank, items, group=group)
-    return [item for rank_items in every_rank for item in rank_items]
-
-
-@contextlib.contextmanager
-def failing_together(error_type: type[Exception], device: Any) -> Iterator[None]:
-    """Collective: run the block on every rank, then raise on every rank if it raised error_type on any
-    (a failed rank its own error, the others one naming it). Without this, the ranks that succeeded
-    would wait in the next collective for one that is gone, until a timeout."""
-    import torch
-    import torch.distributed as dist
-
-    failure = None
-    try:
-        yield
-    except error_type as e:
-        failure = e
-    failed = torch.tensor([failure is not None], dtype=torch.int32, device=device)
-    dist.all_reduce(failed)  # how many ranks failed
-    if failed.item() == 0:
-        return
-    messages: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if failure is None else str(failure).splitlines()[0])
-    if failure is not None:
-        raise failure
-    ranks = [r for r, m in enumerate(messages) if m is not None]
-    raise error_type(f"rank {ranks[0]} failed{f' (and ranks {ranks[1:]})' if ranks[1:] else ''}: {messages[ranks[0]]}")
-
-
-def my_rows(x: Any, group: Any) -> Any:
-    """This rank's rows of a tensor gather_rows made: (B * size, ...) -> (B, ...)."""
-    import torch.distributed as dist
-
-    rows = len(x) // dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    return x[rank * rows:(rank + 1) * rows]
-
-
 def _dynamic_sampling_lines(cfg: Config, dims: ParallelDims) -> list[str]:
     """The planner's account of algorithm.filter_groups (DAPO's dynamic sampling), if enabled."""
     filter_groups = cfg.algorithm.filter_groups
@@ -668,7 +597,8 @@ def describe(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> str:
     dm = plan_device_map(dims)
     actor_rollout_ref = cfg.actor_rollout_ref
     w = dims.world_size
-    lines = [f"Device map: {dims.nnodes} node(s) x {dims.n_gpus_per_node} devices = world {w}"]
+    lines = [line for line in [describe_verl_keys(cfg)] if line]
+    lines.append(f"Device map: {dims.nnodes} node(s) x {dims.n_gpus_per_node} devices = world {w}")
     if dims.ddp == 1:
         lines.append(f"  FSDP      fsdp_size={actor_rollout_ref.actor.fsdp_config.fsdp_size}: mesh ('fsdp',) = ({w},), "
                      f"one group {_fmt(dm.fsdp_groups)}")

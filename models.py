@@ -36,8 +36,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 import ppo_core as core
 import ulysses
 from attention import register_packed_attention
+from collectives import all_gather_single
 from config import ConfigError
-from mesh_utils import all_gather_single
 
 logger = logging.getLogger(__name__)
 
@@ -310,14 +310,14 @@ def _check_tied_embeddings(model: nn.Module) -> None:
 # ---------------------------------------------------------------------------------------------
 # Memory phases: param_offload / optimizer_offload around the rollout
 #
-# memory_plan.plan_moves says what moves between two phases of a step; apply_moves does it. On the
+# offload.plan_moves says what moves between two phases of a step; apply_moves does it. On the
 # CPU every move is a no-op (everything already lives in host memory), but the plan is the same.
 
 
 def apply_moves(moves: Sequence[tuple[str, str]], models: Mapping[str, nn.Module | None],
                 optimizers: Mapping[str, torch.optim.Optimizer | None], device: torch.device,
                 sleep_engine: Callable[[], object] | None = None) -> None:
-    """Carry out memory_plan.plan_moves' list: ("actor.params", "host") offloads the actor's shards,
+    """Carry out offload.plan_moves' list: ("actor.params", "host") offloads the actor's shards,
     ("critic.optimizer", "device") loads the critic's Adam state, ("engine.kv_cache", "freed") puts
     the engine to sleep (`sleep_engine`); the engine's way back ("device") is rollout.sync_weights'
     own wake-up, so it is not done here. Entries for a model that is not built (None) are skipped."""
@@ -363,18 +363,6 @@ def load_fsdp_model_to_device(model: nn.Module, device: torch.device) -> None:
         _warn_once("fsdp_config.param_offload: running on CPU; nothing to load.")
         return
     model.to(device)
-
-
-@torch.no_grad()
-def offload_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Move optimizer state (e.g. Adam moments) to host memory."""
-    _move_optimizer_state(optimizer, torch.device("cpu"), "fsdp_config.optimizer_offload")
-
-
-@torch.no_grad()
-def load_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Bring optimizer state back to `device` before optimizer.step()."""
-    _move_optimizer_state(optimizer, device, "fsdp_config.optimizer_offload")
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device, key: str) -> None:
@@ -843,6 +831,24 @@ def lr_lambda(optim_cfg: Mapping[str, Any], total_steps: int) -> Callable[[int],
         return max(floor, math.cos(math.pi * progress) * (1 - floor) * 0.5 + (1 + floor) * 0.5)
 
     return fn
+
+
+def set_optimizer_config(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                         optim_cfg: Mapping[str, Any]) -> list[str]:
+    """After a resume: the config's lr (the schedule's base), weight decay and betas over the checkpoint's,
+    the schedule's position kept. Returns what changed, one 'name: old -> new' each."""
+    changed = []
+    for i, group in enumerate(optimizer.param_groups):
+        for name, new in (("weight_decay", optim_cfg["weight_decay"]), ("betas", tuple(optim_cfg["betas"]))):
+            old = tuple(group[name]) if name == "betas" else group[name]
+            if old != new:
+                changed.append(f"{name}: {old} -> {new}")
+                group[name] = new
+        if scheduler.base_lrs[i] != optim_cfg["lr"]:
+            changed.append(f"lr: {scheduler.base_lrs[i]} -> {optim_cfg['lr']}")
+            scheduler.base_lrs[i] = group["initial_lr"] = optim_cfg["lr"]
+            group["lr"] = optim_cfg["lr"] * scheduler.lr_lambdas[i](scheduler.last_epoch)
+    return list(dict.fromkeys(changed))
 
 
 def make_optimizer(model: nn.Module, optim_cfg: Mapping[str, Any],

@@ -207,6 +207,29 @@ def compute_grpo_outcome_advantage(
     return adv, adv
 
 
+@register_adv_estimator("gdpo", compares_group=True)
+@torch.no_grad()
+def compute_gdpo_outcome_advantage(
+    response_mask: Tensor, index: Sequence[Any] | Tensor, reward_components: Tensor,
+    reward_weights: Sequence[float] | None = None, epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """GDPO (Liu et al. 2026, verl 0.9.1): each reward component (the reward function's extras named by
+    algorithm.gdpo_reward_keys, reward_components (B, K)) normalised within its prompt group as GRPO does,
+    so that no component drowns the others; their sum weighted by reward_weights (K,) (default all 1),
+    then whitened over the whole batch. The summed score (token_level_rewards) is not read, as in verl.
+    Returns (advantages, returns), both (B, T) and equal."""
+    mask = response_mask.to(reward_components.dtype)  # (B, T)
+    last = mask.bool() & (mask.cumsum(-1) == mask.sum(-1, keepdim=True))  # (B, T) each response's last token
+    weights = [1.0] * reward_components.shape[1] if reward_weights is None else list(reward_weights)
+    total = torch.zeros_like(mask)  # (B, T)
+    for k, weight in enumerate(weights):
+        component = reward_components[:, k].unsqueeze(-1) * last  # (B, T) the score on the last token
+        adv, _ = compute_grpo_outcome_advantage(component, response_mask, index, epsilon, norm_adv_by_std_in_grpo)
+        total = total + weight * adv  # (B, T)
+    advantages = masked_whiten(total, mask.bool()) * mask  # (B, T)
+    return advantages, advantages
+
+
 @register_adv_estimator("rloo", compares_group=True)
 @torch.no_grad()
 def compute_rloo_outcome_advantage(
@@ -339,28 +362,72 @@ def compute_optimal_token_baseline_advantage(
     old_log_probs, sum_pi_squared (and the weights) (B, T). Returns (advantages G_t - B_t, returns G_t)."""
     mask = response_mask.to(token_level_rewards.dtype)  # (B, T)
     returns = (token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1)  # (B, T) reward-to-go
+    cum_w = _path_variance(old_log_probs, sum_pi_squared, mask, rollout_is_weights) * mask  # (B, T) 0 past the end
+    group = _group_ids(index, returns.device)  # (B,)
+    baselines = _token_baselines(returns, cum_w, mask.sum(-1), group, torch.ones_like(group, dtype=torch.bool),
+                                 handle_zero_tail, epsilon)  # (B, T)
+    return (returns - baselines) * mask, returns
+
+
+def _path_variance(old_log_probs: Tensor, sum_pi_squared: Tensor, mask: Tensor,
+                   rollout_is_weights: Tensor | None) -> Tensor:
+    """W_t = sum_{j<=t} w_j, w_j = 1 - 2 pi(y_j) + sum_v pi(v)^2 (times the IS weight squared), over valid tokens. (B, T)"""
     w = 1 - 2 * old_log_probs.exp() + sum_pi_squared  # (B, T) per-token score-norm proxy
     if rollout_is_weights is not None:
         w = w * rollout_is_weights ** 2
-    cum_w = (w * mask).cumsum(-1) * mask  # (B, T) W_t, 0 past the response's end
-    group = _group_ids(index, returns.device)  # (B,)
+    return (w * mask).cumsum(-1)  # (B, T)
+
+
+def _token_baselines(returns: Tensor, cum_w: Tensor, lengths: Tensor, group: Tensor, counted: Tensor,
+                     handle_zero_tail: bool, epsilon: float) -> Tensor:
+    """The optimal token baselines B_t = sum_i G_t W_t / (sum_i W_t + epsilon) over each group's `counted`
+    samples (B,) bool, by position t; 0 for a group of one counted sample; handle_zero_tail: 0 past the second
+    longest's end for a group's one strictly longest sample. returns, cum_w (B, T), lengths (B,). (B, T)"""
     num_groups = int(group.max()) + 1
     zeros = returns.new_zeros(num_groups, returns.shape[1])  # (G, T)
-    numerator = zeros.index_add(0, group, returns * cum_w)  # (G, T)
-    denominator = zeros.index_add(0, group, cum_w) + epsilon  # (G, T)
-    size = torch.bincount(group, minlength=num_groups)  # (G,)
+    weight = cum_w * counted.unsqueeze(-1)  # (B, T)
+    numerator = zeros.index_add(0, group, returns * weight)  # (G, T)
+    denominator = zeros.index_add(0, group, weight) + epsilon  # (G, T)
+    size = torch.bincount(group[counted], minlength=num_groups)  # (G,)
     baselines = torch.where((size > 1)[group].unsqueeze(-1), (numerator / denominator)[group], 0.0)  # (B, T)
     if handle_zero_tail:
-        lengths = mask.sum(-1)  # (B,)
         for g in range(num_groups):
-            members = (group == g).nonzero().squeeze(-1)  # (n,)
+            members = ((group == g) & counted).nonzero().squeeze(-1)  # (n,)
             if len(members) < 2:
                 continue
             top = torch.topk(lengths[members], 2).values  # (2,) longest, second longest
             longest = members[lengths[members] == top[0]]
             if len(longest) == 1 and top[0] > top[1]:  # one sample runs past every other
                 baselines[longest[0], int(top[1]):] = 0.0
-    return (returns - baselines) * mask, returns
+    return baselines
+
+
+@register_adv_estimator("tir_optimal_token_baseline", compares_group=True)
+@torch.no_grad()
+def compute_tir_optimal_token_baseline_advantage(
+    token_level_rewards: Tensor, response_mask: Tensor, index: Sequence[Any] | Tensor, old_log_probs: Tensor,
+    sum_pi_squared: Tensor, rollout_is_weights: Tensor | None = None, handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+) -> tuple[Tensor, Tensor]:
+    """The optimal token baseline for tool-integrated (multi-turn) responses (verl 0.9.1): as
+    optimal_token_baseline, with t counting each sample's own valid tokens, so that a tool's reply (masked
+    out) does not shift the positions that are compared across the group: the k-th generated token of
+    every sample shares one baseline. Samples with no valid token are left out of their group. For
+    responses without holes (one turn) it equals optimal_token_baseline. (B, T) in, (advantages, returns)."""
+    mask = response_mask.bool()  # (B, T)
+    maskf = mask.to(token_level_rewards.dtype)  # (B, T)
+    returns = (token_level_rewards * maskf).flip(-1).cumsum(-1).flip(-1)  # (B, T) reward-to-go
+    cum_w = _path_variance(old_log_probs, sum_pi_squared, maskf, rollout_is_weights)  # (B, T)
+    rows, cols = mask.nonzero(as_tuple=True)  # (N,) each the valid tokens, row by row
+    k = (mask.long().cumsum(-1) - 1)[rows, cols]  # (N,) a token's place among its sample's valid tokens
+    packed_returns, packed_w = torch.zeros_like(returns), torch.zeros_like(cum_w)  # (B, T) valid tokens moved left
+    packed_returns[rows, k], packed_w[rows, k] = returns[rows, cols], cum_w[rows, cols]
+    lengths = mask.sum(-1)  # (B,)
+    group = _group_ids(index, returns.device)  # (B,)
+    baselines = _token_baselines(packed_returns, packed_w, lengths, group, lengths > 0, handle_zero_tail, epsilon)
+    advantages = torch.zeros_like(returns)  # (B, T)
+    advantages[rows, cols] = (packed_returns - baselines)[rows, k]
+    return advantages, returns
 
 
 @register_adv_estimator("remax", baseline_rollout="greedy")
@@ -724,7 +791,9 @@ def policy_loss_gpg(
     *, scale: LossScale = LossScale(), rollout_is_weights: Tensor | None = None, **_: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GPG (Chu et al. 2025): plain policy gradient -A * log pi, no ratio and no clipping (pair it with
-    algorithm.adv_estimator=gpg)."""
+    algorithm.adv_estimator=gpg). Also REINFORCE, bypass mode's algorithm.rollout_correction.loss_type=reinforce
+    (verl's compute_policy_loss_reinforce, the same maths), where old_log_prob is the engine's and
+    rollout_is_weights the correction's."""
     mask = response_mask.bool()  # (B, T)
     return _agg(-advantages * log_prob, mask, loss_agg_mode, scale, rollout_is_weights), {
         "actor/ppo_kl": masked_mean(old_log_prob - log_prob.detach(), mask)}
@@ -775,6 +844,23 @@ def policy_loss_geo_mean(
     return pg_loss, {"actor/pg_clipfrac": masked_mean(clipped * (advantages > 0), mask),
                      "actor/pg_clipfrac_lower": masked_mean(clipped * (advantages < 0), mask),
                      "actor/ppo_kl": masked_mean(-log_ratio, mask)}
+
+
+@register_policy_loss("dro", keys=("dro_beta",))
+def policy_loss_dro(
+    old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean",
+    *, dro_beta: float | None = None, scale: LossScale = LossScale(), rollout_is_weights: Tensor | None = None,
+    **_: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DRO (Richemond et al. 2024, verl 0.9.1): the policy gradient -A log pi with a quadratic penalty on the
+    log-ratio instead of PPO's clip, -(A log pi - dro_beta / 2 (log pi - log pi_old)^2) per token. dro_beta
+    (actor.policy_loss.dro_beta) must be > 0; verl has no default either."""
+    if dro_beta is None or dro_beta <= 0:
+        raise ValueError(f"actor.policy_loss.dro_beta={dro_beta} must be > 0 with loss_mode=dro")
+    mask = response_mask.bool()  # (B, T)
+    log_ratio = log_prob - old_log_prob  # (B, T) squared, not exponentiated: no clamp needed
+    pg_losses = -(advantages * log_prob - 0.5 * dro_beta * log_ratio.square())  # (B, T)
+    return _agg(pg_losses, mask, loss_agg_mode, scale, rollout_is_weights), {"actor/ppo_kl": masked_mean(-log_ratio, mask)}
 
 
 def _dppo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor, loss_agg_mode: str,

@@ -120,9 +120,16 @@ class RewardModel:
 
     def score(self, rows: dict[str, torch.Tensor], prompts: list[Prompt]) -> torch.Tensor:
         """The score of each sample of `rows` (B,) float32 on the host. Collective over the FSDP mesh: every
-        rank calls it with as many rows."""
+        rank calls it with as many rows. A score that is not finite is a RewardError naming the rows."""
         from models import compute_sequence_scores
+        from rewards import RewardError
 
         inputs = {key: value.to(self.device) for key, value in self.inputs(rows, prompts).items()}
-        return compute_sequence_scores(self.module, inputs, self.micro_batch_size,
-                                       use_remove_padding=self.use_remove_padding).cpu()
+        scores = compute_sequence_scores(self.module, inputs, self.micro_batch_size,
+                                         use_remove_padding=self.use_remove_padding).cpu()  # (B,)
+        bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+        if bad:  # after the collective forward: the caller raises it on every rank together
+            raise RewardError(f"the reward model (reward_model.model.path) scored {len(bad)} sample(s) of this rank "
+                              f"{scores[bad[0]].item()} (rows {bad[:8]}), not a finite number: its weights or its "
+                              f"inputs are broken (reward_model.model.fsdp_config, the dtype, max_length)")
+        return scores

@@ -12,78 +12,26 @@ protocol, per request:
                                                                                logged as reward_extra/<name>)
 
 A rank's samples go out as up to `max_concurrent` requests at once (the remote scorer: that many
-near-equal slices of the batch; the judge: one request per sample). Each attempt has `timeout_s`;
-connection errors, timeouts, HTTP 429 and 5xx are retried `max_retries` times with exponential backoff
-(0.5 s, 1 s, 2 s, ...); then the step stops with the URL, the last status and the request's first
-sample. An answer that is not JSON, has the wrong number of scores, a score that is not a number or
-NaN (Python's json writes NaN) stops it too, naming the sample. The HTTP is the standard library's.
+near-equal slices of the batch; the judge: one request per sample), through http_json.post_json: each
+attempt has `timeout_s` in all; connection errors, timeouts, HTTP 429 and 5xx are retried `max_retries`
+times with exponential backoff (0.5 s, 1 s, 2 s, ...); then the step stops with the URL (its secrets
+redacted), the last status and the request's first sample. An answer that is not JSON, over 16 MiB, has
+the wrong number of scores, a score that is not a number or NaN (Python's json writes NaN) stops it
+too, naming the sample. `api_key_env` names an environment variable whose value goes out as
+`Authorization: Bearer ...` (never put a token in the URL: it would not be sent, and URLs are printed).
+A judge's score outside `score_range` (the template's 0-10 by default) is a reply without a score.
 """
 
 from __future__ import annotations
 
-import http.client
-import json
 import math
 import re
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from config import Config, ConfigError
+from http_json import HTTPFailure, attempts_s, post_json, redact_url
 from rewards import ItemFailed, RewardError, Sample, describe_sample, map_concurrent
-
-_BACKOFF_S = 0.5  # the first retry's wait; doubled for each next one
-_RETRY_STATUS = (429, 500, 502, 503, 504)
-
-
-class HTTPFailure(Exception):
-    """A request that failed for good: after the retries, or at once (not JSON, HTTP 4xx)."""
-
-
-def _jsonable(value: Any) -> Any:
-    """json.dumps' fallback for what parquet rows hold (numpy scalars and arrays); str for the rest."""
-    return value.tolist() if hasattr(value, "tolist") else str(value)
-
-
-def post_json(url: str, body: dict[str, Any], timeout_s: float, max_retries: int, key: str) -> Any:
-    """POST body as JSON to url and return the decoded answer. Each attempt waits at most timeout_s
-    (per socket operation); connection errors, timeouts, 429 and 5xx are tried again up to max_retries
-    times, with backoff. Raises HTTPFailure naming the url, the attempts and the last status."""
-    data = json.dumps(body, default=_jsonable).encode()
-    last = ""
-    for attempt in range(max_retries + 1):
-        if attempt:
-            time.sleep(_BACKOFF_S * 2 ** (attempt - 1))
-        request = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                text = response.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read()[:300].decode(errors="replace")
-            last = f"HTTP {e.code} {e.reason}: {detail!r}"
-            if e.code not in _RETRY_STATUS:  # a client error does not go away by asking again
-                raise HTTPFailure(f"{url} answered {last}") from None
-            continue
-        except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out (URLError is an OSError)
-            reason = getattr(e, "reason", e)
-            if isinstance(reason, TimeoutError) or isinstance(e, TimeoutError):
-                last = f"no answer within {key}.timeout_s={timeout_s:g} s"
-            else:
-                last = f"{type(reason).__name__}: {reason}"
-            continue
-        try:
-            return json.loads(text)
-        except ValueError:
-            raise HTTPFailure(f"{url} answered with something that is not JSON: {text[:200]!r}") from None
-    raise HTTPFailure(f"{url} failed {max_retries + 1} times ({key}.max_retries={max_retries}); last: {last}")
-
-
-def _attempts_s(timeout_s: float, max_retries: int) -> float:
-    """The longest a request can take with its retries and backoff, plus a margin: the guard on a call."""
-    return (max_retries + 1) * timeout_s + _BACKOFF_S * (2 ** max_retries - 1) + 5.0
-
 
 # -----------------------------------------------------------------------------
 # The remote scorer
@@ -95,15 +43,17 @@ class RemoteScorer:
 
     batched = True
 
-    def __init__(self, url: str, timeout_s: float, max_concurrent: int, max_retries: int):
+    def __init__(self, url: str, timeout_s: float, max_concurrent: int, max_retries: int,
+                 api_key_env: str | None = None):
         self.url, self.timeout_s, self.max_concurrent, self.max_retries = url, timeout_s, max_concurrent, max_retries
-        self.__name__ = f"remote scorer {url}"
+        self.api_key_env = api_key_env
+        self.__name__ = f"remote scorer {redact_url(url)}"
 
     def __call__(self, samples: list[Sample]) -> list[float | dict[str, Any]]:
         n, parts = len(samples), min(self.max_concurrent, len(samples))
         slices = [samples[n * i // parts:n * (i + 1) // parts] for i in range(parts)]  # contiguous, near-equal
         try:
-            answers = map_concurrent(self._score, slices, parts, _attempts_s(self.timeout_s, self.max_retries))
+            answers = map_concurrent(self._score, slices, parts, attempts_s(self.timeout_s, self.max_retries))
         except ItemFailed as failed:
             if isinstance(failed.error, RewardError):
                 raise failed.error from None
@@ -118,7 +68,8 @@ class RemoteScorer:
                   "ground_truth": s.ground_truth, "extra_info": s.extra_info} for s in samples]
         first = f"\n  first item of the request:\n{describe_sample(samples[0])}"
         try:
-            answer = post_json(self.url, {"items": items}, self.timeout_s, self.max_retries, "reward_model.remote")
+            answer = post_json(self.url, {"items": items}, self.timeout_s, self.max_retries, "reward_model.remote",
+                               self.api_key_env)
         except HTTPFailure as e:
             raise RewardError(f"{self.__name__}: {e}{first}") from None
         scores = answer.get("scores") if isinstance(answer, dict) else None
@@ -174,17 +125,18 @@ class LLMJudge:
     batched = True
 
     def __init__(self, url: str, model: str, template: str, max_tokens: int, unparsed_score: float | None,
-                 timeout_s: float, max_concurrent: int, max_retries: int, response_regex: str | None = None):
+                 timeout_s: float, max_concurrent: int, max_retries: int, response_regex: str | None = None,
+                 api_key_env: str | None = None, score_range: tuple[float, float] = (0.0, 10.0)):
         self.url = url.rstrip("/") + "/chat/completions"
         self.model, self.template, self.max_tokens, self.unparsed_score = model, template, max_tokens, unparsed_score
         self.timeout_s, self.max_concurrent, self.max_retries = timeout_s, max_concurrent, max_retries
-        self.response_regex = response_regex
-        self.__name__ = f"LLM judge {self.url} (model {model})"
+        self.response_regex, self.api_key_env, self.score_range = response_regex, api_key_env, score_range
+        self.__name__ = f"LLM judge {redact_url(self.url)} (model {model})"
 
     def __call__(self, samples: list[Sample]) -> list[dict[str, float]]:
         try:
             return map_concurrent(self._judge, samples, self.max_concurrent,
-                                  _attempts_s(self.timeout_s, self.max_retries))
+                                  attempts_s(self.timeout_s, self.max_retries))
         except ItemFailed as failed:
             if isinstance(failed.error, RewardError):
                 raise failed.error from None
@@ -203,7 +155,8 @@ class LLMJudge:
         if self.response_regex is not None:  # vLLM's structured outputs: the reply matches the regex
             body["structured_outputs"] = {"regex": self.response_regex}
         try:
-            answer = post_json(self.url, body, self.timeout_s, self.max_retries, "reward_model.judge")
+            answer = post_json(self.url, body, self.timeout_s, self.max_retries, "reward_model.judge",
+                               self.api_key_env)
             reply = answer["choices"][0]["message"]["content"] or ""
         except HTTPFailure as e:
             raise RewardError(f"{self.__name__}: {e}\n{describe_sample(sample)}") from None
@@ -211,10 +164,13 @@ class LLMJudge:
             raise RewardError(f"{self.__name__}: the answer is not a chat completion (no choices[0].message."
                               f"content): {str(answer)[:300]!r}\n{describe_sample(sample)}") from None
         score = parse_judge_score(reply)
-        if score is not None:
+        low, high = self.score_range
+        if score is not None and low <= score <= high:  # NaN and inf are outside too
             return {"score": score, "judge_parsed": 1.0}
         if self.unparsed_score is None:
-            raise RewardError(f"{self.__name__}: no `Score: <number>` in the reply {reply[:300]!r}; fix the "
+            what = "no `Score: <number>`" if score is None else \
+                f"a score {score:g} outside reward_model.judge.score_range=[{low:g}, {high:g}]"
+            raise RewardError(f"{self.__name__}: {what} in the reply {reply[:300]!r}; fix the "
                               f"template (reward_model.judge.prompt_template) or the model, or set "
                               f"reward_model.judge.unparsed_score=<number> to score such replies\n"
                               f"{describe_sample(sample)}")
@@ -229,7 +185,7 @@ def from_config(reward_cfg: Config) -> RemoteScorer | LLMJudge | None:
     """The HTTP scorer that reward_model.remote.url or reward_model.judge.url turns on; None for neither."""
     remote, judge = reward_cfg.remote, reward_cfg.judge
     if remote.url is not None:
-        return RemoteScorer(remote.url, remote.timeout_s, remote.max_concurrent, remote.max_retries)
+        return RemoteScorer(remote.url, remote.timeout_s, remote.max_concurrent, remote.max_retries, remote.api_key_env)
     if judge.url is not None:
         template = JUDGE_TEMPLATE
         if judge.prompt_template is not None:
@@ -238,8 +194,10 @@ def from_config(reward_cfg: Config) -> RemoteScorer | LLMJudge | None:
                 raise ConfigError(f"reward_model.judge.prompt_template={judge.prompt_template!r}: no such file.")
             template = path.read_text()
         check_template(template)
+        low, high = judge.score_range
         return LLMJudge(judge.url, judge.model, template, judge.max_tokens, judge.unparsed_score, judge.timeout_s,
-                        judge.max_concurrent, judge.max_retries, judge.response_regex)
+                        judge.max_concurrent, judge.max_retries, judge.response_regex, judge.api_key_env,
+                        (float(low), float(high)))
     return None
 
 

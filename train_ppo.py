@@ -60,10 +60,20 @@ import ppo_core as core
 import reward_remote
 import rollout
 import rollout_correction
+import run_dir
 import ulysses
 import watchdog
 from agent_loop import MultiTurnStats, TurnLimits, generate_multi_turn
-from checkpoint import find_resume_path, load_checkpoint, save_checkpoint, step_seed
+from checkpoint import (
+    STATE_FILE,
+    CheckpointError,
+    abandon_later,
+    find_resume_path,
+    load_checkpoint,
+    save_checkpoint,
+    step_seed,
+)
+from collectives import failing_together, gather_items, gather_rows, my_rows
 from config import (
     Config,
     ConfigError,
@@ -72,12 +82,12 @@ from config import (
     non_defaults,
     policy_loss_key,
     sampling_truncates,
+    shown,
     to_yaml,
     unread_keys,
 )
 from data import Prompt, PromptSampler, load_prompts
 from lora import LoraSpec, iter_sync_params, lora_config, sync_modules
-from memory_plan import LOADED, PHASES, OffloadFlags, plan_moves
 from mesh_utils import (
     BatchPlan,
     DistEnv,
@@ -88,11 +98,7 @@ from mesh_utils import (
     check_launch,
     check_validation_share,
     describe,
-    failing_together,
-    gather_items,
-    gather_rows,
     init_distributed,
-    my_rows,
     train_dp_group,
     validate,
     write_rank_layout,
@@ -113,8 +119,10 @@ from models import (
     optimizer_step,
     padding_fraction,
     read_model_config,
+    set_optimizer_config,
     token_budget_micro_batches,
 )
+from offload import LOADED, PHASES, OffloadFlags, plan_moves
 from reward_model import RewardModel
 from rewards import (
     RewardError,
@@ -241,7 +249,10 @@ class Run:
     engine: Engine
     tracker: Tracker
     progress: watchdog.Progress  # off (watchdog.Progress(None)) unless build_run(watch=True)
-    placement: str  # the memory phase the models and engine are placed for (memory_plan.placement)
+    lock: run_dir.RunLock | None  # rank 0: the run directory's lock (run_dir.py)
+    stop: run_dir.StopRequests  # SIGTERM / SIGUSR2 (build_run(watch=True)) or <out_dir>/stop: save, then stop
+    fingerprint: dict[str, Any]  # what the checkpoints are trained with (run_dir.fingerprint)
+    placement: str  # the memory phase the models and engine are placed for (offload.placement)
     multi_turn: MultiTurn | None = None  # actor_rollout_ref.rollout.multi_turn.enable: tools and their replies
     reward_model: RewardModel | None = None  # reward_model.enable: it scores the training samples
     teacher: torch.nn.Module | None = None  # distillation.enabled: the frozen teacher, beside the reference
@@ -337,8 +348,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
 
     # 5. advantages
     with timed(metrics, "adv"):
+        components = reward_components(reward_extras, algo_cfg.gdpo_reward_keys, run.env.device)  # gdpo's
         metrics.update(compute_advantages(batch, algo_cfg, run.kl_ctrl, run.dp_group, plan.total_samples,
-                                          plan.n))
+                                          plan.n, components))
     # 5b. the sync check, and rollout correction (decoupled mode): the old actor against the engine over
     # the whole step batch; IS weights for the policy loss, rejected tokens out of every loss
     if old is not None:
@@ -414,9 +426,13 @@ def train(run: Run) -> None:
             with timed(metrics, "testing"):
                 metrics.update(run_validation(run, step))
         run.tracker.log(step, metrics)
-        if tc.save_freq > 0 and (step % tc.save_freq == 0 or last):
-            enter(run, step, "save")
+        due = tc.save_freq > 0 and (step % tc.save_freq == 0 or last)
+        stopping = not last and stop_requested(run, step)
+        if due or stopping:
+            enter(run, step, "save", timeout_s=save_budget_s(run))
             save(run, step)
+        if stopping:
+            break
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -435,23 +451,24 @@ def main(argv: list[str] | None = None) -> None:
 # Phase boundaries: the watchdog's progress line and the memory placement
 
 
-def enter(run: Run, step: int, phase: str) -> None:
-    """A phase boundary, in one verb: the rank's progress line (the watchdog names a hung rank and its phase)
-    and, for a memory phase (memory_plan.PHASES), the placement of models, optimizer states and engine."""
-    run.progress.enter(step, phase)
+def enter(run: Run, step: int, phase: str, timeout_s: float | None = None) -> None:
+    """A phase boundary, in one verb: the rank's progress line (the watchdog names a hung rank and its phase;
+    timeout_s: the phase's own budget) and, for a memory phase (offload.PHASES), the placement of models,
+    optimizer states and engine."""
+    run.progress.enter(step, phase, timeout_s)
     if phase in PHASES:
         move_to(run, phase)
 
 
 def move_to(run: Run, phase: str) -> None:
-    """Place models, optimizer states and engine for `phase` (memory_plan.placement, from the offload flags)."""
+    """Place models, optimizer states and engine for `phase` (offload.placement, from the offload flags)."""
     place(run, run.offload, run.placement, phase, run.env.device, run.engine.llm)
     run.placement = phase
 
 
 def place(models: Models | Run, offload: OffloadFlags, src: str, dst: str, device: torch.device,
           llm: LLM | None) -> None:
-    """The moves from placement `src` to `dst` (memory_plan.plan_moves) of the actor, the critic, their
+    """The moves from placement `src` to `dst` (offload.plan_moves) of the actor, the critic, their
     optimizer states and the engine, if there is one yet."""
     # LoRA's syncs after the first send only the modules it changes: the engine keeps its other weights
     level = rollout.sleep_level(partial_sync=bool(models.lora_spec))
@@ -675,8 +692,8 @@ def balance_batch(batch: Batch, reward_extras: list[dict[str, float]], dp_group:
     lengths = gather_rows(batch["attention_mask"].sum(-1), dp_group).tolist()  # (B * dp,) dp rank order
     dp, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
     parts = core.balanced_partitions(lengths, dp)
-    mine = torch.tensor(parts[rank], device=batch["attention_mask"].device)  # (B,) rows of the gathered batch
-    balanced = {key: gather_rows(rows, dp_group)[mine] for key, rows in batch.items()}
+    kept_rows = torch.tensor(parts[rank], device=batch["attention_mask"].device)  # (B,) rows of the gathered batch
+    balanced = {key: gather_rows(rows, dp_group)[kept_rows] for key, rows in batch.items()}
     extras = gather_items(reward_extras, dp_group)
     per_rank = len(lengths) // dp
     before = [sum(lengths[r * per_rank:(r + 1) * per_rank]) for r in range(dp)]
@@ -773,8 +790,23 @@ def teacher_log_probs(run: Run, batch: Batch) -> Batch:
 # 5. Advantages; 5b. the sync check and rollout correction
 
 
+def reward_components(reward_extras: list[dict[str, float]], keys: list[str] | None,
+                      device: torch.device) -> torch.Tensor | None:
+    """(B, K): each sample's reward extras named by algorithm.gdpo_reward_keys, in the rows' order; None without keys."""
+    if keys is None:
+        return None
+    missing = sorted({key for extras in reward_extras for key in keys if key not in extras})
+    if missing:
+        given = sorted({key for extras in reward_extras for key in extras})
+        raise ValueError(f"algorithm.gdpo_reward_keys names {missing}, which the reward function does not return "
+                         f"for every sample (its extras: {given}); return a dict with those keys.")
+    return torch.tensor([[float(extras[key]) for key in keys] for extras in reward_extras], dtype=torch.float32,
+                        device=device)  # (B, K)
+
+
 def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLController,
-                       dp_group: dist.ProcessGroup, total_samples: int, samples_per_prompt: int) -> dict[str, float]:
+                       dp_group: dist.ProcessGroup, total_samples: int, samples_per_prompt: int,
+                       reward_components: torch.Tensor | None = None) -> dict[str, float]:
     """Token-level rewards, advantages and returns of this rank's samples, written into `batch`.
 
     The ranks of dp_group hold the step's samples between them, each once: prompt-major as generated (a
@@ -810,6 +842,9 @@ def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLCont
         # the old policy's per-token statistics, when asked for (the optimal token baseline reads them)
         per_token = {k: gather_rows(batch[k], dp_group) for k in ("old_log_probs", "sum_pi_squared")
                      if "sum_pi_squared" in batch}  # (B * dp, R) each
+        if reward_components is not None:  # gdpo's components, (B * dp, K), and their weights
+            per_token.update(reward_components=gather_rows(reward_components, dp_group),
+                             reward_weights=algo_cfg.gdpo_reward_weights)
         all_adv, _ = core.compute_advantage(
             estimator.name, token_level_rewards=all_rewards, response_mask=all_mask, index=all_index.tolist(),
             norm_adv_by_std_in_grpo=algo_cfg.norm_adv_by_std_in_grpo, **per_token)  # (B * dp, R)
@@ -1081,7 +1116,7 @@ class ActorLoss:
         mode = actor.policy_loss.loss_mode
         low, high = (actor.clip_ratio if c is None else c for c in (actor.clip_ratio_low, actor.clip_ratio_high))
         params = dict(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=actor.clip_ratio_c,
-                      **{key: functools.reduce(Config.__getitem__, policy_loss_key(key).split("."), cfg)
+                      **{key: cfg.at(policy_loss_key(key))
                          for key in core.POLICY_LOSSES[mode].keys})
         rc_cfg = cfg.algorithm.rollout_correction
         return cls(mode, params, actor.entropy_coeff, actor.kl_loss_coef if actor.use_kl_loss else None,
@@ -1106,16 +1141,14 @@ def actor_loss(mb: Batch, log_prob: torch.Tensor, entropy: torch.Tensor | None, 
     if bypass is not None:  # old_log_probs are the engine's: weights and rejection of pi_theta against them
         is_weights, pg_mask, terms = rollout_correction.correct_micro_batch(log_prob, mb["old_log_probs"], mask,
                                                                             bypass, dp_group)
-    if bypass is not None and bypass.loss_type == "reinforce":  # no clipping: the weights do the correcting
-        pg_loss, ppo_kl = rollout_correction.reinforce_policy_loss(mb["old_log_probs"], log_prob, mb["advantages"],
-                                                                   pg_mask, is_weights, loss_agg_mode, scale)
-        terms.update({"actor/pg_loss": pg_loss, "actor/ppo_kl": ppo_kl})
-    else:  # in bypass mode the ratio already is pi_theta / pi_engine: no weights on top (verl's ppo_clip)
-        pg_loss, pg_metrics = core.policy_loss(
-            loss.loss_mode, mb["old_log_probs"], log_prob, mb["advantages"], pg_mask, loss_agg_mode,
-            **loss.loss_params, generator=generator, scale=scale,
-            rollout_is_weights=None if bypass is not None else is_weights)
-        terms.update({"actor/pg_loss": pg_loss, **pg_metrics})
+    # bypass mode's loss_type=reinforce is the gpg loss (-A log pi_theta), the weights doing the correcting;
+    # with ppo_clip the ratio already is pi_theta / pi_engine, so the weights are logged, not applied (verl's)
+    reinforce = bypass is not None and bypass.loss_type == "reinforce"
+    pg_loss, pg_metrics = core.policy_loss(
+        "gpg" if reinforce else loss.loss_mode, mb["old_log_probs"], log_prob, mb["advantages"], pg_mask,
+        loss_agg_mode, **loss.loss_params, generator=generator, scale=scale,
+        rollout_is_weights=None if bypass is not None and not reinforce else is_weights)
+    terms.update({"actor/pg_loss": pg_loss, **pg_metrics})
     total = pg_loss
     if entropy is not None and loss.entropy_coeff != 0:
         terms["actor/entropy_loss"] = scale.agg(entropy, mask, loss_agg_mode)
@@ -1231,10 +1264,35 @@ def run_validation(run: Run, step: int) -> dict[str, float]:
     return metrics
 
 
+def stop_requested(run: Run, step: int) -> bool:
+    """Collective: whether any rank was asked to save and stop (run_dir.StopRequests), said once."""
+    reason = run.stop.local_reason()
+    asked = torch.tensor([reason is not None], dtype=torch.int32, device=run.env.device)
+    dist.all_reduce(asked)
+    if asked.item():
+        print0(f"stopping after step {step} as asked ({reason or 'by another rank'}; {int(asked.item())} rank(s)): "
+               f"saving; the same command resumes it")
+    return bool(asked.item())
+
+
+SAVE_BYTES_PER_S = 50e6  # a slow shared file system: the save phase's budget assumes no faster
+
+
+def save_budget_s(run: Run) -> float:
+    """The save phase's watchdog budget: trainer.hang_timeout_s plus this rank's shards of the models and
+    their optimizer states written at SAVE_BYTES_PER_S, so that a large save is not taken for a hang."""
+    tensors = [t for model, optimizer, _ in run.checkpointed().values()
+               for t in [*model.parameters(), *(v for s in optimizer.state.values() for v in s.values())]
+               if torch.is_tensor(t)]
+    local = sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
+    return run.cfg.trainer.hang_timeout_s + local / SAVE_BYTES_PER_S
+
+
 def save(run: Run, step: int) -> None:
     """A sharded, atomic checkpoint; older ones pruned only after the new one is complete."""
     start = time.perf_counter()
-    trainer_state = {"sampler": run.sampler.state_dict(), "kl_ctrl": run.kl_ctrl.state_dict()}
+    trainer_state = {"sampler": run.sampler.state_dict(), "kl_ctrl": run.kl_ctrl.state_dict(),
+                     "fingerprint": run.fingerprint}
     if run.in_flight is not None:
         trainer_state["in_flight"] = in_flight_state(run)
     path = save_checkpoint(run.out_dir, step, run.checkpointed(), trainer_state,
@@ -1276,6 +1334,8 @@ def finish(run: Run) -> None:
     """Close the logs, say which keys the run never read, write the summary. The engine keeps running
     (rollout.shutdown stops it)."""
     run.tracker.close()
+    if run.lock is not None:
+        run.lock.release()
     out_dir = run.out_dir
     if run.env.rank == 0:  # every key should have done something; say which did not (a typo'd intent, a dead key)
         unread = unread_keys(run.cfg)
@@ -1306,6 +1366,13 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
     print0("config (keys that differ from the defaults; all of them in "
            f"{out_dir / 'config.yaml'}):\n" + "".join(f"  {k}={v}\n" for k, v in non_defaults(cfg).items()))
     print0(describe(cfg, dims, plan))
+    lock = None
+    with failing_together(run_dir.RunDirError, env.device):  # another job's directory: every rank stops
+        if env.rank == 0:
+            lock, took_over = run_dir.lock(out_dir)
+            run_dir.clear_stop_file(out_dir)
+            if took_over:
+                print0(took_over)
     meshes = build_meshes(dims, env.device_type, timeout_s=cfg.actor_rollout_ref.nccl_timeout)
     write_rank_layout(out_dir / "layout", env.rank, meshes)
     route_library_logs(out_dir / "logs" / f"rank{env.rank}.log", env.rank)
@@ -1328,8 +1395,10 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
     source, why = old_log_prob_source(models.actor, cfg.algorithm, plan.actor_update, plan.samples_per_rank,
                                       cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
     print0(f"old log-probs: {source} ({why})")
+    train_files = [cfg.data.train_files] if isinstance(cfg.data.train_files, str) else list(cfg.data.train_files)
+    fingerprint = run_dir.fingerprint(cfg, train_files, len(train_prompts))
     in_flight = InFlight.from_config(cfg)
-    start_step = resume(cfg, out_dir, env.rank, checkpointed(models), sampler, models.kl_ctrl,
+    start_step = resume(cfg, out_dir, env.rank, checkpointed(models), sampler, models.kl_ctrl, fingerprint,
                         (in_flight, meshes.rollout.get_local_rank("dp"), dims.rollout_dp))
     # placed as for the first weight sync before the engine starts: vLLM sizes its KV cache from the
     # memory free then, so an offloaded critic must already be on the host
@@ -1338,7 +1407,7 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
     engine = build_engine(cfg, dims, env, meshes, tokenizer, train_prompts[0].token_ids, multi_turn, models,
                           param_dtype, reuse=engine)
     tracker = Tracker(out_dir, cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
-                      dict(cfg), total_steps, enabled=env.rank == 0)
+                      shown(cfg), total_steps, enabled=env.rank == 0)
     if env.rank == 0:
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
     # a rank that stops ends the job within trainer.hang_timeout_s, named, with every rank's stacks
@@ -1351,7 +1420,8 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
                param_dtype=param_dtype, offload=offload, old_log_probs_from=source,
                rollout_data_dir=Path(tc.rollout_data_dir) if tc.rollout_data_dir is not None else None,
                validation_data_dir=Path(tc.validation_data_dir or out_dir / "val_generations"),
-               start_step=start_step, engine=engine, tracker=tracker, progress=progress, placement="sync",
+               start_step=start_step, engine=engine, tracker=tracker, progress=progress, placement="sync", lock=lock,
+               stop=run_dir.StopRequests(out_dir, install=watch), fingerprint=fingerprint,
                multi_turn=multi_turn, reward_model=reward_model, teacher_vocab_limit=teacher_vocab_limit,
                in_flight=in_flight, **vars(models))
 
@@ -1533,20 +1603,43 @@ def load_learned_reward_model(cfg: Config, meshes: Meshes, env: DistEnv, tokeniz
 
 
 def resume(cfg: Config, out_dir: Path, rank: int, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]],
-           sampler: PromptSampler, kl_ctrl: core.FixedKLController,
+           sampler: PromptSampler, kl_ctrl: core.FixedKLController, fingerprint: dict[str, Any],
            in_flight: tuple[InFlight | None, int, int] = (None, 0, 1)) -> int:
     """Load the latest complete checkpoint, if any (DCP reshards it to this world size), into the models
     (checkpointed), the prompt sampler, the KL controller and, with colocate_async, in_flight's first
-    element (this rollout dp group's carried samples: (InFlight, dp rank, rollout dp size)); its step (0: none)."""
+    element (this rollout dp group's carried samples: (InFlight, dp rank, rollout dp size)); its step (0: none).
+    Rank 0 chooses it for every rank, moves checkpoints later than a rewind's aside (checkpoint.abandon_later),
+    and compares the config and data with the checkpoint's (run_dir.check_resume); the config's optimizer
+    settings then replace the checkpoint's."""
     tc = cfg.trainer
-    path = find_resume_path(tc.resume_mode, out_dir, tc.resume_from_path)
+    choice: list[Any] = [None, None]  # (the path, or the error every rank raises)
+    if rank == 0:
+        try:
+            path = find_resume_path(tc.resume_mode, out_dir, tc.resume_from_path)
+            if path is not None:
+                for moved in abandon_later(out_dir, path):
+                    print0(f"rewound to {path.name}: moved the later {moved.name} to {moved.parent}")
+                saved = json.loads((path / STATE_FILE).read_text()).get("fingerprint")
+                for line in run_dir.check_resume(path, saved, fingerprint, tc.resume_force):
+                    print0(f"changed since the checkpoint: {line}")
+            choice[0] = None if path is None else str(path)
+        except (ConfigError, CheckpointError) as e:
+            choice[1] = e
+    dist.broadcast_object_list(choice, src=0)
+    if choice[1] is not None:
+        raise choice[1]
     start_step = 0
-    if path is not None:
+    if choice[0] is not None:
+        path = Path(choice[0])
         state = load_checkpoint(path, models)
         start_step = state["step"]
         sampler.load_state_dict(state["sampler"])
         kl_ctrl.load_state_dict(state["kl_ctrl"])
         load_in_flight(*in_flight, state.get("in_flight"), path)
+        for name, (_, optimizer, sched) in models.items():
+            optim_cfg = (cfg.critic if name == "critic" else cfg.actor_rollout_ref.actor).optim
+            for change in set_optimizer_config(optimizer, sched, optim_cfg):
+                print0(f"{name} optimizer, from the config over the checkpoint's: {change}")
         print0(f"resumed from {path} (step {start_step}, written by {state['world_size']} ranks)")
     if rank == 0:
         truncate_metrics(out_dir / "metrics.jsonl", start_step)

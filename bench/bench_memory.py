@@ -80,13 +80,15 @@ def one_step(llm: LLM, actor: torch.nn.Module, ref: torch.nn.Module, optimizer: 
         out[name] = {"peak_gb": mem.peak_gb(), "end_gb": mem.device_used_gb()}
         return result
 
+    def move(moves: list[tuple[str, str]]) -> None:  # the trainer's mover (offload.plan_moves' items)
+        models.apply_moves(moves, {"actor": actor}, {"actor": optimizer}, device)
+
     def sync() -> None:
         ro.sync_weights(llm, models.iter_full_params(actor, dtype=param_dtype))
 
     def gen() -> ro.RolloutBatch:
         if offload:
-            models.offload_fsdp_model_to_cpu(actor)
-            models.offload_optimizer(optimizer)
+            move([("actor.params", "host"), ("actor.optimizer", "host")])
         return ro.generate(llm, prompts, ro.Sampling(n=args.n, temperature=1.0, max_tokens=args.max_tokens,
                                                      stop_token_ids=(bc.EOS_TOKEN_ID,), pad_token_id=bc.PAD_TOKEN_ID),
                            step=1)
@@ -97,7 +99,7 @@ def one_step(llm: LLM, actor: torch.nn.Module, ref: torch.nn.Module, optimizer: 
 
     def update(batch: dict[str, torch.Tensor]) -> None:
         if offload:
-            models.load_optimizer(optimizer, device)
+            move([("actor.optimizer", "device")])
         for start in range(0, batch["input_ids"].shape[0], args.micro_batch):
             rows = slice(start, start + args.micro_batch)
             micro = {k: v[rows] for k, v in batch.items()}
@@ -111,7 +113,7 @@ def one_step(llm: LLM, actor: torch.nn.Module, ref: torch.nn.Module, optimizer: 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if offload:
-            models.offload_optimizer(optimizer)
+            move([("actor.optimizer", "host")])
 
     phase("sync", sync)
     group = phase("gen", gen)

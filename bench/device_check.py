@@ -17,9 +17,9 @@ Checks, each failing the run (exit 1) with what differed: the loss is finite and
 the weights; every gathered tensor equals DTensor.full_tensor() cast to the sync dtype; the offload
 round trip is bit-exact; on CUDA the offload freed >= 90% of the parameter + optimizer bytes.
 
-Then the offload plan (`make gpu-check`): for each offload combination (memory_plan.flag_combinations)
+Then the offload plan (`make gpu-check`): for each offload combination (offload.flag_combinations)
 on FSDP and, with 2+ ranks, HSDP, a fresh actor (+ a reference model with its own flag) walks a step
-in the trainer's order with the trainer's functions (memory_plan.plan_moves -> models.apply_moves,
+in the trainer's order with the trainer's functions (offload.plan_moves -> models.apply_moves,
 compute_log_probs, an update, models.optimizer_step), and checks: the loss is finite and the
 weights move; on CUDA, that every item is on the device or host the table says in every phase,
 that entering `generate` frees the actor's shard bytes the plan says (within 10%), and that the
@@ -32,6 +32,7 @@ Rank 0 prints a table and writes <out>/device_check.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import shlex
@@ -49,6 +50,7 @@ from torch.distributed.tensor import DTensor
 
 import memory_plan as mp
 import models
+import offload
 import train_ppo
 from config import load_config
 from mesh_utils import ParallelDims, UpdateSpec, build_meshes, init_distributed
@@ -218,7 +220,7 @@ def actual_placement(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     return {"actor.params": where(list(model.parameters())), "actor.optimizer": where(state) if state else "-"}
 
 
-def plan_walk(path: str, flags: mp.OffloadFlags, fsdp_mesh: object, fsdp: int, fsdp_rank: int,
+def plan_walk(path: str, flags: offload.OffloadFlags, fsdp_mesh: object, fsdp: int, fsdp_rank: int,
               batch: dict[str, torch.Tensor], mask: torch.Tensor, micro_batch: int, device: torch.device,
               param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> dict[str, object]:
     """Two steps of the trainer's phase order with `flags`: the moves, a log-prob forward (actor and
@@ -240,16 +242,16 @@ def plan_walk(path: str, flags: mp.OffloadFlags, fsdp_mesh: object, fsdp: int, f
                           if not k.startswith("engine."))
     row: dict[str, object] = {"losses": [], **({"placement_ok": True} if cuda else {})}
     before = [p.detach().to_local().cpu().clone() for p in actor.parameters()]
-    previous = mp.LOADED
+    previous = offload.LOADED
     for _ in range(2):
-        for phase in mp.PHASES:
+        for phase in offload.PHASES:
             allocated = torch.cuda.memory_allocated() if cuda else 0
-            models.apply_moves(mp.plan_moves(flags, previous, phase), {"actor": actor}, {"actor": optimizer},
+            models.apply_moves(offload.plan_moves(flags, previous, phase), {"actor": actor}, {"actor": optimizer},
                                device)
             previous = phase
             if cuda:
                 torch.cuda.synchronize()
-                planned = mp.placement(flags, phase)
+                planned = offload.placement(flags, phase)
                 actual = actual_placement(actor, optimizer)
                 for item, where in actual.items():
                     if where != "-" and where != planned[item]:
@@ -364,11 +366,11 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915 - one linear s
 
     def offload_and_back() -> float:
         on_device = torch.cuda.memory_allocated() if env.device_type == "cuda" else 0
-        models.offload_fsdp_model_to_cpu(actor)
-        models.offload_optimizer(optimizer)
+        move = functools.partial(models.apply_moves, models={"actor": actor}, optimizers={"actor": optimizer},
+                                 device=device)
+        move([("actor.params", "host"), ("actor.optimizer", "host")])
         freed = (on_device - torch.cuda.memory_allocated()) / 1e9 if env.device_type == "cuda" else 0.0
-        models.load_fsdp_model_to_device(actor, device)
-        models.load_optimizer(optimizer, device)
+        move([("actor.params", "device"), ("actor.optimizer", "device")])
         return freed
 
     freed_gb = phase("offload", offload_and_back)
@@ -390,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915 - one linear s
             skipped.append(f"HSDP (needs an even number of ranks >= 2; this run has {world})")
         for layout, dims in layouts:
             mesh = build_meshes(dims, env.device_type).fsdp
-            for label, flags in mp.flag_combinations():
+            for label, flags in offload.flag_combinations():
                 walked = plan_walk(str(path), flags, mesh, dims.fsdp, env.rank % dims.fsdp, batch, mask,
                                    args.micro_batch, device, param_dtype, reduce_dtype)
                 plan_rows.append({"layout": layout, "flags": label, **walked})

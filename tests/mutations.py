@@ -172,8 +172,9 @@ MUTATIONS = (
              "checkpoint.py", (
         ('final, tmp = root / f"global_step_{step}", root / f"global_step_{step}.tmp"',
          'final = tmp = root / f"global_step_{step}"'),
-        ('            if final.exists():  # re-saving a step (after a resume): replace it only now\n'
-         '                shutil.rmtree(final)\n            os.replace(tmp, final)\n', ''),
+        ('            if final.exists():  # re-saving a step (after a resume): the complete one stays until the new '
+         'one is in\n                shutil.rmtree(old, ignore_errors=True)\n                os.replace(final, old)\n'
+         '            os.replace(tmp, final)\n', ''),
         ('if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]',
          'if (m := _STEP_DIR.match(p.name))]')),
         "tests/test_faults.py::test_rank_killed_while_saving_keeps_the_previous_checkpoint"),
@@ -192,9 +193,33 @@ MUTATIONS = (
     Mutation("code reward: a program the sandbox killed still passes on what it printed", "code_reward.py", ((
         "    if not run.ok:\n        return False\n", ""),),
         "tests/test_code_reward.py::test_hostile_programs_score_zero_and_harm_nothing"),
+    Mutation("sandbox: no PID namespace (the caller's /proc, signals and daemons in reach)", "sandbox.py", ((
+        'namespaces = ["--unshare-pid", ', 'namespaces = ['),),
+        "tests/test_sandbox.py::test_full_sandbox_holds_against_the_battery"),
+    Mutation("sandbox: bwrap not killed with its caller (a program outlives a dead trainer)", "sandbox.py", ((
+        '"--die-with-parent", ', ''),),
+        "tests/test_sandbox.py::test_full_sandbox_holds_against_the_battery"),
+    Mutation("sandbox: a fake root's user namespace keeps every capability", "sandbox.py", ((
+        '"--cap-drop", "ALL", ', ''),),
+        "tests/test_sandbox.py::test_full_sandbox_holds_against_the_battery"),
     Mutation("code reward: a batch's programs run one sample after another", "rewards.py", ((
         "    if base is not default_compute_score or not code:", "    if True:"),),
         "tests/test_code_reward.py::test_score_batch_runs_a_batchs_programs_at_once"),
+    Mutation("tir_optimal_token_baseline compares absolute positions, as optimal_token_baseline", "ppo_core.py", ((
+        "k = (mask.long().cumsum(-1) - 1)[rows, cols]", "k = cols"),),
+        "tests/test_ppo_core.py::test_tir_optimal_token_baseline_compares_the_kth_generated_tokens_as_verl_does"),
+    Mutation("gdpo does not whiten the weighted sum over the batch", "ppo_core.py", ((
+        "advantages = masked_whiten(total, mask.bool()) * mask", "advantages = total * mask"),),
+        "tests/test_ppo_core.py::test_gdpo_normalises_each_reward_component_in_its_group_then_whitens_the_weighted_sum"),
+    Mutation("dro rewards the log-ratio's square instead of penalising it", "ppo_core.py", ((
+        "- 0.5 * dro_beta * log_ratio.square()", "+ 0.5 * dro_beta * log_ratio.square()"),),
+        "tests/test_ppo_core.py::test_dro_is_the_policy_gradient_with_a_quadratic_log_ratio_penalty"),
+    Mutation("verl config: a not-implemented verl key is accepted at any value", "config.py", ((
+        "            if value != default:", "            if False:"),),
+        "tests/test_config.py::test_verls_generated_config_loads_and_plans"),
+    Mutation("verl config: an interpolated verl default is compared as written, not resolved", "config.py", ((
+        'if not (isinstance(default, str) and "${" in default):', "if True:"),),
+        "tests/test_config.py::test_verls_generated_config_loads_and_plans"),
 )
 
 

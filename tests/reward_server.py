@@ -13,7 +13,11 @@ POST /nan          NaN (as Python's json writes it) for the second item
 POST /nan_once     NaN for the first item of the first request, then /ok
 POST /bad_extras   an extra that is a string
 POST /status404    404
+POST /auth         /ok with `Authorization: Bearer secret-token`, else 401
+POST /drip         a valid answer's headers, then its body one byte every 0.2 s
+POST /huge         a 17 MiB body (a JSON string)
 POST /chat/v1/chat/completions   an OpenAI chat completion: "Score: <characters of the user message mod 10>"
+POST /chat<N>/v1/chat/completions   a chat completion replying "Score: <N>" (N digits: 1000, 400 nines, ...)
 """
 
 import argparse
@@ -55,12 +59,27 @@ class Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(int(self.headers["Content-Length"]))
         body = json.loads(raw)
         path = self.path
-        if path == "/chat/v1/chat/completions":
+        if path.startswith("/chat") and path.endswith("/v1/chat/completions"):
+            fixed = path[len("/chat"):-len("/v1/chat/completions")]
             content = body["messages"][-1]["content"]
             answer = {"choices": [{"index": 0, "message": {"role": "assistant",
-                                                           "content": f"Score: {len(content) % 10}"}}]}
+                                                           "content": f"Score: {fixed or len(content) % 10}"}}]}
             return self.reply(200, json.dumps(answer).encode())
         items = body["items"]
+        if path == "/auth" and self.headers.get("Authorization") != "Bearer secret-token":
+            return self.reply(401, b'{"error": "unauthorized"}')
+        if path == "/huge":
+            return self.reply(200, json.dumps("x" * (17 * 2**20)).encode())
+        if path == "/drip":
+            answer = json.dumps({"scores": [0.0] * len(items)}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            for byte in answer:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.2)
+            return None
         if path == "/status404":
             return self.reply(404, b'{"error": "no such scorer"}')
         if path == "/malformed":

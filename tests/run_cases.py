@@ -7,7 +7,7 @@ but the cases share one process group and one vLLM engine (train_ppo.build_run(c
 engine must be able to serve the run, check_engine_serves), so the launch pays the imports and the engine start-up once,
 which is most of a short run's time on a CPU. Prints "case NAME done" after each. A case whose third
 field is true is expected to stop with an error (raised on every rank at the same point, as
-mesh_utils.failing_together makes a reward error): each rank writes it, with its traceback, to
+collectives.failing_together makes a reward error): each rank writes it, with its traceback, to
 <trainer.default_local_dir>/error.rank<r>.txt and the launch goes on; if it does not raise, the launch
 fails.
 """

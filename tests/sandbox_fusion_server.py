@@ -6,6 +6,9 @@ It answers the subset of SandboxFusion's /run_code that code_reward's client sen
 request {code, stdin, language, run_timeout, memory_limit_MB, ...}; reply {status: Success | Failed |
 SandboxError, message, compile_result: null, run_result: {status: Finished | TimeLimitExceeded | Error,
 return_code, stdout, stderr, execution_time}}. A language other than python is a SandboxError.
+
+Broken services, for the client's error paths: POST /list answers a JSON list, /run_list a run_result
+that is a list, /int_stdout a stdout that is a number, /flaky502 a 502 the first time, then /run_code.
 """
 
 import json
@@ -32,13 +35,27 @@ def run_code(request: dict) -> dict:
     return {"status": "Success" if ok else "Failed", "message": "", "compile_result": None, "run_result": run}
 
 
+SEEN: set[str] = set()
+
+
 class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-        if self.path != "/run_code":
+        if self.path not in ("/run_code", "/list", "/run_list", "/int_stdout", "/flaky502"):
             self.send_error(404)
             return
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        body = json.dumps(run_code(request)).encode()
+        if self.path == "/flaky502" and "flaky502" not in SEEN:
+            SEEN.add("flaky502")
+            self.send_error(502)
+            return
+        answer = run_code(request)
+        if self.path == "/list":
+            answer = [answer]
+        elif self.path == "/run_list":
+            answer["run_result"] = [answer["run_result"]]
+        elif self.path == "/int_stdout":
+            answer["run_result"]["stdout"] = 3
+        body = json.dumps(answer).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))

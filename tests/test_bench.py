@@ -330,9 +330,8 @@ def test_device_check_smoke(tiny_assets, tmp_path):
     assert {"update_finite_and_moved", "gather_equals_full_tensor", "offload_round_trip_exact"} <= checks
     # the offload plan: every combination on FSDP and HSDP, walked with the trainer's functions; on the
     # CPU the device checks are skipped, and the report says so
-    import memory_plan
-
-    combos = [label for label, _ in memory_plan.flag_combinations()]
+    import offload
+    combos = [label for label, _ in offload.flag_combinations()]
     assert [(r["layout"], r["flags"]) for r in report["plan"]] == [(m, c) for m in ("fsdp", "hsdp") for c in combos]
     assert all(r["finite_and_moved"] and len(r["losses"]) == 4 for r in report["plan"])
     assert checks - {"update_finite_and_moved", "gather_equals_full_tensor", "offload_round_trip_exact"} == {

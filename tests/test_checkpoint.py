@@ -4,8 +4,9 @@ metrics and the final weights.
 
   A  world 2, 6 steps, checkpoints at 3 and 6: the uninterrupted reference
   B  the same run under `torchrun --max-restarts=1`, one rank SIGKILLed after step 4: torchrun
-     restarts the job, it resumes from step 3 on its own, and steps 4-6 must equal A's, every
-     metric and the final weights
+     restarts the job, it resumes from step 3 on its own; once it has logged step 4 again, torchrun
+     gets SIGTERM (as SLURM stops a job): every rank saves at the end of step 5 and exits; the same
+     command again resumes from step 5. Steps 4-6 must equal A's, every metric and the final weights
   C  world 4 for 2 steps, then D resumes it at world 2 (DCP reshards) for a third step, validating
      first: the same greedy answers (tests/short_runs.py's rc_decoupled and resume_smaller)
   the export of A's final actor equals B's final weights bit for bit and differs from the initial
@@ -56,16 +57,29 @@ def test_killed_rank_resumes_and_reproduces(tiny_assets, sft_model, short_runs, 
                                                                       "trainer.max_actor_ckpt_to_keep=1"),
                                          launcher=("--max-restarts=1",)),
                             cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics, deadline, killed = run_dir / "metrics.jsonl", time.time() + 600, None
-    while killed is None and time.time() < deadline and proc.poll() is None:
-        if metrics.is_file() and any(r["step"] == 4 for r in read_metrics(metrics)):
+    metrics, deadline, killed, terminated, first_step4 = run_dir / "metrics.jsonl", time.time() + 600, None, False, None
+    while not terminated and time.time() < deadline and proc.poll() is None:
+        step4 = [r for r in read_metrics(metrics) if r["step"] == 4] if metrics.is_file() else []
+        if killed is None and step4:
             killed = json.loads((run_dir / "layout" / "rank1.json").read_text())["pid"]
             os.kill(killed, signal.SIGKILL)
+            first_step4 = step4[0]
+        elif killed is not None and step4 and step4[-1] != first_step4:  # the restarted run's step 4 (its timings)
+            proc.send_signal(signal.SIGTERM)  # step 5 is under way: as SLURM stops a job, through torchrun
+            terminated = True
         time.sleep(0.2)
     output, _ = proc.communicate(timeout=900)
     assert killed is not None, "the run ended before step 4 was logged:\n" + output[-3000:]
-    assert proc.returncode == 0, output[-6000:]
+    assert terminated, "the restarted run ended before step 4 was logged again:\n" + output[-3000:]
     assert "resumed from" in output and "global_step_3" in output
+    assert "stopping after step 5 as asked (SIGTERM" in output, output[-6000:]
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["global_step_5"]  # saved on the way out
+    # the same command again: it resumes from step 5 and finishes the run
+    rest = subprocess.run(torchrun_cmd(2, "train_ppo.py", *args_for(tiny_assets, sft_model, run_dir,
+                                                                     "trainer.max_actor_ckpt_to_keep=1")),
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900)
+    assert rest.returncode == 0, rest.stdout[-6000:] + rest.stderr[-3000:]
+    assert "global_step_5 (step 5" in rest.stdout and "changed since the checkpoint" not in rest.stdout
 
     ref, resumed = by_step(ref_dir), by_step(run_dir)
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]

@@ -151,8 +151,36 @@ def test_sandbox_fusion_url_sends_the_same_programs_to_the_service(sandbox_fusio
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}/run_code"
-    with pytest.raises(RuntimeError, match="reward_model.sandbox_fusion.url=.* did not answer"):
+    with pytest.raises(RuntimeError, match="reward_model.sandbox_fusion.url: .* failed 3 times .*Connection"
+                                           "RefusedError.*; is the SandboxFusion service running there"):
         code_score(responses[0], ADD, CodeLimits(url=dead))
+
+
+@linux_only
+@pytest.mark.parametrize("path, error", [
+    ("/list", "answered status=None: .*'status': 'Success'"),
+    ("/run_list", "answered a run_result that is not SandboxFusion's"),
+    ("/int_stdout", "answered a run_result that is not SandboxFusion's"),
+    ("/flaky502", None),  # retried
+])
+def test_a_broken_sandbox_fusion_answer_is_a_runtime_error(sandbox_fusion_url, path, error):
+    """A RuntimeError (rewards.py turns it into a RewardError, raised on every rank together), never an
+    AttributeError that stops one rank alone."""
+    limits = CodeLimits(url=sandbox_fusion_url.replace("/run_code", path), timeout_s=2.0)
+    if error is None:
+        assert code_score(f"{F}python\n{ADD_PROGRAM}{F}", ADD, limits) == 1.0
+    else:
+        with pytest.raises(RuntimeError, match=error):
+            code_score(f"{F}python\n{ADD_PROGRAM}{F}", ADD, limits)
+
+
+@linux_only
+def test_a_result_line_the_program_breaks_is_a_failed_test():
+    """A call-based answer too long for the kept output, or a program that writes the result mark
+    itself, fails its test; it does not stop the run (before: JSONDecodeError -> RewardError)."""
+    call = '{"fn_name": "f", "inputs": ["1"], "outputs": ["[1]"]}'
+    assert code_score(f"{F}python\ndef f(x):\n    return list(range(100000))\n{F}", call, SHORT) == 0.0
+    assert not passed(CodeTest("[1]", [1], "f"), Run(True, f"{code_reward._RESULT_MARK}{{"))
 
 
 def _prompt(truth):

@@ -215,6 +215,11 @@ TEACHER = ["distillation.enabled=true", "distillation.teacher_models.teacher_mod
      "ppo_kl_coef=1.0 is read by loss_mode=kl_cov only"),
     # sapo's temperatures sit under actor, as in verl, and are refused for another mode too
     (["actor_rollout_ref.actor.tau_neg=2"], "actor_rollout_ref.actor.tau_neg=2.0 is read by loss_mode=sapo only"),
+    (["actor_rollout_ref.actor.policy_loss.dro_beta=0.1"], "dro_beta=0.1 is read by loss_mode=dro only"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=dro"], "loss_mode=dro needs actor_rollout_ref.actor.policy_loss."
+     "dro_beta"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=dro", "actor_rollout_ref.actor.policy_loss.dro_beta=0"],
+     "dro_beta=0.0 must be > 0"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.tau_pos=0"], "tau_pos=0.0"),
     (["actor_rollout_ref.actor.loss_agg_mode=token-max"], "token-mean, token-sum, seq-mean-token-sum"),
     # on-policy distillation: a teacher, on the actor's mesh, and a loss whose gradient sees the teacher
@@ -311,6 +316,15 @@ OTB = ["algorithm.adv_estimator=optimal_token_baseline", "actor_rollout_ref.acto
     ([*OTB, "algorithm.rollout_correction.bypass_mode=true"], "there is no sum_v pi(v)^2; set "
      "algorithm.rollout_correction.bypass_mode=false"),
     ([*OTB, "algorithm.rollout_correction.rollout_is=token"], "set algorithm.rollout_correction.rollout_is=null"),
+    (["algorithm.adv_estimator=tir_optimal_token_baseline"], "algorithm.adv_estimator=tir_optimal_token_baseline reads "
+     "sum_v pi(v)^2"),
+    (["algorithm.adv_estimator=gdpo"], "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys"),
+    (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc,format]", "algorithm.gdpo_reward_weights=[1]"],
+     "gdpo_reward_weights=[1] must be one number per gdpo_reward_keys=['acc', 'format']"),
+    (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc]", "algorithm.use_kl_in_reward=true"],
+     "the KL penalty in the reward would be dropped"),
+    (["algorithm.adv_estimator=grpo", "algorithm.gdpo_reward_keys=[acc]"],
+     "algorithm.gdpo_reward_keys=['acc'] is read by algorithm.adv_estimator=gdpo only"),
 ])
 def test_estimator_inputs_that_are_missing_are_refused(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -387,3 +401,175 @@ def test_colocate_async_accepts_the_corrected_and_the_degenerate_settings():
     # drop never lets a group pass the threshold, whatever the warm-up
     check_supported(load_config(None, [*ASYNC, f"{V1}.sampler.max_off_policy_strategy=drop",
                                        f"{V1}.colocate_async.num_warmup_batches=3"]))
+
+
+# --- verl's own files: whole, hydra-style partial, and the three kinds of key --------------------------
+
+def _verl_generated(tmp_path):
+    """verl 0.9.1's generated config, written back as YAML from the repo's copy of its keys and defaults
+    (interpolations as verl wrote them)."""
+    import yaml
+
+    from config import _nested, verl_defaults
+
+    path = tmp_path / "_generated_ppo_trainer.yaml"
+    path.write_text(yaml.safe_dump(_nested(verl_defaults()), sort_keys=False))
+    return path
+
+
+def test_the_key_table_covers_every_verl_key_with_one_rule_each():
+    """Every leaf of verl 0.9.1's generated config is a key of SCHEMA or decided by a rule (no catch-all),
+    and every rule decides some key: a key of a new verl version cannot fall through the cracks."""
+    import json
+
+    from config import IMPLEMENTED, VERL_DEFAULTS_FILE, VERL_KEY_RULES, verl_key_rule, verl_key_table
+
+    fixture = json.loads(VERL_DEFAULTS_FILE.read_text())
+    assert fixture["verl"] == "0.9.1" and len(fixture["defaults"]) == 898
+    table = verl_key_table()
+    assert [key for key, _, _ in table] == list(fixture["defaults"])
+    assert [key for key, kind, _ in table if kind is None] == []
+    assert sum(kind == IMPLEMENTED for _, kind, _ in table) == 188
+    used = {verl_key_rule(key).pattern for key, kind, _ in table if kind != IMPLEMENTED}
+    assert [rule.pattern for rule in VERL_KEY_RULES if rule.pattern not in used] == []
+
+
+def test_the_docs_table_is_the_generated_one():
+    from config import verl_rules_markdown
+
+    assert verl_rules_markdown() in (ROOT / "docs" / "verl-semantics.md").read_text()
+
+
+def test_verls_generated_config_loads_and_plans(tmp_path):
+    """The whole generated file with only the data and model paths given: it loads, passes every check,
+    plans, and the start-up lists the keys with no effect here; one unsupported value is refused by key."""
+    from config import NO_EFFECT, describe_verl_keys, verl_key_rule, verl_keys_without_effect
+    from mesh_utils import validate
+
+    path = _verl_generated(tmp_path)
+    paths = [DATA, "actor_rollout_ref.model.path=assets/tiny-qwen2"]
+    cfg = load_config(path, paths)
+    check_supported(cfg)
+    dims, plan = validate(cfg, None)
+    assert dims.world_size == 8 and cfg.trainer.total_epochs == 30  # verl's values, not this program's
+    assert cfg.actor_rollout_ref.rollout.name == "vllm"  # verl's ??? : this program's default, said at start-up
+    assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"  # an interpolation, resolved
+    assert len(verl_keys_without_effect(cfg)) == 898 - 188
+    text = describe_verl_keys(cfg)
+    assert "verl keys with no effect here (710" in text and "actor_rollout_ref.rollout.name='???' -> 'vllm'" in text
+    with pytest.raises(ConfigError, match=r"'actor_rollout_ref.rollout.name' is 'sglang'; valid values: vllm"):
+        check_supported(load_config(path, [*paths, "actor_rollout_ref.rollout.name=sglang"]))
+    # not implemented: refused off verl's default, with the key, the value and what to set
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.use_liger=True \(in the command line\).*"
+                                          r"Liger.*set it false"):
+        load_config(path, [*paths, "actor_rollout_ref.model.use_liger=true"])
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.rollout.prompt_length=100 .*data.max_prompt_length.*"
+                                          r"verl's default \(512\)"):
+        load_config(path, [*paths, "actor_rollout_ref.rollout.prompt_length=100"])
+    # an interpolated default is compared with its value in this config
+    load_config(path, [*paths, "data.max_prompt_length=100", "actor_rollout_ref.rollout.prompt_length=100"])
+    # no effect here: any value; the example scripts' lines
+    for line in ("actor_rollout_ref.model.use_shm=True", "actor_rollout_ref.rollout.load_format=safetensors",
+                 "actor_rollout_ref.rollout.layered_summon=True"):
+        load_config(path, [*paths, line])
+        assert verl_key_rule(line.split("=")[0]).kind == NO_EFFECT
+    with pytest.raises(ConfigError, match=r"'actor_rollout_ref.actor.profiler.enabel'.*Did you mean "
+                                          r"'actor_rollout_ref.actor.profiler.enable'"):
+        load_config(path, [*paths, "actor_rollout_ref.actor.profiler.enabel=true"])
+
+
+PARTIAL = """\
+hydra:
+  searchpath:
+    - file://verl/trainer/config
+defaults:
+  - ppo_trainer
+  - _self_
+data:
+  train_files: train.parquet
+  max_prompt_length: 1024
+  max_response_length: ${data.max_prompt_length}
+  train_batch_size: 64
+actor_rollout_ref:
+  model:
+    path: assets/tiny-qwen2
+  actor:
+    ppo_mini_batch_size: ${oc.select:data.train_batch_size,256}
+    ppo_epochs: 2
+  rollout:
+    name: vllm
+    n: 4
+critic:
+  ppo_micro_batch_size_per_gpu: 4
+trainer:
+  experiment_name: partial
+"""
+
+
+def test_a_hydra_partial_file_resolves_as_verl_does(tmp_path):
+    """A partial file with hydra's header, composed over verl's defaults: its own interpolations, and verl's
+    defaults that interpolate its values, resolve to what verl's definitions say (written out by hand
+    here), and the command line moves them before they resolve, as in verl."""
+    path = tmp_path / "ppo_trainer_split.yaml"
+    path.write_text(PARTIAL)
+    cfg = load_config(path)
+    check_supported(cfg)
+    arr = cfg.actor_rollout_ref
+    assert cfg.data.max_response_length == 1024  # ${data.max_prompt_length}
+    assert arr.actor.ppo_mini_batch_size == 64  # ${oc.select:data.train_batch_size,256}
+    # verl's critic defaults: ${oc.select:actor_rollout_ref.actor.ppo_epochs,1} and friends
+    assert (cfg.critic.ppo_epochs, cfg.critic.ppo_mini_batch_size) == (2, 64)
+    assert cfg.critic.forward_micro_batch_size_per_gpu == 4  # ${oc.select:.ppo_micro_batch_size_per_gpu,null}
+    assert cfg.critic.forward_max_token_len_per_gpu == 32768  # ${.ppo_max_token_len_per_gpu}
+    assert arr.rollout.log_prob_max_token_len_per_gpu == 16384  # the actor's ppo_max_token_len_per_gpu
+    assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/partial"
+    assert cfg.actor_rollout_ref.nccl_timeout == 600 and cfg.trainer.total_epochs == 30  # verl's defaults
+    moved = load_config(path, ["data.max_prompt_length=256", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+                               "trainer.experiment_name=moved"])
+    assert moved.data.max_response_length == 256 and moved.critic.ppo_epochs == 2
+    assert moved.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu == 4096
+    assert moved.trainer.default_local_dir == "checkpoints/verl_examples/moved"
+    # the same values as OmegaConf's own merge of verl's defaults and the file's body
+    from omegaconf import OmegaConf
+
+    body = OmegaConf.load(path)
+    for name in ("hydra", "defaults"):
+        body.pop(name)
+    reference = OmegaConf.merge(OmegaConf.load(_verl_generated(tmp_path)), body)
+    for key in ("data.max_response_length", "critic.ppo_mini_batch_size", "critic.forward_micro_batch_size_per_gpu",
+                "actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "trainer.default_local_dir"):
+        value = cfg
+        for part in key.split("."):
+            value = value[part]
+        assert value == OmegaConf.select(reference, key), key
+
+
+def test_a_partial_file_that_names_other_verl_groups_is_refused(tmp_path):
+    path = tmp_path / "megatron.yaml"
+    path.write_text(PARTIAL.replace("  - ppo_trainer\n", "  - ppo_megatron_trainer\n"))
+    with pytest.raises(ConfigError, match=r"names \['ppo_megatron_trainer'\]; only verl's ppo_trainer"):
+        load_config(path)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(PARTIAL.replace("${data.max_prompt_length}", "${data.max_prompt_lenght}"))
+    with pytest.raises(ConfigError, match=r"interpolation does not resolve.*max_prompt_lenght"):
+        load_config(broken)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.actor.optim.lr=inf", "must be a finite number"),
+    ("actor_rollout_ref.actor.optim.weight_decay=.inf", "must be a finite number"),
+    ("algorithm.kl_ctrl.kl_coef=inf", "must be a finite number"),
+    ("reward_model.timeout_s=inf", "must be a finite number"),
+    ("actor_rollout_ref.actor.entropy_coeff=nan", "must be a finite number"),
+    ("reward_model.judge.score_range=[10,0]", "two finite numbers low < high"),
+    ("data.train_batch_size=" + "9" * 5000, "too long a number"),
+    ("data={a: 1}", "'data' is a section; give its keys one by one"),
+])
+def test_non_finite_and_malformed_values_are_refused_before_anything_loads(override, message):
+    """The audit's G2/G3: inf and nan where they mean nothing, a 5000-digit number, a section as a value."""
+    with pytest.raises(ConfigError, match=message):
+        check_supported(load_config("configs/tiny_cpu.yaml", [override]))
+
+
+def test_inf_where_it_means_no_limit_is_accepted():
+    check_supported(load_config("configs/tiny_cpu.yaml", ["actor_rollout_ref.actor.grad_clip=inf"]))

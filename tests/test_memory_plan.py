@@ -11,6 +11,7 @@ import torch.distributed as dist
 from conftest import ROOT, one_rank_process_group, run, run_gloo
 
 import memory_plan as mp
+import offload
 
 # Written out by hand from verl's offload rules (not from placement()): per phase, where
 # (actor.params, actor.grads, actor.optimizer, ref.params, engine.weights, engine.kv_cache) live.
@@ -36,19 +37,19 @@ COLUMNS = ("actor.params", "actor.grads", "actor.optimizer", "ref.params", "engi
 
 
 def test_placement_is_the_table_and_the_readme_shows_it():
-    combos = dict(mp.flag_combinations())
+    combos = dict(offload.flag_combinations())
     assert set(combos) == set(EXPECTED)
     for label, phases in EXPECTED.items():
         for phase, row in phases.items():
-            where = mp.placement(combos[label], phase)
+            where = offload.placement(combos[label], phase)
             assert tuple(where[c] for c in COLUMNS) == row, (label, phase)
             # the critic follows its own flags exactly as the actor follows the actor's, except that
             # its shards stay on the host through sync too (only the actor's are gathered into the engine)
             assert where["critic.optimizer"] == where["actor.optimizer"]
             assert where["critic.grads"] == where["actor.grads"]
-    assert mp.placement_table() in (ROOT / "docs" / "memory-and-offload.md").read_text()
+    assert offload.placement_table() in (ROOT / "docs" / "memory-and-offload.md").read_text()
     # LoRA's later syncs send the adapted modules only: the sleeping engine keeps the others on the host
-    lora = mp.placement(mp.OffloadFlags(partial_sync=True), "update")
+    lora = offload.placement(offload.OffloadFlags(partial_sync=True), "update")
     assert (lora["engine.weights"], lora["engine.kv_cache"]) == (H, F)
 
 
@@ -56,25 +57,25 @@ def test_placement_is_the_table_and_the_readme_shows_it():
 def test_moves_of_a_step_reach_every_phase(label):
     """Applying plan_moves from the loaded state through two steps (the trainer's order) lands each
     movable item where placement() says, and moves nothing that is already in place."""
-    flags = dict(mp.flag_combinations())[label]
-    state = {item: D for item in mp.ITEMS} | {"ref.params": mp.placement(flags, "sync")["ref.params"]}
-    previous = mp.LOADED
+    flags = dict(offload.flag_combinations())[label]
+    state = {item: D for item in offload.ITEMS} | {"ref.params": offload.placement(flags, "sync")["ref.params"]}
+    previous = offload.LOADED
     for phase in ("sync", "generate", "log_prob", "update", "sync", "generate", "log_prob", "update", "sync"):
-        moves = mp.plan_moves(flags, previous, phase)
+        moves = offload.plan_moves(flags, previous, phase)
         for item, where in moves:
             assert state[item] != where, (item, where, "moved to where it already is")
             state[item] = where
-        target = mp.placement(flags, phase)
-        assert {i: state[i] for i in mp.ITEMS if not i.endswith(".grads")} == \
-            {i: target[i] for i in mp.ITEMS if not i.endswith(".grads")}, phase
+        target = offload.placement(flags, phase)
+        assert {i: state[i] for i in offload.ITEMS if not i.endswith(".grads")} == \
+            {i: target[i] for i in offload.ITEMS if not i.endswith(".grads")}, phase
         previous = phase
     if flags.actor_param:
-        assert ("actor.params", H) in mp.plan_moves(flags, "sync", "generate")
-        assert ("actor.params", D) in mp.plan_moves(flags, "generate", "log_prob")
+        assert ("actor.params", H) in offload.plan_moves(flags, "sync", "generate")
+        assert ("actor.params", D) in offload.plan_moves(flags, "generate", "log_prob")
     if flags.actor_optimizer:
-        assert mp.plan_moves(flags, "log_prob", "update")[:1] == [("actor.optimizer", D)]
+        assert offload.plan_moves(flags, "log_prob", "update")[:1] == [("actor.optimizer", D)]
     if flags.free_cache_engine:
-        assert ("engine.kv_cache", F) in mp.plan_moves(flags, "generate", "log_prob")
+        assert ("engine.kv_cache", F) in offload.plan_moves(flags, "generate", "log_prob")
 
 
 # --- shard bytes: the estimate against real FSDP2 shards -------------------------------------------
@@ -273,7 +274,7 @@ def test_activation_estimate_under_ulysses_sp2(tmp_path):
 
 
 def _inputs(shape: mp.ModelShape, **fields) -> mp.MemoryInputs:
-    base = dict(actor=shape, critic=None, use_ref=False, flags=mp.OffloadFlags(), fsdp=1, infer_tp=1, compute_bytes=2,
+    base = dict(actor=shape, critic=None, use_ref=False, flags=offload.OffloadFlags(), fsdp=1, infer_tp=1, compute_bytes=2,
                 engine_bytes=2, prompt_len=512, response_len=3584, ppo_micro=4, log_prob_micro=8, critic_micro=None,
                 actor_checkpointing=False, critic_checkpointing=False, gpu_memory_utilization=0.5,
                 gpu_memory_bytes=80 * mp.GIB, actor_packed=True, samples_per_rank=64)
@@ -443,11 +444,11 @@ def test_apply_moves_walks_a_step_on_the_cpu():
         model(torch.ones(2, 4)).sum().backward()
         optimizer.step()
         before = [t.detach().to_local().clone() for t in model.parameters()]
-        flags = dict(mp.flag_combinations())["param_offload + optimizer_offload + ref param_offload"]
+        flags = dict(offload.flag_combinations())["param_offload + optimizer_offload + ref param_offload"]
         slept = []
-        previous = mp.LOADED
+        previous = offload.LOADED
         for phase in ("sync", "generate", "log_prob", "update", "sync"):
-            models.apply_moves(mp.plan_moves(flags, previous, phase), {"actor": model, "critic": None},
+            models.apply_moves(offload.plan_moves(flags, previous, phase), {"actor": model, "critic": None},
                                {"actor": optimizer, "critic": None}, torch.device("cpu"),
                                sleep_engine=lambda phase=phase: slept.append(phase))
             previous = phase
@@ -493,13 +494,13 @@ def test_reward_model_is_counted_like_the_reference(tiny_assets):
     none, offloaded = plan(), plan(*rm, "reward_model.micro_batch_size_per_gpu=4")
     on_device = plan(*rm, "reward_model.model.fsdp_config.param_offload=false", "reward_model.micro_batch_size_per_gpu=16")
     for rank in range(2):
-        for phase in mp.PHASES:
+        for phase in offload.PHASES:
             assert none[rank][phase]["reward_model.params"] == offloaded[rank][phase]["reward_model.params"] == 0
             assert on_device[rank][phase]["reward_model.params"] == mp.param_shard_bytes(shape, 2, rank)
             assert (offloaded[rank][phase]["reward_model.forward"] > 0) == (phase == "generate")
         assert 0 < offloaded[rank]["generate"]["reward_model.forward"] < on_device[rank]["generate"]["reward_model.forward"]
-    flags = mp.OffloadFlags(reward_model_param=False)
-    assert ("reward_model.params", "host") not in mp.plan_moves(flags, mp.LOADED, "generate")
+    flags = offload.OffloadFlags(reward_model_param=False)
+    assert ("reward_model.params", "host") not in offload.plan_moves(flags, offload.LOADED, "generate")
 
 
 def test_teacher_is_counted_like_the_reference(tiny_assets, tmp_path):
@@ -531,7 +532,7 @@ def test_teacher_is_counted_like_the_reference(tiny_assets, tmp_path):
     topk = plan(*distill, "distillation.distillation_loss.loss_mode=forward_kl_topk",
                 "distillation.distillation_loss.topk=5")["per_fsdp_rank"]
     for rank in range(2):
-        for phase in mp.PHASES:
+        for phase in offload.PHASES:
             assert none[rank][phase]["teacher.params"] == offloaded[rank][phase]["teacher.params"] == 0
             assert on_device[rank][phase]["teacher.params"] == mp.param_shard_bytes(shape, 2, rank) > 0
             # 32 prompts x 8 samples / 2 ranks = 128 per rank, x 12 response tokens x 5 x (float32 + int64)
@@ -539,9 +540,17 @@ def test_teacher_is_counted_like_the_reference(tiny_assets, tmp_path):
             assert on_device[rank][phase]["teacher.topk"] == 0
         assert on_device[rank]["log_prob"]["log_prob_chunk"] > none[rank]["log_prob"]["log_prob_chunk"]  # 4096 > 128
         assert on_device[rank]["update"]["log_prob_chunk"] == none[rank]["update"]["log_prob_chunk"]  # the actor's
-    assert ("teacher.params", "host") not in mp.plan_moves(mp.OffloadFlags(), mp.LOADED, "generate")
+    assert ("teacher.params", "host") not in offload.plan_moves(offload.OffloadFlags(), offload.LOADED, "generate")
     cfg = load_config("configs/tiny_cpu.yaml", [f"actor_rollout_ref.model.path={tiny_assets['tiny-qwen2']}", *distill])
     m = mp.memory_inputs(cfg, *validate(cfg, 2), 80.0)
     remedies = dict(mp._remedies(m, "log_prob", on_device[0]["log_prob"], 1000, 64))
     assert remedies["distillation.teacher_models.teacher_model.fsdp_config.param_offload=true"] == \
         on_device[0]["log_prob"]["teacher.params"]
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "nan", "inf", "lots"])
+def test_the_device_memory_must_be_a_positive_number(value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        mp.main(["--config", "configs/tiny_cpu.yaml", "--gpu-memory-gb", value])
+    assert exit_.value.code == 2
+    assert "must be the device's memory in GiB, a number > 0" in capsys.readouterr().err

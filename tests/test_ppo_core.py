@@ -686,7 +686,7 @@ def test_unknown_policy_loss_names_every_registered_one():
 
 # a value for every actor.policy_loss.* key, none of them the default
 OWN_KEYS = {"clip_cov_ratio": 0.5, "clip_cov_lb": 0.0, "clip_cov_ub": 10.0, "kl_cov_ratio": 0.5, "ppo_kl_coef": 0.3,
-            "tau_pos": 2.0, "tau_neg": 3.0}
+            "tau_pos": 2.0, "tau_neg": 3.0, "dro_beta": 0.5}
 
 
 def test_every_policy_loss_key_is_a_config_key_some_mode_reads():
@@ -716,7 +716,10 @@ def test_each_policy_loss_reads_exactly_its_registered_keys(mode):
 
     own = loss(**{k: OWN_KEYS[k] for k in keys})
     assert own == loss(**OWN_KEYS)
-    if keys:
+    if mode == "dro":  # its key has no default (as verl)
+        with pytest.raises(ValueError, match="dro_beta=None must be > 0"):
+            loss()
+    elif keys:
         assert own != loss()
 
 
@@ -830,7 +833,7 @@ def test_kl_cov_penalises_the_tokens_of_largest_covariance():
 def test_policy_losses_scale_like_agg_loss(mode):
     """Every loss passes the global counts on to agg_loss: sum / count * dp_size."""
     old, new, adv, mask, lengths = _loss_batch(90)
-    kwargs = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_cov_ratio=1.0)
+    kwargs = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_cov_ratio=1.0, dro_beta=0.5)
     local, _ = pc.policy_loss(mode, old, new, adv, mask, "token-mean", **kwargs)
     scaled, _ = pc.policy_loss(mode, old, new, adv, mask, "token-mean", scale=pc.LossScale(40, 9, 3), **kwargs)
     per_sequence = mode == "geo_mean"  # one loss per sequence, averaged over the sequences
@@ -940,6 +943,29 @@ def test_geo_mean_is_the_sequence_advantage_times_the_geometric_mean_of_clipped_
     assert metrics["actor/pg_clipfrac"].item() == pytest.approx(statistics.fmean(up))
     assert metrics["actor/pg_clipfrac_lower"].item() == pytest.approx(statistics.fmean(down))
     assert 0 < sum(up) and 0 < sum(down)
+
+
+def test_dro_is_the_policy_gradient_with_a_quadratic_log_ratio_penalty():
+    """verl 0.9.1's dro: -(A log pi - beta/2 (log pi - log pi_old)^2) per token, aggregated by the mode."""
+    beta = 0.7
+    old, new, adv, mask, lengths = _loss_batch(135, spread=0.5)
+    weights = 0.5 + rand(4, 6, seed=136).abs()
+    new = new.clone().requires_grad_()
+    loss, metrics = pc.policy_loss("dro", old, new, adv, mask, "seq-mean-token-mean", dro_beta=beta,
+                                   rollout_is_weights=weights)
+    seq_losses, grads, log_ratios = [], torch.zeros_like(new), []
+    for i, n in enumerate(lengths):
+        token_losses = []
+        for t in range(n):
+            a, lp, d, w = adv[i, t].item(), new[i, t].item(), new[i, t].item() - old[i, t].item(), weights[i, t].item()
+            token_losses.append(-w * (a * lp - 0.5 * beta * d * d))
+            grads[i, t] = -w * (a - beta * d) / n / len(lengths)
+            log_ratios.append(-d)
+        seq_losses.append(statistics.fmean(token_losses))
+    assert loss.item() == pytest.approx(statistics.fmean(seq_losses), rel=1e-9)
+    assert metrics["actor/ppo_kl"].item() == pytest.approx(statistics.fmean(log_ratios))
+    loss.backward()
+    torch.testing.assert_close(new.grad, grads, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["dppo_tv", "dppo_kl"])
@@ -1062,6 +1088,111 @@ def test_optimal_token_baseline_matches_verls_formula_by_loops():
     full, _ = pc.compute_optimal_token_baseline_advantage(rewards, mask, index, old_log_probs=old_lp,
                                                           sum_pi_squared=sum_sq)
     assert full[2, 3:].tolist() == pytest.approx(ret[2, 3:].tolist())
+
+
+def test_gdpo_normalises_each_reward_component_in_its_group_then_whitens_the_weighted_sum():
+    """verl 0.9.1's gdpo by loops: per component and prompt group (score - mean) / (sample std + eps), the
+    components' weighted sum on every valid token, whitened over the batch's valid tokens (unbiased variance)."""
+    index = ["a", "b", "a", "b", "a", "b", "b"]
+    lengths = [3, 2, 5, 1, 4, 2, 3]
+    mask = lengths_to_mask(lengths, 5)
+    components = torch.tensor([[1.0, 0.2], [0.0, 0.9], [1.0, 0.1], [1.0, 0.4], [0.0, 0.3], [0.0, 0.9], [1.0, 0.0]],
+                              dtype=torch.float64)
+    for weights, norm in (([1.0, 0.5], True), (None, True), ([2.0, 1.0], False)):
+        adv, ret = pc.compute_gdpo_outcome_advantage(mask, index, components, weights, norm_adv_by_std_in_grpo=norm)
+        w = weights or [1.0, 1.0]
+        total = [0.0] * len(index)
+        for k in range(2):
+            for key in set(index):
+                members = [i for i in range(len(index)) if index[i] == key]
+                values = [components[i, k].item() for i in members]
+                mean, std = statistics.fmean(values), statistics.stdev(values)
+                for i in members:
+                    total[i] += w[k] * (components[i, k].item() - mean) / ((std + 1e-6) if norm else 1.0)
+        tokens = [total[i] for i, n in enumerate(lengths) for _ in range(n)]
+        mean, var = statistics.fmean(tokens), statistics.variance(tokens)
+        want = torch.tensor([[(total[i] - mean) / math.sqrt(var + 1e-8) if t < n else 0.0 for t in range(5)]
+                             for i, n in enumerate(lengths)], dtype=torch.float64)
+        torch.testing.assert_close(adv, want)
+        assert torch.equal(adv, ret)
+
+
+def tir_otb_reference(rewards, mask, index, old_lp, sum_sq, is_weights=None, zero_tail=True, eps=1e-8):
+    """verl 0.9.1's tir_optimal_token_baseline written out with loops: each sample's valid tokens listed in
+    order, the baseline of its k-th one from the k-th valid tokens of its group's non-empty samples."""
+    B, T = len(mask), len(mask[0])
+    G = [[sum(rewards[i][s] * mask[i][s] for s in range(t, T)) for t in range(T)] for i in range(B)]
+    W, acc = [], 0.0
+    for i in range(B):
+        acc, row = 0.0, []
+        for t in range(T):
+            w = 1 - 2 * math.exp(old_lp[i][t]) + sum_sq[i][t]
+            if is_weights is not None:
+                w *= is_weights[i][t] ** 2
+            acc += w * mask[i][t]
+            row.append(acc)
+        W.append(row)
+    valid = [[t for t in range(T) if mask[i][t]] for i in range(B)]  # the positions of each sample's tokens
+    packed_g = [[G[i][t] for t in valid[i]] for i in range(B)]
+    packed_w = [[W[i][t] for t in valid[i]] for i in range(B)]
+    baseline = [[0.0] * len(valid[i]) for i in range(B)]
+    for key in dict.fromkeys(index):
+        members = [i for i in range(B) if index[i] == key and valid[i]]
+        if len(members) < 2:
+            continue
+        longest_len = max(len(valid[i]) for i in members)
+        for k in range(longest_len):
+            num = sum(packed_g[i][k] * packed_w[i][k] for i in members if k < len(valid[i]))
+            den = sum(packed_w[i][k] for i in members if k < len(valid[i])) + eps
+            for i in members:
+                if k < len(valid[i]):
+                    baseline[i][k] = num / den
+        lengths = sorted(len(valid[i]) for i in members)
+        longest = [i for i in members if len(valid[i]) == lengths[-1]]
+        if zero_tail and len(longest) == 1 and lengths[-1] > lengths[-2]:
+            for k in range(lengths[-2], lengths[-1]):
+                baseline[longest[0]][k] = 0.0
+    adv = [[0.0] * T for _ in range(B)]
+    for i in range(B):
+        for k, t in enumerate(valid[i]):
+            adv[i][t] = packed_g[i][k] - baseline[i][k]
+    return adv, G
+
+
+def test_tir_optimal_token_baseline_compares_the_kth_generated_tokens_as_verl_does():
+    """Multi-turn masks (a tool's reply masked out between turns), an empty sample, a group of one: against
+    verl's formula by loops; without holes it is the optimal token baseline."""
+    index = ["a", "b", "a", "b", "a", "c", "b", "a"]  # c: a group of one keeps its return
+    rows = [[1, 1, 0, 0, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1], [1, 0, 1, 1, 0, 1, 1], [0, 0, 0, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0, 0], [1, 0, 0, 1, 1, 0, 0], [1, 1, 1, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]]
+    mask = torch.tensor(rows, dtype=torch.float64)  # sample 3 (group b) and 7 (group a) are empty
+    rewards = rand(8, 7, seed=310) * mask
+    old_lp = -rand(8, 7, seed=311).abs()
+    sum_sq = torch.softmax(rand(8, 7, 9, seed=312), -1).pow(2).sum(-1)  # (8, 7)
+    is_w = rand(8, 7, seed=313).abs() + 0.5
+    for weights in (None, is_w):
+        for zero_tail in (True, False):
+            adv, ret = pc.compute_tir_optimal_token_baseline_advantage(
+                rewards, mask, index, old_log_probs=old_lp, sum_pi_squared=sum_sq, rollout_is_weights=weights,
+                handle_zero_tail=zero_tail)
+            want_adv, want_ret = tir_otb_reference(rewards.tolist(), mask.tolist(), index, old_lp.tolist(),
+                                                   sum_sq.tolist(), None if weights is None else weights.tolist(),
+                                                   zero_tail)
+            torch.testing.assert_close(adv, torch.tensor(want_adv, dtype=torch.float64))
+            torch.testing.assert_close(ret * mask, torch.tensor(want_ret, dtype=torch.float64) * mask)
+    # with holes the positions differ from the plain optimal token baseline's
+    otb, _ = pc.compute_optimal_token_baseline_advantage(rewards, mask, index, old_log_probs=old_lp,
+                                                         sum_pi_squared=sum_sq)
+    assert not torch.allclose(adv, otb)
+    # one turn (no holes): the two are the same estimator
+    lengths = [3, 2, 5, 2, 1, 4, 2]
+    flat = lengths_to_mask(lengths, 5)
+    args = dict(old_log_probs=old_lp[:7, :5], sum_pi_squared=sum_sq[:7, :5])
+    torch.testing.assert_close(
+        pc.compute_tir_optimal_token_baseline_advantage(rewards[:7, :5] * flat, flat, index[:7], **args)[0],
+        pc.compute_optimal_token_baseline_advantage(rewards[:7, :5] * flat, flat, index[:7], **args)[0])
+
+
 # --- on-policy distillation ----------------------------------------------------------------------
 
 

@@ -136,6 +136,21 @@ def test_score_is_hf_sequence_classification_at_the_last_real_token(random_body_
         torch.testing.assert_close(rm.score(wider, prompts), want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_score_that_is_not_finite_names_the_reward_model_and_rows(random_body_reward_model):
+    """The audit's P2: one NaN score would poison the step's loss, and the error would name the loss."""
+    from rewards import RewardError
+
+    tokenizer = AutoTokenizer.from_pretrained(random_body_reward_model)
+    rows, prompts, _ = _rows(tokenizer, SAMPLES)
+    with one_rank_process_group():
+        rm = _build(random_body_reward_model, tokenizer)
+        with torch.no_grad():
+            rm.module.score.weight.fill_(float("nan"))
+        with pytest.raises(RewardError, match=r"the reward model \(reward_model.model.path\) scored 5 sample\(s\) "
+                                              r"of this rank nan \(rows \[0, 1, 2, 3, 4\]\)"):
+            rm.score(rows, prompts)
+
+
 @pytest.mark.slow
 def test_the_learned_reward_model_ranks_the_policys_answers(demo_reward_model, sft_model):
     """On answers it was not trained on (the SFT policy's samples under another seed, and the wrong

@@ -127,6 +127,44 @@ def test_judge_scores_what_the_endpoint_replies(server):
     assert judge.messages(samples[1])[0]["content"] == "Q: question 1 A: so it is #### 1 R: 1"  # the user's words
 
 
+def test_a_bearer_token_comes_from_the_environment_and_is_never_shown(server, monkeypatch):
+    scorer = RemoteScorer(server + "/auth", 5.0, 2, 0, api_key_env="SCORER_TOKEN")
+    monkeypatch.delenv("SCORER_TOKEN", raising=False)
+    with pytest.raises(RewardError, match="reward_model.remote.api_key_env='SCORER_TOKEN': the environment variable "
+                                          "is unset or empty"):
+        score(scorer, n=2)
+    monkeypatch.setenv("SCORER_TOKEN", "wrong-token")
+    with pytest.raises(RewardError, match="answered HTTP 401") as caught:
+        score(scorer, n=2)
+    assert "wrong-token" not in str(caught.value)
+    monkeypatch.setenv("SCORER_TOKEN", "secret-token")
+    assert score(scorer, n=4) == expected(4)
+    # a token put in the URL instead is not sent, and every message shows the URL without it
+    with pytest.raises(RewardError) as caught:
+        score(RemoteScorer(server.replace("http://", "http://user:secret-token@") + "/auth?key=secret-token",
+                           5.0, 2, 0), n=2)
+    assert "secret-token" not in str(caught.value) and "http://***@127.0.0.1" in str(caught.value)
+
+
+def test_a_dripping_answer_is_cut_at_the_attempts_deadline_and_a_huge_one_refused(server):
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=r"no answer within reward_model.remote.timeout_s=1 s"):
+        score(remote(server, "/drip", timeout_s=1.0, max_concurrent=1), n=2)  # ~4 s at 0.2 s per byte
+    assert time.monotonic() - start < 2.5
+    with pytest.raises(RewardError, match="answered more than 16 MiB; refused"):
+        score(remote(server, "/huge"), n=2)
+
+
+@pytest.mark.parametrize("reply", ["1000", "9" * 400, "-1"])
+def test_a_judge_score_outside_its_range_is_a_reply_without_a_score(server, reply):
+    judge = LLMJudge(f"{server}/chat{reply}/v1", "judge", JUDGE_TEMPLATE, 8, None, 5.0, 2, 0)
+    with pytest.raises(RewardError, match=r"outside reward_model.judge.score_range=\[0, 10\]"):
+        score(judge, n=2)
+    lenient = LLMJudge(f"{server}/chat{reply}/v1", "judge", JUDGE_TEMPLATE, 8, 0.0, 5.0, 2, 0)
+    assert score(lenient, n=2) == ([0.0, 0.0], [{"judge_parsed": 0.0}] * 2)
+    assert score(LLMJudge(f"{server}/chat7/v1", "judge", JUDGE_TEMPLATE, 8, None, 5.0, 2, 0), n=1)[0] == [7.0]
+
+
 def test_judge_score_parser():
     assert parse_judge_score("Looks right.\nScore: 7") == 7.0
     assert parse_judge_score("score = 3.5, no wait, **Score:** 8") == 8.0
@@ -204,7 +242,7 @@ def test_concurrent_per_sample_function_gets_verls_arguments_and_its_errors_name
 
 def _fail_on_rank_0(rank: int, world: int, init: str, out: str) -> None:
     sys.path.insert(0, str(ROOT))
-    from mesh_utils import failing_together
+    from collectives import failing_together
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     start = time.monotonic()

@@ -284,10 +284,12 @@ def test_policy_loss_weights_multiply_each_token():
 
 
 def test_reinforce_loss_equals_a_loop_and_its_gradient_is_the_weighted_score():
+    """Bypass mode's loss_type=reinforce trains with the gpg loss: -A log pi_theta x w, no clipping."""
     engine, adv, mask = rand(2, 3, seed=14) - 1, rand(2, 3, seed=15), lengths_to_mask([3, 2], 3)
     log_prob = (rand(2, 3, seed=16) - 1).requires_grad_()
     weights = rand(2, 3, seed=17).abs()
-    loss, ppo_kl = rc.reinforce_policy_loss(engine, log_prob, adv, mask, weights, "seq-mean-token-sum")
+    loss, metrics = pc.policy_loss("gpg", engine, log_prob, adv, mask, "seq-mean-token-sum", rollout_is_weights=weights)
+    ppo_kl = metrics["actor/ppo_kl"]
     want = sum(-adv[i, t].item() * log_prob[i, t].item() * weights[i, t].item()
                for i in range(2) for t in range(3) if mask[i, t]) / 2
     assert loss.item() == pytest.approx(want)

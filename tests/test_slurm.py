@@ -169,3 +169,27 @@ def test_refused_config_fails_the_job_before_srun(cluster, tiny_assets, tmp_path
     assert "invalid config: actor_rollout_ref.rollout.tensor_model_parallel_size=3" in log, log
     assert sum(steps_launched(cluster, job).values()) == 0, "srun ran although the planner refused the config"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_preempted_job_saves_requeues_and_finishes(cluster, tiny_assets, tmp_path):
+    """SLURM's early warning (what `--signal=B:USR2@600` sends before the time limit or a preemption, here
+    sent at once with scancel): every rank saves after its step and exits, the job requeues itself, and
+    the requeued job resumes from that checkpoint and finishes: no step lost, none repeated."""
+    out, steps = tmp_path / "out", 4
+    job = submit(cluster, tmp_path, "slurm_1node.sbatch", ["--gpus-per-node=0", "--cpus-per-task=2",
+                                                           "--open-mode=append"],
+                 tiny_args(tiny_assets, out, f"trainer.total_training_steps={steps}"), NGPU="2")
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 400
+    while not (metrics.is_file() and '"step": 1' in metrics.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--batch", "--signal=USR2", job], env=cluster["env"], check=True, timeout=30)
+    state = wait_for_job(cluster, job, timeout_s=900)
+    log = job_log(tmp_path)
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), log[-6000:]
+    assert int(state["Restarts"]) == 1, state
+    assert "SLURM asked to stop early" in log and "as asked (" in log, log[-6000:]
+    saved = re.search(r"stopping after step (\d+) as asked", log)
+    assert saved and f"resumed from {out}/global_step_{saved.group(1)}" in log, log[-6000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    trained = [r["step"] for r in rows if "actor/pg_loss" in r]
+    assert trained == list(range(1, steps + 1))  # each step once, across the requeue

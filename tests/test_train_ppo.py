@@ -177,7 +177,7 @@ def test_reinforce_plus_plus_seq_mean_token_mean(short_runs):
 @pytest.mark.short_run("reward_raises")
 def test_a_reward_function_that_raises_stops_the_run_with_the_sample(short_runs):
     """It raises on rank 1 only (tests/bad_reward.py): rank 1 shows the sample, and rank 0, told right
-    after scoring (mesh_utils.failing_together), names rank 1 instead of waiting for it in the next collective."""
+    after scoring (collectives.failing_together), names rank 1 instead of waiting for it in the next collective."""
     out = short_run(short_runs, "reward_raises")
     rank0, rank1 = ((out / f"error.rank{r}.txt").read_text() for r in (0, 1))
     assert "ZeroDivisionError" in rank1 and "response=" in rank1 and "ground_truth=" in rank1, rank1[-3000:]
