@@ -667,7 +667,7 @@ def should_cut(trajs: Sequence[Trajectory], *, step: int, quota: int, threshold:
     """Stop generating at `step` once `quota` groups are complete, and (strategy wait) no unfinished group
     has reached `threshold`: it could not be trained at a later step within the bound, so it must finish now."""
     groups = groups_of(trajs)
-    if sum(all(t.finished for t in g) for g in groups) < quota:
+    if len({g[0].prompt_index for g in groups if all(t.finished for t in g)}) < quota:  # one group per prompt
         return False
     return strategy != "wait" or all(span(step, g[0].dispatch_step) < threshold
                                      for g in groups if not all(t.finished for t in g))
@@ -675,11 +675,17 @@ def should_cut(trajs: Sequence[Trajectory], *, step: int, quota: int, threshold:
 
 def select_groups(trajs: Sequence[Trajectory], quota: int) -> tuple[list[Trajectory], list[Trajectory]]:
     """(the `quota` oldest complete groups, prompt-major, each group's samples in order; the rest, in their
-    order). Oldest: the earliest dispatch step, then the order of dispatch."""
+    order). Oldest: the earliest dispatch step, then the order of dispatch. A prompt drawn again (the next
+    epoch) while its earlier group is in flight waits a step: a batch holds one group per prompt, as the
+    advantages group samples by prompt."""
     groups = groups_of(trajs)
-    complete = [i for i, g in enumerate(groups) if all(t.finished for t in g)]
-    chosen = set(sorted(complete, key=lambda i: groups[i][0].dispatch_step)[:quota])  # a stable sort
-    selected = [t for i in sorted(chosen, key=lambda i: groups[i][0].dispatch_step) for t in groups[i]]
+    complete = sorted((i for i, g in enumerate(groups) if all(t.finished for t in g)),
+                      key=lambda i: groups[i][0].dispatch_step)  # a stable sort: dispatch order within a step
+    chosen: list[int] = []
+    for i in complete:
+        if len(chosen) < quota and all(groups[j][0].prompt_index != groups[i][0].prompt_index for j in chosen):
+            chosen.append(i)
+    selected = [t for i in chosen for t in groups[i]]
     return selected, [t for i, g in enumerate(groups) if i not in chosen for t in g]
 
 

@@ -617,6 +617,10 @@ def stream_rollout(run: Run, step: int, metrics: dict[str, float]) -> tuple[roll
     stream = rollout.stream_generate(llm, sampling, flight.trajectories, version=step - 1, stop=cut,
                                      tp_group=run.meshes.rollout.get_group("infer_tp"))
     selected, flight.trajectories = rollout.select_groups(flight.trajectories, quota)
+    if len(selected) != quota * sampling.n:  # all finished, yet too few distinct prompts among them
+        raise RuntimeError(f"step {step}: {len(selected) // sampling.n} complete groups of distinct prompts for a batch "
+                           f"of {quota}: the same prompts are in flight twice (a data set of fewer prompts than "
+                           f"(1 + trainer.v1.colocate_async.num_warmup_batches) batches?). Lower num_warmup_batches.")
     dropped = 0
     if flight.strategy == "drop":  # groups the next step could not train within the bound
         flight.trajectories, dropped = rollout.drop_stale(flight.trajectories, step + 1, flight.threshold)

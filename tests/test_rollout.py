@@ -336,6 +336,11 @@ def test_selection_takes_the_oldest_complete_groups_and_keeps_their_order():
     assert [(t.dispatch_step, t.prompt_index) for t in rest] == [(2, 9), (2, 9), (3, 1), (3, 1)]
     kept, dropped = rollout.drop_stale(rest, next_step=4, threshold=2)  # step 2's group would span 3 versions
     assert dropped == 1 and [(t.dispatch_step, t.prompt_index) for t in kept] == [(3, 1), (3, 1)]
+    # prompt 4 drawn again (the next epoch) while its first group waits: one group per prompt in a batch
+    again = _trajs([(2, 4, [True]), (3, 4, [True]), (3, 6, [True])])
+    selected, rest = rollout.select_groups(again, quota=2)
+    assert [(t.dispatch_step, t.prompt_index) for t in selected] == [(2, 4), (3, 6)]
+    assert [(t.dispatch_step, t.prompt_index) for t in rest] == [(3, 4)]
 
 
 def test_a_cut_samples_later_segments_with_other_seeds():
