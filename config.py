@@ -6,8 +6,11 @@ Every key the programs read is declared once in `SCHEMA` below with its type and
     closest valid one), never silently ignored;
   * a value of the wrong type (`data.train_batch_size=sixty`) is an error that names the key and
     the expected type;
-  * there is no interpolation and no inheritance: the resolved config is a plain nested mapping,
-    printed once at start-up.
+  * this program's own files have no interpolation and no inheritance: the resolved config is a plain
+    nested mapping, printed once at start-up;
+  * verl's own files are read as verl reads them (a whole config, or a hydra-style partial file over
+    verl's defaults, `${...}` resolved by OmegaConf), and every verl key this program lacks is decided
+    by VERL_KEY_RULES: no effect here, or accepted at verl's default only.
 
 The device (CUDA or CPU) is detected at run time, not configured, so one file runs on both.
 Keys that verl derives at run time (the normalised per-rank batch sizes) are not config keys here:
@@ -120,6 +123,7 @@ SCHEMA: dict[str, Any] = {
         },
         "actor": {
             "strategy": (str, "fsdp2"),
+            "router_replay": {"mode": (str, "disabled")},  # MoE: disabled | R2 | R3 (only disabled runs: moe.md)
             "ppo_mini_batch_size": (int, 256),  # in prompts, as in verl; x rollout.n / dp per rank
             "ppo_micro_batch_size_per_gpu": (_INT_OR_NONE, None),  # null: the whole mini batch
             # micro batches cut by token count (at most ppo_max_token_len_per_gpu valid tokens each)
@@ -182,6 +186,7 @@ SCHEMA: dict[str, Any] = {
             # verl: abort the step's remaining requests once (1 - rate) of them completed. Refused above 0 here
             # (check_colocate_async): trainer.v1.trainer_mode=colocate_async cuts the tail and keeps what it cut
             "over_sample_rate": (float, 0.0),
+            "enable_rollout_routing_replay": (bool, False),  # MoE: the engine returns its routes (refused: docs/moe.md)
             # verl: sync (LLM) | async (AsyncLLM servers). Accepted, either value: the engine here is in-process
             # and a multi-turn rollout runs batched, one generate call per turn
             "mode": (str, "async"),
@@ -528,6 +533,7 @@ ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum
 CHOICES: dict[str, tuple[str, ...]] = {
     # verl's default fsdp (FSDP1) runs as FSDP2 here: the same sharded data parallelism, another implementation
     "actor_rollout_ref.actor.strategy": ("fsdp2", "fsdp"),
+    "actor_rollout_ref.actor.router_replay.mode": ("disabled", "R2", "R3"),
     "actor_rollout_ref.rollout.name": ("vllm",),
     "actor_rollout_ref.actor.loss_agg_mode": _ALGORITHMS.loss_agg_modes,
     "actor_rollout_ref.actor.policy_loss.loss_mode": tuple(_ALGORITHMS.policy_losses),
@@ -779,7 +785,7 @@ VERL_KEY_RULES: tuple[VerlKeyRule, ...] = (
             "actor_rollout_ref.rollout.cudagraph_capture_sizes", "actor_rollout_ref.rollout.enable_chunked_prefill",
             "actor_rollout_ref.rollout.enable_prefix_caching", "actor_rollout_ref.rollout.engine_kwargs.*",
             "actor_rollout_ref.rollout.scheduling_policy", "actor_rollout_ref.rollout.multi_stage_wake_up",
-            "actor_rollout_ref.rollout.full_determinism", "actor_rollout_ref.rollout.enable_rollout_routing_replay",
+            "actor_rollout_ref.rollout.full_determinism",
             "actor_rollout_ref.rollout.moe_load_balance_metrics_interval"),
     *_rules(NOT_IMPLEMENTED, "the engine samples training responses with their log-probs (processed, after "
             "temperature), stops at EOS, from token ids, with per-request seeds from trainer.seed; validation: "
@@ -878,7 +884,19 @@ def _read_yaml(path: Path) -> Any:
     return OmegaConf.merge(*(layers[e] for e in entries))
 
 
+# Keys of older verl versions that 0.9.1 dropped, and what does their job here.
+FORMER_VERL_KEYS: dict[str, str] = {
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": (
+        "older verl's simulated user (a YAML of BaseInteraction classes, which subclass verl's own class) is gone "
+        "from verl 0.9.1; here a simulated user is an agent.Environment (reset / step / close, see "
+        "tests/multi_turn_env.py): set actor_rollout_ref.rollout.multi_turn.environment=module.Class"),
+}
+
+
 def _unknown_key(key: str, where: str) -> ConfigError:
+    if key in FORMER_VERL_KEYS:
+        return ConfigError(f"config key {key!r} in {where} is not a key of verl {VERL_VERSION} or of this program: "
+                           f"{FORMER_VERL_KEYS[key]}.")
     known = [*_KEYS, *sorted(_SECTIONS), *verl_defaults(), *sorted(_verl_sections())]
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -1277,6 +1295,7 @@ def check_supported(cfg: Config) -> None:
             f"actor_rollout_ref.rollout.temperature={actor_rollout_ref.rollout.temperature}: training samples must come from "
             f"the policy, and the log-probs divide the logits by it; use a value > 0 (1.0 samples the policy "
             f"as it is). Greedy decoding is for validation: rollout.val_kwargs.do_sample=false.")
+    check_router_replay(cfg)
     check_rollout_correction(cfg)
     check_algorithm(cfg)
     check_multi_turn(cfg)
@@ -1350,6 +1369,20 @@ def parse_rs_thresholds(options: str, spec: float | str | None) -> dict[str, tup
 def sampling_truncates(rollout: Config) -> bool:
     """Whether the engine samples from a truncated distribution (top_k > 0 or top_p < 1)."""
     return rollout.top_k > 0 or rollout.top_p < 1.0
+
+
+def check_router_replay(cfg: Config) -> None:
+    """verl's router replay keys for MoE models: accepted at their defaults only (docs/moe.md)."""
+    mode = cfg.actor_rollout_ref.actor.router_replay.mode
+    if cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay:
+        raise ConfigError(
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true is not supported: vLLM 0.32 returns "
+            "routed experts only from its GPU model runner V2 (never on the CPU engine), and the trainer does not "
+            "replay routes yet. Set it to false.")
+    if mode != "disabled":
+        raise ConfigError(
+            f"actor_rollout_ref.actor.router_replay.mode={mode} is not supported yet: the trainer's forwards do "
+            "not record or replay routes (moe.RouterReplay exists, unwired). Set it to disabled.")
 
 
 def check_rollout_correction(cfg: Config) -> None:

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from config import ConfigError
 from models import gather_full_tensors
+from moe import is_moe
 
 ADAPTER = "default"  # peft's name for the one adapter
 _PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the wrapped model's names
@@ -100,6 +101,12 @@ class LoraSpec:
         from peft import PeftModel, get_peft_model
         from peft.tuners.lora import Linear as LoraLinear
 
+        if is_moe(model.config):
+            raise ConfigError(
+                f"actor_rollout_ref.model.lora_rank={self.rank}: LoRA on a mixture-of-experts model "
+                f"({type(model).__name__}) is not supported: its routed experts are fused 3-D tensors, which "
+                "LoRA's linear layers do not cover, and the sync of merged weights is not tested on MoE. Train "
+                "the full model (lora_rank=0), or use a dense model for LoRA.")
         on_meta = any(p.is_meta for p in model.parameters())
         head = model.get_output_embeddings()
         if self.adapter_path is not None and not on_meta:

@@ -5,6 +5,7 @@
     python make_assets.py --preset 50m          # also ./assets/qwen2-50m, for benchmarks
     python make_assets.py --preset 25m --arch llama   # ./assets/llama-25m (bench/peer_trl.py's larger model)
     python make_assets.py --preset tiny --hidden 256 --layers 4 --name my-qwen2
+    python make_assets.py --moe                 # also ./assets/tiny-{qwen3-moe,qwen2-moe,mixtral}
 
 The tokenizer is character level: every printable ASCII character and "\\n" is one token, so
 "What is 12+7?" encodes to exactly its 13 characters. Models are randomly initialised from a
@@ -31,9 +32,12 @@ from tokenizers.models import BPE
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
+    MixtralConfig,
     PreTrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
 )
 
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
@@ -188,6 +192,39 @@ def model_config(
     )
 
 
+# Tiny mixture-of-experts models: 4 experts, top-2, 2 layers. vLLM's CPU MoE kernel wants the hidden and
+# the expert width multiples of 32 (per TP rank: 64 serves TP 1 and 2); heads of 32 as above.
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+
+def moe_config(arch: str, hidden: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+               experts: int = 4, top_k: int = 2, expert_intermediate: int = 64) -> PreTrainedConfig:
+    """A transformers config for Qwen3-MoE, Qwen2-MoE (with its shared expert, twice as wide) or Mixtral
+    with this repo's vocabulary."""
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+                  num_experts_per_tok=top_k, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+                  bos_token_id=2, dtype="float32")
+    if arch == "mixtral":
+        return MixtralConfig(**common, intermediate_size=expert_intermediate, num_local_experts=experts)
+    moe = dict(moe_intermediate_size=expert_intermediate, num_experts=experts, norm_topk_prob=True,
+               intermediate_size=4 * expert_intermediate)  # the dense MLP's, for mlp_only_layers: unused
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, **moe, head_dim=hidden // heads)
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig(**common, **moe, shared_expert_intermediate_size=2 * expert_intermediate)
+    raise ValueError(f"unknown MoE architecture {arch!r}; one of {MOE_ARCHS}")
+
+
+def build_moe_assets(out: Path, force: bool = False, seed: int = 0) -> dict[str, Path]:
+    """tiny-qwen3-moe, tiny-qwen2-moe and tiny-mixtral (random weights) under `out`."""
+    paths = {}
+    for i, arch in enumerate(MOE_ARCHS):
+        paths[arch] = out / f"tiny-{arch.replace('_', '-')}"
+        build_model(paths[arch], moe_config(arch), seed + 10 + i, force)
+    return paths
+
+
 def build_model(out_dir: Path, config: PreTrainedConfig, seed: int, force: bool = False) -> bool:
     """Random-init a causal LM from `config` and save it with the tokenizer; False if it existed."""
     if (out_dir / "config.json").exists() and not force:
@@ -312,9 +349,12 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, help="override the preset's hidden size (head_dim kept)")
     parser.add_argument("--layers", type=int, help="override the preset's number of layers")
     parser.add_argument("--name", help="directory name for --preset (default qwen2-<preset>)")
+    parser.add_argument("--moe", action="store_true", help="also build tiny-qwen3-moe, tiny-qwen2-moe, tiny-mixtral")
     args = parser.parse_args()
 
     build_default_assets(args.out, args.force, args.seed)
+    if args.moe:
+        build_moe_assets(args.out, args.force, args.seed)
     if args.preset is None:
         if args.hidden or args.layers:
             parser.error("--hidden/--layers modify a --preset; add e.g. --preset tiny")

@@ -45,7 +45,7 @@ class ModelShape:
     heads: int
     kv_heads: int
     head_dim: int
-    intermediate: int
+    intermediate: int  # the MLP width a token runs through: a MoE's top_k x expert width (+ shared expert)
     vocab: int
     largest_block_numel: int  # parameters of the largest decoder block
     # parameters of the largest unit gathered only while it runs (models.fsdp_units: a decoder block, an
@@ -74,6 +74,7 @@ def model_shape(path: str, value_head: bool = False, trust_remote_code: bool = F
         model = auto_cls.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     # imported here, as torch is: a plan without a model stays instant
     from models import decoder_layers, fsdp_units
+    from moe import active_mlp_width
 
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -87,7 +88,7 @@ def model_shape(path: str, value_head: bool = False, trust_remote_code: bool = F
         param_shapes=[tuple(p.shape) for p in model.parameters()],  # tied ones once, as FSDP2 holds them
         hidden=config.hidden_size, layers=config.num_hidden_layers, heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
-        intermediate=config.intermediate_size, vocab=config.vocab_size,
+        intermediate=active_mlp_width(config), vocab=config.vocab_size,
         largest_block_numel=max(sum(p.numel() for p in b.parameters()) for b in blocks),
         largest_unit_numel=max(sum(p.numel() for p in unit.parameters()) for unit in units),
         root_numel=sum(p.numel() for p in model.parameters() if id(p) not in in_units),

@@ -38,6 +38,7 @@ import ulysses
 from attention import register_packed_attention
 from collectives import all_gather_single
 from config import ConfigError
+from moe import mlp_widths
 
 logger = logging.getLogger(__name__)
 
@@ -957,17 +958,18 @@ def check_tensor_parallel(config: Any, tp: int, path: str) -> None:
     that tp does not divide. The error lists the TP degrees that work."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    width = getattr(config, "intermediate_size", None)
+    widths = mlp_widths(config)  # a MoE's expert width (and shared expert's), not the dense intermediate_size
 
     def fits(t: int) -> bool:
-        return ulysses.heads_split(heads, kv_heads, t) and (width is None or width % t == 0)
+        return ulysses.heads_split(heads, kv_heads, t) and all(w % t == 0 for w in widths.values())
 
     if not fits(tp):
         valid = [t for t in range(1, 65) if fits(t)]
+        shown = " and ".join(f"{k}={w}" for k, w in widths.items()) or "no MLP width"
         raise ConfigError(
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} cannot shard {path!r} in vLLM: it splits "
             f"num_attention_heads={heads}, num_key_value_heads={kv_heads} (a multiple or a divisor of TP) and "
-            f"intermediate_size={width} over the TP ranks. Valid values up to 64: {', '.join(map(str, valid))}.")
+            f"{shown} over the TP ranks. Valid values up to 64: {', '.join(map(str, valid))}.")
 
 
 def check_sequence_parallel_heads(path: str, sp: int, trust_remote_code: bool, key: str) -> None:

@@ -18,7 +18,8 @@ call `generate` with the same prompts and parameters, and they get the same samp
 vLLM is imported inside the functions that need it (it takes seconds), so importing this module is cheap.
 Every access to vLLM's engine internals goes through `_vllm_internals` and the stepping calls beside it
 (`_add_request`, `_step`, `_abort`: stream_generate's), except two: wake_up asks
-`llm.llm_engine.is_sleeping()`, and the sync's log filters name vLLM's loggers. The rest uses vLLM's
+`llm.llm_engine.is_sleeping()`, and the sync's log filters name vLLM's loggers. `_restore_cpu_moe_layout`,
+beside it, works around a vLLM bug with the MoE layers' kernels (docs/moe.md). The rest uses vLLM's
 public API.
 """
 
@@ -29,7 +30,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
@@ -115,6 +116,45 @@ def _abort(llm: LLM, request_ids: list[str]) -> None:
     left = llm.llm_engine.get_num_unfinished_requests()
     if left:
         raise RuntimeError(f"the rollout engine still holds {left} requests after aborting {len(request_ids)}")
+
+
+def _restore_cpu_moe_layout(llm: LLM, reloaded: set[str]) -> int:
+    """Re-run the CPU experts' weight packing on the MoE layers a sync reloaded (module names in
+    `reloaded`, e.g. "model.layers.0.mlp.experts"); returns how many layers it repacked.
+
+    vLLM 0.32's reload_weights runs each reloaded layer's process_weights_after_loading, but the
+    unquantized MoE method packs its experts for the kernel (`moe_kernel.fused_experts`'s own
+    process_weights_after_loading: the CPU kernel's prepack) only the first time, when it builds the
+    kernel (UnquantizedFusedMoEMethod._setup_kernel). After a sync the experts hold the raw tensors
+    while the CPU kernel reads them as prepacked: log-probs off by 0.1 to 0.9 (docs/moe.md, the
+    reproduction). tests/test_moe.py shows the bug is still there; drop this once it is fixed."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or not reloaded:
+        return 0
+    model = _vllm_internals(llm).worker.model_runner.get_model()
+    repacked: dict[str, str] = {}  # sent module -> the engine's layer under it that holds the experts
+    for name, layer in model.named_modules():
+        experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        sent = next((m for m in reloaded if name == m or name.startswith(m + ".")), None)
+        if experts is None or sent is None:
+            continue
+        experts.process_weights_after_loading(layer)
+        repacked[sent] = name
+    if set(repacked) != reloaded:
+        raise RuntimeError(f"the sync sent experts of {sorted(reloaded - set(repacked))}, which hold no MoE layer "
+                           f"of the engine's model with a kernel to repack ({sorted(repacked.values())} do)")
+    return len(repacked)
+
+
+def _expert_layers(named_tensors: Iterable[tuple[str, torch.Tensor]], seen: set[str]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass the tensors through, adding to `seen` the module of every routed expert's tensor:
+    "model.layers.0.mlp.experts" for "model.layers.0.mlp.experts.3.up_proj.weight"."""
+    for name, tensor in named_tensors:
+        if ".experts." in name:
+            seen.add(name.split(".experts.")[0] + ".experts")
+        yield name, tensor
 
 
 class _DropPartialReloadNoise(logging.Filter):
@@ -279,6 +319,8 @@ def sync_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]], pa
 
     partial: the tensors cover only some layers (a LoRA sync); the engine keeps the others as they are.
     Each layer it reloads must get all of its tensors (vLLM rebuilds a layer once its parts arrive).
+    A MoE model's tensors must have checkpoint names (moe.engine_names); the CPU engine's reloaded
+    experts are packed again afterwards (_restore_cpu_moe_layout).
     """
     start = time.perf_counter()
     wake_up(llm, ["weights"])
@@ -286,11 +328,13 @@ def sync_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]], pa
     quiet = _DropPartialReloadNoise()
     for log in loggers if partial else []:
         log.addFilter(quiet)
+    reloaded_experts: set[str] = set()
     try:
-        _vllm_internals(llm).worker.reload_weights(weights_iterator=iter(named_tensors))
+        _vllm_internals(llm).worker.reload_weights(weights_iterator=_expert_layers(named_tensors, reloaded_experts))
     finally:
         for log in loggers:
             log.removeFilter(quiet)
+    _restore_cpu_moe_layout(llm, reloaded_experts)
     # Cached prompt KV blocks were computed with the old weights. vLLM keeps the blocks of requests still in
     # the engine: a stream that left one there would sample on from KV of the old weights.
     held = llm.llm_engine.get_num_unfinished_requests()

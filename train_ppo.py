@@ -122,6 +122,7 @@ from models import (
     set_optimizer_config,
     token_budget_micro_batches,
 )
+from moe import RouterLogits, engine_names, load_balancing_loss
 from offload import LOADED, PHASES, OffloadFlags, plan_moves
 from reward_model import RewardModel
 from rewards import (
@@ -489,6 +490,7 @@ def sync_weights(run: Run) -> float:
         weights = iter_sync_params(run.actor, run.param_dtype, engine.lora_modules if engine.synced_once else None)
     else:
         weights = iter_full_params(run.actor, dtype=run.param_dtype)
+    weights = engine_names(run.actor, weights)  # a MoE's checkpoint names, which the engine loads
     seconds = rollout.sync_weights(engine.llm, weights, partial=bool(run.lora_spec) and engine.synced_once)
     engine.synced_once = True
     run.actor.eval()
@@ -1004,17 +1006,22 @@ def _actor_micro_batch(actor: torch.nn.Module, loss: ActorLoss, loss_agg_mode: s
     dp_group, sp_group = groups
     own_old = forwards is not None
     topk_ids = mb.get("teacher_topk_ids")  # (b, R, k): forward_kl_topk reads the student's log-probs there
-    out = compute_log_probs(
-        actor, mb, loss.temperature, len(mb["responses"]), loss.entropy_coeff != 0 or own_old,
-        use_remove_padding=use_remove_padding, sp_group=sp_group,
-        truncation=loss.truncation if own_old else None, topk_ids=topk_ids)  # one forward
+    with RouterLogits(actor) as routed:  # a MoE's router logits, for the load-balancing metric (nothing if dense)
+        out = compute_log_probs(
+            actor, mb, loss.temperature, len(mb["responses"]), loss.entropy_coeff != 0 or own_old,
+            use_remove_padding=use_remove_padding, sp_group=sp_group,
+            truncation=loss.truncation if own_old else None, topk_ids=topk_ids)  # one forward
     log_prob, entropy = out.log_probs, out.entropy  # (b, R) each
     if own_old:
         mb = dict(mb, old_log_probs=log_prob.detach())
         sampling_log_prob = log_prob if out.truncated is None else out.truncated  # (b, R) under the engine's cut, if any
         forwards.append((mb["row_index"], log_prob.detach(), entropy.detach(), sampling_log_prob.detach()))
-    return actor_loss(mb, log_prob, entropy, loss, loss_agg_mode, replace(scale, scale_factor=loss.loss_scale_factor),
-                      generator, dp_group, student_topk=out.gathered)
+    policy_loss, terms = actor_loss(mb, log_prob, entropy, loss, loss_agg_mode,
+                                    replace(scale, scale_factor=loss.loss_scale_factor), generator, dp_group,
+                                    student_topk=out.gathered)
+    if routed.logits:  # a metric only: not in the loss (as verl's FSDP actor)
+        terms["actor/moe_load_balance"] = load_balancing_loss(routed.logits, routed.routers[0].top_k)
+    return policy_loss, terms
 
 
 def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, loss: ActorLoss,

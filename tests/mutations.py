@@ -90,6 +90,18 @@ MUTATIONS = (
         'for name, param in model.named_parameters(remove_duplicate=False))',
         'for name, param in model.named_parameters(remove_duplicate=False) if ".layers.1.mlp." not in name)'),),
         "tests/test_rollout.py -k w2_tp1_qwen2 and greedy"),
+    Mutation("MoE sync leaves the CPU engine's experts as vLLM reloads them (unpacked)", "rollout.py", ((
+        "    _restore_cpu_moe_layout(llm, reloaded_experts)\n", ""),),
+        "tests/test_moe.py -k qwen3_moe and engine_equals_actor"),
+    Mutation("MoE sync sends transformers' names, not the checkpoint's", "moe.py", ((
+        "yield from revert_weight_conversion(model, {name: tensor}).items()", "yield name, tensor"),),
+        "tests/test_moe.py -k names_are_the_checkpoint"),
+    Mutation("router replay keeps the router's own choice", "moe.py", ((
+        "            return _replayed(router, logits, weights, forced)", "            return output"),),
+        "tests/test_moe.py -k replay_forces_flipped"),
+    Mutation("router replay's weights cut off from the router's gradient", "moe.py", ((
+        "return logits, chosen.to(weights.dtype), experts", "return logits, chosen.detach().to(weights.dtype), experts"),),
+        "tests/test_moe.py -k replay_forces_flipped"),
     Mutation("the export writes the initial (unloaded) weights", "export_hf.py", ((
         'dcp.load(state, checkpoint_id=str(ckpt / which), no_dist=True)', 'pass'),),
         "tests/test_checkpoint.py::test_killed_rank_resumes_and_reproduces"),

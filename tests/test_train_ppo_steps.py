@@ -79,7 +79,10 @@ def _advantages_worker(rank: int, init_file: str, out: str) -> None:
             cfg = config.load_config(None, [f"algorithm.adv_estimator={estimator}", "algorithm.lam=0.95"])
             for layout, rows in (("prompt_major", mine), ("balanced", balanced)):
                 rows = dict(rows)
-                train_ppo.compute_advantages(rows, cfg.algorithm, ppo_core.FixedKLController(0.0), dist.group.WORLD, 6, 2)
+                # gdpo's reward components (the reward function's extras): two per row, travelling with it
+                components = _components(rows["row"]) if estimator == "gdpo" else None  # (3, 2)
+                train_ppo.compute_advantages(rows, cfg.algorithm, ppo_core.FixedKLController(0.0), dist.group.WORLD, 6, 2,
+                                             reward_components=components)
                 result[layout][estimator] = rows["advantages"]
         torch.save(result, f"{out}.{rank}")
     finally:
@@ -101,8 +104,14 @@ def _reference_advantages() -> dict[str, torch.Tensor]:
     return {name: ppo_core.compute_advantage(
         name, token_level_rewards=group["token_level_scores"], response_mask=mask, index=group["prompt_index"],
         values=group["values"], gamma=1.0, lam=0.95, reward_baselines=group["reward_baselines"],
-        old_log_probs=group["old_log_probs"], sum_pi_squared=group["sum_pi_squared"])[0]
+        old_log_probs=group["old_log_probs"], sum_pi_squared=group["sum_pi_squared"],
+        reward_components=_components(torch.arange(6)))[0]
         for name in ESTIMATORS}
+
+
+def _components(row: torch.Tensor) -> torch.Tensor:
+    """gdpo's reward components of rows `row` (the reward function's extras): two per row, (B, 2)."""
+    return torch.stack([row.float(), (row % 2).float()], -1)
 
 
 def test_advantages_use_the_whole_rollout_group(advantage_ranks):

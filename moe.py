@@ -1,0 +1,184 @@
+"""Mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral): what differs from a dense model.
+
+    if is_moe(actor.config):
+        weights = engine_names(actor, iter_full_params(actor))   # checkpoint names the engine loads
+
+transformers 5 holds a MoE layer's experts as two fused 3-D tensors (`mlp.experts.gate_up_proj`
+(E, 2I, H), gate rows first, and `mlp.experts.down_proj` (E, H, I)) and renamed some layers (Mixtral's
+`block_sparse_moe` is `mlp`). vLLM loads the names of the checkpoints on the hub, which
+`save_pretrained` writes through transformers' reverse conversion; the sync sends those names too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def is_moe(config: Any) -> bool:
+    """Does this transformers config describe a mixture-of-experts model (routed experts per layer)?"""
+    return (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0) > 0
+
+
+def mlp_widths(config: Any) -> dict[str, int]:
+    """The MLP widths vLLM shards over tensor-parallel ranks, by config key: a dense model's
+    intermediate_size; a MoE's expert width (moe_intermediate_size; Mixtral's intermediate_size), its shared
+    expert's (Qwen2-MoE) and the dense MLP's of any layer without experts (mlp_only_layers, decoder_sparse_step)."""
+    dense = {"intermediate_size": config.intermediate_size} if hasattr(config, "intermediate_size") else {}
+    if not is_moe(config):
+        return dense
+    if not hasattr(config, "moe_intermediate_size"):  # Mixtral: intermediate_size is each expert's width
+        return dense
+    widths = {"moe_intermediate_size": config.moe_intermediate_size}
+    if getattr(config, "shared_expert_intermediate_size", 0):
+        widths["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) > 1:
+        widths.update(dense)
+    return widths
+
+
+def active_mlp_width(config: Any) -> int:
+    """The MLP width one token runs through in a layer: a dense model's intermediate_size; a MoE's top_k x
+    the expert width, plus its shared expert's (what its activations scale with, not the dense width)."""
+    if not is_moe(config):
+        return config.intermediate_size
+    expert = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    return config.num_experts_per_tok * expert + (getattr(config, "shared_expert_intermediate_size", 0) or 0)
+
+
+def engine_names(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) for each (HF parameter name, full tensor): the names and layout a
+    checkpoint of this model has on disk (transformers' own reverse conversion, one tensor at a time, so
+    models.iter_full_params' buckets stream through), e.g. Mixtral's `model.layers.0.mlp.experts.down_proj`
+    (E, H, I) becomes E tensors `model.layers.0.block_sparse_moe.experts.{e}.w2.weight` (H, I), views of
+    it. Dense models pass through unchanged."""
+    if not is_moe(model.config):
+        yield from named_tensors
+        return
+    from transformers.core_model_loading import revert_weight_conversion
+
+    for name, tensor in named_tensors:
+        yield from revert_weight_conversion(model, {name: tensor}).items()
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing: the routers of a transformers MoE, and replaying recorded routes through them
+
+
+def routers(model: nn.Module) -> list[nn.Module]:
+    """The model's MoE routers in layer order (`mlp.gate` of Qwen2-MoE, Qwen3-MoE and Mixtral): modules that
+    map hidden states (N, H) to (router logits (N, E), top-k weights (N, k), top-k expert ids (N, k))."""
+    found = [m for name, m in model.named_modules() if name.endswith("mlp.gate") and hasattr(m, "top_k")]
+    if not found and is_moe(model.config):
+        raise ValueError(f"{type(model).__name__} is a MoE model, but no router (a `mlp.gate` with top_k) was found")
+    return found
+
+
+def _replayed(router: nn.Module, logits: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router's output with `experts` (N, k) chosen: their weights gathered from the dense softmax of
+    this forward's logits (so the router keeps its gradient), renormalised where the router does so."""
+    probs = torch.softmax(logits.float(), dim=-1)  # (N, E)
+    chosen = probs.gather(-1, experts)  # (N, k)
+    if getattr(router, "norm_topk_prob", True):  # Mixtral's router always renormalises
+        chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+    return logits, chosen.to(weights.dtype), experts
+
+
+class RouterReplay:
+    """Records the experts each router chose, or forces recorded ones, in the forwards run inside it.
+
+        with RouterReplay(model, "record") as rec:   # the old-log-prob forward (R2), or the engine's (R3)
+            model(**inputs)
+        routes = rec.routes                          # (layers, N, k) int64, N = tokens of the forward
+        with RouterReplay(model, "replay", routes):  # the update's forward: the same experts
+            loss = ...; loss.backward()              # the router still gets gradients
+
+    Routes are in the order the routers see tokens: the forward's flattened (batch x sequence) layout.
+    Each router must be called once per forward; the forward's tokens must be the recorded ones.
+    """
+
+    def __init__(self, model: nn.Module, mode: str, routes: torch.Tensor | None = None) -> None:
+        if mode not in ("record", "replay"):
+            raise ValueError(f"RouterReplay mode {mode!r}: use 'record' or 'replay'")
+        if (mode == "replay") != (routes is not None):
+            raise ValueError("RouterReplay: routes are given to 'replay', and only to it")
+        self.routers = routers(model)
+        if routes is not None and routes.shape[0] != len(self.routers):
+            raise ValueError(f"routes for {routes.shape[0]} MoE layers; the model has {len(self.routers)}")
+        self.mode, self.given = mode, routes
+        self.recorded: list[torch.Tensor | None] = [None] * len(self.routers)
+        self.handles: list = []
+
+    def _hook(self, layer: int):
+        def hook(router: nn.Module, args: tuple, output: tuple) -> tuple:
+            logits, weights, experts = output
+            if self.mode == "record":
+                self.recorded[layer] = experts.detach().clone()
+                return output
+            forced = self.given[layer].to(experts.device)
+            if forced.shape != experts.shape:
+                raise ValueError(f"router of MoE layer {layer}: recorded routes {tuple(forced.shape)} for a forward "
+                                 f"of {tuple(experts.shape)} (tokens x top_k); replay needs the recorded tokens")
+            return _replayed(router, logits, weights, forced)
+        return hook
+
+    def __enter__(self) -> RouterReplay:
+        self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    @property
+    def routes(self) -> torch.Tensor:
+        """(layers, N, k): the recorded experts of each MoE layer."""
+        if any(r is None for r in self.recorded):
+            raise RuntimeError("RouterReplay.routes: not every router ran inside the 'record' block")
+        return torch.stack(self.recorded)
+
+
+# ---------------------------------------------------------------------------------------------
+# The routers' load-balancing loss, as a metric
+
+
+class RouterLogits:
+    """Keeps each router's logits (N, E) of the forwards run inside it, detached: `with RouterLogits(model) as
+    seen: model(...)`, then load_balancing_loss(seen.logits, ...). Without routers (a dense model) it keeps
+    nothing."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.routers = routers(model)
+        self.logits: list[torch.Tensor] = []
+        self.handles: list = []
+
+    def __enter__(self) -> RouterLogits:
+        def hook(router: nn.Module, args: tuple, output: tuple) -> None:
+            self.logits.append(output[0].detach())
+
+        self.handles = [r.register_forward_hook(hook) for r in self.routers]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def load_balancing_loss(logits: list[torch.Tensor], top_k: int) -> torch.Tensor:
+    """The Switch-Transformer auxiliary loss that transformers' MoE models add with output_router_logits
+    (router_aux_loss_coef x this), over every token of every layer given: E x sum_e f_e x P_e, where f_e is
+    the picks of expert e per token (summed over the top_k slots) and P_e its mean router probability.
+    top_k for balanced routing, more the more the likely experts are also the ones picked most (E
+    at most). logits: one (N, E) tensor per layer."""
+    probs = torch.softmax(torch.cat(logits).float(), dim=-1)  # (layers x N, E)
+    num_experts = probs.shape[-1]
+    picks = nn.functional.one_hot(probs.topk(top_k, dim=-1).indices, num_experts).float()  # (L x N, k, E)
+    share = picks.mean(0)  # (k, E): per slot, the fraction of tokens sent to each expert
+    return (share * probs.mean(0)).sum() * num_experts
