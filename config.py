@@ -183,6 +183,9 @@ SCHEMA: dict[str, Any] = {
             "log_prob_use_dynamic_bsz": (_BOOL_OR_NONE, None),  # null: actor.use_dynamic_bsz
             "log_prob_max_token_len_per_gpu": (_INT_OR_NONE, None),  # null: actor.ppo_max_token_len_per_gpu
             "cpu_kv_cache_space_gb": (int, 1),  # VLLM_CPU_KVCACHE_SPACE (whole GiB) on the CPU backend
+            # verl: abort the step's remaining requests once (1 - rate) of them completed. Refused above 0 here
+            # (check_colocate_async): trainer.v1.trainer_mode=colocate_async cuts the tail and keeps what it cut
+            "over_sample_rate": (float, 0.0),
             "enable_rollout_routing_replay": (bool, False),  # MoE: the engine returns its routes (refused: docs/moe.md)
             # verl: sync (LLM) | async (AsyncLLM servers). Accepted, either value: the engine here is in-process
             # and a multi-turn rollout runs batched, one generate call per turn
@@ -358,6 +361,25 @@ SCHEMA: dict[str, Any] = {
         "max_consecutive_skipped_steps": (int, 3),
         # project key: a rank in one phase this long ends the job with a report (watchdog.py); 0: off
         "hang_timeout_s": (float, 600.0),
+        # verl 0.9's V1 trainer (its names and defaults; docs/partial_rollout.md). sync: every step waits for
+        # its slowest sample. colocate_async: the same ranks still alternate generation and training, but
+        # num_warmup_batches extra batches of prompt groups stay in flight, generation stops once a batch's
+        # worth of groups is complete, and the unfinished samples are carried to the next step (their tokens
+        # and engine log-probs kept, resumed as prompt + tokens so far under the new weights)
+        "v1": {
+            "trainer_mode": (str, "sync"),  # sync | colocate_async (verl's separate_async: not here)
+            "colocate_async": {
+                "num_warmup_batches": (int, 1),  # batches dispatched ahead, beside the step's own
+            },
+            "sampler": {  # read by colocate_async only (verl: a no-op in sync)
+                # the most weight versions a group may span from its dispatch to its training step:
+                # a group dispatched at step s is trained at a step t with t - s + 1 <= this (1: on policy)
+                "max_off_policy_threshold": (int, 8),
+                # drop: a group that would pass the threshold is dropped (and a fresh prompt dispatched);
+                # wait: generation goes on until the groups at the threshold are complete, and none is dropped
+                "max_off_policy_strategy": (str, "drop"),
+            },
+        },
     },
     # on-policy distillation (verl 0.9's keys and defaults): a frozen teacher's log-probs of the student's own
     # samples give a per-token divergence that the actor's loss adds (ppo_core.distillation_loss)
@@ -531,6 +553,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "reward_model.reward_manager": ("naive", "dapo"),
     "reward_model.sandbox_fusion.isolation": ("full", "basic"),  # sandbox.ISOLATIONS
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
+    "trainer.v1.trainer_mode": ("sync", "colocate_async"),
+    "trainer.v1.sampler.max_off_policy_strategy": ("drop", "wait"),
     "distillation.distillation_loss.loss_mode": _ALGORITHMS.distillation_losses,
     "distillation.distillation_loss.policy_loss_mode": ("vanilla",),  # verl's only one
 }
@@ -700,8 +724,9 @@ VERL_KEY_RULES: tuple[VerlKeyRule, ...] = (
             "samples", "actor_rollout_ref.rollout.trace.*"),
     *_rules(NOT_IMPLEMENTED, "verl's data plane and rollout dumps between Ray workers; here each rank holds its "
             "share of the batch", "transfer_queue.*", "skip.*"),
-    *_rules(NOT_IMPLEMENTED, "verl's trainer modes; here the synchronous one, always", "trainer.v1.*",
-            "trainer.use_v1"),
+    *_rules(NOT_IMPLEMENTED, "verl's V1 trainer beyond trainer.v1.trainer_mode (sync | colocate_async), "
+            "colocate_async.num_warmup_batches and the sampler's max_off_policy_* (docs/partial_rollout.md): "
+            "separate_async, custom samplers and refills are not implemented", "trainer.v1.*", "trainer.use_v1"),
     *_rules(NOT_IMPLEMENTED, "the device is detected at run time here (CUDA, else CPU)", "trainer.device"),
     *_rules(NOT_IMPLEMENTED, "not implemented here; every validation's samples go to trainer.validation_data_dir",
             "trainer.val_only", "trainer.log_val_generations"),
@@ -766,8 +791,7 @@ VERL_KEY_RULES: tuple[VerlKeyRule, ...] = (
             "temperature), stops at EOS, from token ids, with per-request seeds from trainer.seed; validation: "
             "rollout.val_kwargs", "actor_rollout_ref.rollout.calculate_log_probs", "actor_rollout_ref.rollout.do_sample",
             "actor_rollout_ref.rollout.ignore_eos", "actor_rollout_ref.rollout.logprobs_mode",
-            "actor_rollout_ref.rollout.skip_tokenizer_init", "actor_rollout_ref.rollout.seed",
-            "actor_rollout_ref.rollout.over_sample_rate"),
+            "actor_rollout_ref.rollout.skip_tokenizer_init", "actor_rollout_ref.rollout.seed"),
     *_rules(NOT_IMPLEMENTED, "the turn loop here is agent_loop.py: tools from multi_turn.tool_config_path / "
             "function_tool_path, or multi_turn.environment", "actor_rollout_ref.rollout.agent.*",
             "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",
@@ -1147,6 +1171,9 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "trainer.max_actor_ckpt_to_keep": (_ONE_OR_MORE[0], ">= 1 (null keeps every checkpoint)"),
     "trainer.max_critic_ckpt_to_keep": (_ONE_OR_MORE[0], ">= 1 (null keeps every checkpoint)"),
     "trainer.max_consecutive_skipped_steps": _ONE_OR_MORE,
+    "trainer.v1.colocate_async.num_warmup_batches": (_NON_NEGATIVE[0], ">= 0 (0: no batch ahead, the sync run)"),
+    "trainer.v1.sampler.max_off_policy_threshold": (_ONE_OR_MORE[0], ">= 1 weight versions (1: on policy)"),
+    f"{_ROLLOUT}.over_sample_rate": _between(0, 1, high_open=True),
     "distillation.distillation_loss.topk": _ONE_OR_MORE,
     "distillation.distillation_loss.distillation_loss_coef": _NON_NEGATIVE,
     "distillation.distillation_loss.loss_max_clamp": _POSITIVE,
@@ -1275,6 +1302,7 @@ def check_supported(cfg: Config) -> None:
     check_timeouts(cfg)
     check_reward_source(cfg)
     check_distillation(cfg)
+    check_colocate_async(cfg)
     unknown = [name for name in cfg.trainer.logger if name not in LOGGERS]
     if unknown:
         raise ConfigError(f"trainer.logger has unknown entries {unknown}; valid: {', '.join(LOGGERS)}.")
@@ -1526,6 +1554,54 @@ def check_timeouts(cfg: Config) -> None:
 
 
 _DISTILL = "distillation.distillation_loss"
+
+
+_V1 = "trainer.v1"
+
+
+def check_colocate_async(cfg: Config) -> None:
+    """trainer.v1 (verl 0.9's V1 trainer keys) and rollout.over_sample_rate, before any model loads. colocate_async
+    carries unfinished samples across weight updates, so a trained token may come from older weights than
+    the update starts from: the loss must know (decoupled rollout correction or bypass mode)."""
+    v1, rollout = cfg.trainer.v1, cfg.actor_rollout_ref.rollout
+    if rollout.over_sample_rate > 0:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.over_sample_rate={rollout.over_sample_rate:g} is not implemented: verl "
+            f"aborts the last requests of a step and trains without them (or on their truncation), a bias towards "
+            f"short responses. {_V1}.trainer_mode=colocate_async cuts the same tail and carries the cut samples "
+            f"to the next step instead; set over_sample_rate=0.")
+    if v1.trainer_mode == "sync":
+        return  # verl: the sampler's keys are no-ops in sync (a run that sets them hears they went unread)
+    warmup = v1.colocate_async.num_warmup_batches
+    threshold, strategy = v1.sampler.max_off_policy_threshold, v1.sampler.max_off_policy_strategy
+    mode = f"{_V1}.trainer_mode=colocate_async"
+    if rollout.multi_turn.enable:
+        raise ConfigError(f"{mode} with actor_rollout_ref.rollout.multi_turn.enable=true is not supported yet: a "
+                          f"cut trajectory would have to carry its environment (a tool's state) across steps. Use "
+                          f"{_V1}.trainer_mode=sync for multi-turn rollouts.")
+    if cfg.algorithm.filter_groups.enable:
+        raise ConfigError(f"{mode} with algorithm.filter_groups.enable=true (DAPO's dynamic sampling) is not "
+                          f"supported yet: its extra generation batches would need their own carried groups. Use "
+                          f"{_V1}.trainer_mode=sync with dynamic sampling.")
+    if adv_estimator_traits(cfg.algorithm.adv_estimator).baseline_rollout is not None:
+        raise ConfigError(f"{mode} with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: its baseline rollout "
+                          f"(a greedy response per prompt) would come from other weights than a carried group's "
+                          f"samples. Use grpo / rloo / another group estimator, or {_V1}.trainer_mode=sync.")
+    if strategy == "wait" and warmup >= threshold:
+        raise ConfigError(
+            f"{_V1}.colocate_async.num_warmup_batches={warmup} with {_V1}.sampler.max_off_policy_threshold="
+            f"{threshold} and max_off_policy_strategy=wait: with {warmup + 1} batches in flight and one trained per "
+            f"step, groups reach the threshold faster than a step can train them, and waiting drops none. Use "
+            f"num_warmup_batches <= {threshold - 1}, a larger threshold, or max_off_policy_strategy=drop.")
+    rc = cfg.algorithm.rollout_correction
+    if warmup > 0 and not (rc.bypass_mode or rc.rollout_is is not None):
+        raise ConfigError(
+            f"{mode} with num_warmup_batches={warmup}: carried samples hold tokens sampled by older weights than "
+            f"the update starts from, and a PPO ratio against the current actor alone (the on-policy shortcut, or "
+            f"an old-log-prob forward without weights) anchors the clip at a policy that never sampled them. Set "
+            f"algorithm.rollout_correction.rollout_is=token (decoupled PPO: IS weights actor / engine, e.g. with "
+            f"rollout_is_threshold=2.0) or algorithm.rollout_correction.bypass_mode=true (the engine's log-probs "
+            f"are the old ones), or num_warmup_batches=0 (then nothing is ever cut: the sync run).")
 
 
 def check_distillation(cfg: Config) -> None:

@@ -665,7 +665,30 @@ def memory_report(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_g
     return {"assumes": "CUDA: bf16 compute and engine weights, fp32 master weights, gradients and Adam state",
             "gpu_memory_gb": gpu_memory_gb, "fits": fits, "verdict": line,
             "per_fsdp_rank": ranks,  # rank r of the world is entry r % fsdp_size
-            "totals_rank0": {phase: sum(items.values()) for phase, items in ranks[0].items()}}
+            "totals_rank0": {phase: sum(items.values()) for phase, items in ranks[0].items()},
+            "in_flight": in_flight_memory(cfg, m, dims.rollout_dp, ranks[0]["generate"]["engine.kv_cache"])}
+
+
+# the host bytes of one carried token (rollout.Trajectory: a Python int id, a float log-prob, an int version,
+# each an object plus a list slot)
+CARRIED_TOKEN_HOST_BYTES = 3 * (32 + 8)
+
+
+def in_flight_memory(cfg: Config, m: MemoryInputs, rollout_dp: int, kv_budget: int) -> dict[str, int] | None:
+    """trainer.v1.trainer_mode=colocate_async: the sequences one engine holds at once ((1 + num_warmup_batches)
+    batches of prompt groups, n samples each), the KV cache they need at full length against the engine's
+    (kv_budget), and the host memory of the samples carried between steps (all but a batch's worth, at most
+    max_response_length tokens each). None in sync mode."""
+    v1 = cfg.trainer.v1
+    if v1.trainer_mode != "colocate_async":
+        return None
+    groups = (1 + v1.colocate_async.num_warmup_batches) * (cfg.data.train_batch_size // rollout_dp)
+    sequences = groups * cfg.actor_rollout_ref.rollout.n
+    per_token = 2 * m.actor.layers * m.actor.kv_heads * m.actor.head_dim * m.engine_bytes // m.infer_tp
+    carried = sequences - (cfg.data.train_batch_size // rollout_dp) * cfg.actor_rollout_ref.rollout.n
+    return {"sequences": sequences, "kv_bytes": sequences * (m.prompt_len + m.response_len) * per_token,
+            "kv_budget": kv_budget, "carried_samples": carried,
+            "carried_host_bytes": carried * m.response_len * CARRIED_TOKEN_HOST_BYTES}
 
 
 def describe_memory(report: dict[str, Any]) -> str:
@@ -680,6 +703,14 @@ def describe_memory(report: dict[str, Any]) -> str:
         lines.append(f"  {item:<18}" + "".join(f"{rank0[p][item] / GIB:>10.2f}" for p in PHASES))
     lines.append(f"  {'total':<18}" + "".join(f"{report['totals_rank0'][p] / GIB:>10.2f}" for p in PHASES))
     lines.append(f"  verdict: {report['verdict']}")
+    flight = report.get("in_flight")
+    if flight:  # colocate_async: what the groups in flight hold
+        share = flight["kv_bytes"] / flight["kv_budget"] if flight["kv_budget"] else float("inf")
+        lines.append(f"  in flight (colocate_async): {flight['sequences']} sequences per engine need "
+                     f"{flight['kv_bytes'] / GIB:.2f} GiB of KV at full length ({share:.0%} of its KV cache"
+                     f"{'; beyond it vLLM preempts and recomputes' if share > 1 else ''}); up to "
+                     f"{flight['carried_samples']} carried samples hold {flight['carried_host_bytes'] / GIB:.2f} GiB "
+                     f"of host memory")
     return "\n".join(lines)
 
 

@@ -16,7 +16,8 @@ call `generate` with the same prompts and parameters, and they get the same samp
     shutdown(llm)                                       # instead of dist.destroy_process_group()
 
 vLLM is imported inside the functions that need it (it takes seconds), so importing this module is cheap.
-Every access to vLLM's engine internals goes through `_vllm_internals`, except two: wake_up asks
+Every access to vLLM's engine internals goes through `_vllm_internals` and the stepping calls beside it
+(`_add_request`, `_step`, `_abort`: stream_generate's), except two: wake_up asks
 `llm.llm_engine.is_sleeping()`, and the sync's log filters name vLLM's loggers. `_restore_cpu_moe_layout`,
 beside it, works around a vLLM bug with the MoE layers' kernels (docs/moe.md). The rest uses vLLM's
 public API.
@@ -29,8 +30,8 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,11 +67,14 @@ class _DropKnownNoise(logging.Filter):
     step lines: the rotary embedding's cache is derived from the config, never loaded; the prefix
     cache is reset on purpose after each sync; with skip_tokenizer_init (token ids in and out) there
     is no chat template to warm up and no EOS id, which generate() passes as a stop token instead;
+    stream_generate hands the engine token ids, which need no renderer;
     the CPU worker's threads are bound by VLLM_CPU_OMP_THREADS_BIND, not torch.set_num_threads."""
 
     MESSAGES = ("RotaryEmbedding: Failed to load weights", "Successfully reset prefix cache",
                 "Chat template warmup failed", "Using None for EOS token id because tokenizer is not initialized",
-                "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it.")
+                "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it.",
+                "Passing raw prompts to InputProcessor is deprecated and will be removed in the future. You should "
+                "instead pass the outputs of Renderer.render_cmpl() or Renderer.render_chat().")
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.getMessage() not in self.MESSAGES
@@ -78,7 +82,7 @@ class _DropKnownNoise(logging.Filter):
 
 def _quiet_sync_logs() -> None:
     for name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.core.block_pool",
-                 "vllm.renderers.base", "vllm.v1.worker.cpu_worker"):
+                 "vllm.renderers.base", "vllm.v1.worker.cpu_worker", "vllm.v1.engine.input_processor"):
         log = logging.getLogger(name)
         if not any(isinstance(f, _DropKnownNoise) for f in log.filters):
             log.addFilter(_DropKnownNoise())
@@ -90,6 +94,28 @@ def _vllm_internals(llm: LLM) -> _Internals:
     packed = getattr(worker.model_runner.get_model(), "packed_modules_mapping", {})
     return _Internals(worker=worker, engine_core=engine.engine_core,
                       packed_modules={k: list(v) for k, v in packed.items()})
+
+
+def _add_request(llm: LLM, prompt_token_ids: list[int], params: object) -> str:
+    """One request into the in-process engine, numbered from the LLM's own counter (as LLM.generate numbers
+    its requests, so the two can be mixed); its id."""
+    request_id = str(next(llm.request_counter))
+    llm.llm_engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params)
+    return request_id
+
+
+def _step(llm: LLM) -> list:
+    """One engine step: every running request advances by one token (prefills first); the outputs of the
+    requests that produced tokens (DELTA: only the new ones)."""
+    return llm.llm_engine.step()
+
+
+def _abort(llm: LLM, request_ids: list[str]) -> None:
+    """Remove requests from the engine; in process, an aborted request produces no output."""
+    llm.llm_engine.abort_request(request_ids)
+    left = llm.llm_engine.get_num_unfinished_requests()
+    if left:
+        raise RuntimeError(f"the rollout engine still holds {left} requests after aborting {len(request_ids)}")
 
 
 def _restore_cpu_moe_layout(llm: LLM, reloaded: set[str]) -> int:
@@ -309,7 +335,12 @@ def sync_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]], pa
         for log in loggers:
             log.removeFilter(quiet)
     _restore_cpu_moe_layout(llm, reloaded_experts)
-    # Cached prompt KV blocks were computed with the old weights.
+    # Cached prompt KV blocks were computed with the old weights. vLLM keeps the blocks of requests still in
+    # the engine: a stream that left one there would sample on from KV of the old weights.
+    held = llm.llm_engine.get_num_unfinished_requests()
+    if held:
+        raise RuntimeError(f"{held} requests are still in the rollout engine at a weight sync: their KV is of the "
+                           f"old weights (every stream must finish or abort its requests before the next sync)")
     llm.reset_prefix_cache()
     wake_up(llm, ["kv_cache"])
     return time.perf_counter() - start
@@ -369,6 +400,8 @@ def logprob_diff(
     are of the same distribution: the same temperature and, as vLLM's are of its top-k / top-p cut,
     actor log-probs under that cut (ppo_core.truncated_log_probs)."""
     diff = (rollout_log_probs - actor_log_probs).abs()[response_mask.bool()]  # (num_tokens,)
+    if diff.numel() == 0:  # no token to compare (a rank whose samples are all of older weights)
+        return {"logprob_diff_mean": 0.0, "logprob_diff_max": 0.0}
     return {"logprob_diff_mean": diff.mean().item(), "logprob_diff_max": diff.max().item()}
 
 
@@ -396,10 +429,13 @@ class RolloutBatch:
         return RolloutBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
 
-def sample_seed(base_seed: int, step: int, prompt_index: int, sample_index: int, turn: int = 0) -> int:
+def sample_seed(base_seed: int, step: int, prompt_index: int, sample_index: int, turn: int = 0,
+                segment: int = 0) -> int:
     """A per-request seed that depends only on what is sampled, never on the parallel layout. Turns
-    after the first (multi-turn rollouts) key on the turn too; the first keeps the single-turn key."""
-    key = f"{base_seed}/{step}/{prompt_index}/{sample_index}" + (f"/{turn}" if turn else "")
+    after the first (multi-turn rollouts) key on the turn too, and a cut sample's later segments
+    (stream_generate) on the segment; the first keeps the single-turn key."""
+    key = (f"{base_seed}/{step}/{prompt_index}/{sample_index}" + (f"/{turn}" if turn else "")
+           + (f"/s{segment}" if segment else ""))
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1  # 63 bits
 
 
@@ -486,6 +522,118 @@ def generate(llm: LLM, prompt_token_ids: list[list[int]], sampling: Sampling, *,
                        sampling.max_tokens, sampling.pad_token_id, sampling.max_prompt_length)
 
 
+@dataclass
+class Trajectory:
+    """One sample of a stream (stream_generate): its tokens so far, the engine's log-prob of each and the
+    weight version that sampled each. Plain host data, so an unfinished one is carried to the next step
+    and saved in checkpoints (vars / Trajectory(**saved))."""
+
+    prompt_index: int  # the prompt's global index (data.PromptSampler)
+    sample_index: int  # which of its n samples
+    dispatch_step: int  # the step it was dispatched in: with the indices it fixes the seeds (sample_seed)
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)  # the engine's, as sampled
+    versions: list[int] = field(default_factory=list)  # per token: the weight version that sampled it
+    segments: int = 0  # engine requests made for it so far; the next one's seed keys on it
+    finish_reason: str | None = None  # "stop" | "length"; None while unfinished
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StreamStats:
+    """What a stream_generate call cost: engine steps, requests running at each (the occupancy), the
+    partial responses prefilled again (a carried sample's tokens, under the new weights), aborts."""
+
+    engine_steps: int = 0
+    running: list[int] = field(default_factory=list)  # requests in the engine at each step
+    reprefilled_tokens: int = 0
+    aborted: int = 0
+
+
+def _check_same_decision(cut: bool, tp_group: dist.ProcessGroup | None, engine_step: int) -> None:
+    """Every rank of the TP group must cut at the same engine step: a rank that stepped on alone would wait
+    in the engine's all-reduce forever. Compare the decision (a collective per engine step, TP > 1 only) and
+    raise on every rank at the first step they differ."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(tp_group)) else "cpu"
+    votes = torch.tensor([int(cut)], device=device)
+    dist.all_reduce(votes, group=tp_group)
+    if votes.item() not in (0, dist.get_world_size(tp_group)):
+        raise RuntimeError(f"the ranks of rollout TP group {dist.get_process_group_ranks(tp_group)} disagree on "
+                           f"cutting the stream at engine step {engine_step} ({votes.item()} of them would): the stop "
+                           f"rule must read the engine's outputs only.")
+
+
+def stream_generate(llm: LLM, sampling: Sampling, trajectories: Sequence[Trajectory], *, version: int,
+                    stop: Callable[[Sequence[Trajectory]], bool] | None = None,
+                    tp_group: dist.ProcessGroup | None = None) -> StreamStats:
+    """Advance the unfinished trajectories on the engine, step by step, mirroring each step's new tokens
+    and log-probs into them (tagged with weight `version`), until all finish or `stop(trajectories)` says
+    to cut (asked first before any request is made, then after every engine step); then the rest are aborted and stay unfinished, to be resubmitted by a later call as prompt +
+    tokens so far, with the remaining budget (sampling.max_tokens - len(tokens)) and the seed of their
+    next segment. stop sees only what the engine returned, so every rank of a TP group, which gets the same
+    outputs, cuts at the same engine step. Without a cut, one call on fresh trajectories gives exactly
+    `generate`'s samples: the same requests in the same order with the same seeds. tp_group: the rollout TP
+    group, whose ranks compare each decision (_check_same_decision)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    stats, live = StreamStats(), {}
+    if stop is not None and stop(trajectories):  # enough already (complete groups carried over): no engine work
+        return stats
+    for traj in trajectories:
+        if traj.finished:
+            continue
+        seed = sample_seed(sampling.seed, traj.dispatch_step, traj.prompt_index, traj.sample_index,
+                           segment=traj.segments)
+        params = SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                                max_tokens=sampling.max_tokens - len(traj.tokens),
+                                stop_token_ids=list(sampling.stop_token_ids), logprobs=0, seed=seed,
+                                output_kind=RequestOutputKind.DELTA)
+        live[_add_request(llm, traj.prompt + traj.tokens, params)] = traj
+        traj.segments += 1
+        stats.reprefilled_tokens += len(traj.tokens)
+    while live:
+        stats.running.append(len(live))
+        outputs = _step(llm)
+        stats.engine_steps += 1
+        for out in outputs:
+            traj, sampled = live[out.request_id], out.outputs[0]
+            traj.tokens += sampled.token_ids
+            traj.log_probs += [entry[tok].logprob for tok, entry in zip(sampled.token_ids, sampled.logprobs,
+                                                                        strict=True)]
+            traj.versions += [version] * len(sampled.token_ids)
+            if out.finished:
+                traj.finish_reason = "stop" if sampled.finish_reason == "stop" else "length"
+                del live[out.request_id]
+        cut = bool(live) and stop is not None and stop(trajectories)
+        _check_same_decision(cut, tp_group, stats.engine_steps)
+        if cut:
+            _abort(llm, list(live))
+            stats.aborted = len(live)
+            break
+    return stats
+
+
+def trajectories_batch(trajs: Sequence[Trajectory], sampling: Sampling) -> tuple[RolloutBatch, torch.Tensor]:
+    """Finished trajectories -> the padded batch training consumes (pad_rollout), and the weight version of
+    each response token, (N, R) long, -1 on padding."""
+    if not all(t.finished for t in trajs):
+        raise ValueError("trajectories_batch takes finished trajectories only")
+    batch = pad_rollout([t.prompt for t in trajs], [t.tokens for t in trajs], [t.log_probs for t in trajs],
+                        [t.prompt_index for t in trajs], sampling.max_tokens, sampling.pad_token_id,
+                        sampling.max_prompt_length)
+    versions = torch.full((len(trajs), sampling.max_tokens), -1, dtype=torch.long)  # (N, R)
+    for row, traj in enumerate(trajs):
+        versions[row, :len(traj.versions)] = torch.tensor(traj.versions, dtype=torch.long)
+    return batch, versions
+
+
 def pad_rollout(
     prompts: list[list[int]],
     responses: list[list[int]],
@@ -537,6 +685,60 @@ def pad_rollout(
         rollout_log_probs=response_log_probs,
         prompt_index=torch.tensor(prompt_indices, dtype=torch.long),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Groups in flight (trainer.v1.trainer_mode=colocate_async): the stop rule, the selection, the bound.
+# A group is one prompt's n trajectories from one dispatch; pure functions of the trajectories, so every
+# rank of a TP group, holding the same ones, decides alike.
+
+
+def groups_of(trajs: Sequence[Trajectory]) -> list[list[Trajectory]]:
+    """The trajectories by group (dispatch step, prompt index), in the order their groups first appear."""
+    groups: dict[tuple[int, int], list[Trajectory]] = {}
+    for traj in trajs:
+        groups.setdefault((traj.dispatch_step, traj.prompt_index), []).append(traj)
+    return list(groups.values())
+
+
+def span(step: int, dispatch_step: int) -> int:
+    """verl V1's measure of a group's age at training step `step`: the weight versions from its dispatch
+    to that step, step - dispatch_step + 1 (1: sampled and trained in one step, on policy)."""
+    return step - dispatch_step + 1
+
+
+def should_cut(trajs: Sequence[Trajectory], *, step: int, quota: int, threshold: int, strategy: str) -> bool:
+    """Stop generating at `step` once `quota` groups are complete, and (strategy wait) no unfinished group
+    has reached `threshold`: it could not be trained at a later step within the bound, so it must finish now."""
+    groups = groups_of(trajs)
+    if len({g[0].prompt_index for g in groups if all(t.finished for t in g)}) < quota:  # one group per prompt
+        return False
+    return strategy != "wait" or all(span(step, g[0].dispatch_step) < threshold
+                                     for g in groups if not all(t.finished for t in g))
+
+
+def select_groups(trajs: Sequence[Trajectory], quota: int) -> tuple[list[Trajectory], list[Trajectory]]:
+    """(the `quota` oldest complete groups, prompt-major, each group's samples in order; the rest, in their
+    order). Oldest: the earliest dispatch step, then the order of dispatch. A prompt drawn again (the next
+    epoch) while its earlier group is in flight waits a step: a batch holds one group per prompt, as the
+    advantages group samples by prompt."""
+    groups = groups_of(trajs)
+    complete = sorted((i for i, g in enumerate(groups) if all(t.finished for t in g)),
+                      key=lambda i: groups[i][0].dispatch_step)  # a stable sort: dispatch order within a step
+    chosen: list[int] = []
+    for i in complete:
+        if len(chosen) < quota and all(groups[j][0].prompt_index != groups[i][0].prompt_index for j in chosen):
+            chosen.append(i)
+    selected = [t for i in chosen for t in groups[i]]
+    return selected, [t for i, g in enumerate(groups) if i not in chosen for t in g]
+
+
+def drop_stale(trajs: Sequence[Trajectory], next_step: int, threshold: int) -> tuple[list[Trajectory], int]:
+    """Strategy drop: (the trajectories whose group can still be trained at `next_step` within the bound,
+    the number of groups dropped)."""
+    groups = groups_of(trajs)
+    kept = [g for g in groups if span(next_step, g[0].dispatch_step) <= threshold]
+    return [t for g in kept for t in g], len(groups) - len(kept)
 
 
 # ---------------------------------------------------------------------------------------------

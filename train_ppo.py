@@ -19,6 +19,7 @@ step order -> set-up (`build_run` makes the `Run` whole).
 The step's batch is a dict of tensors, one row per sample this rank trains on (B samples on this
 rank, P = max_prompt_length, R = max_response_length):
     prompts (B, P) left-padded; responses, response_mask, rollout_log_probs (B, R);
+    rollout_versions (B, R): the weight version of each token (colocate_async only)
     input_ids, attention_mask, position_ids (B, P+R); prompt_index (B,)      <- step 2, generate
     token_level_scores (B, R); reward_baselines (B,) for ReMax               <- step 3, reward
     old_log_probs, ref_log_probs, values (B, R)                              <- step 4
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import hashlib
 import itertools
 import json
 import os
@@ -190,6 +192,27 @@ class Engine:
 
 
 @dataclass
+class InFlight:
+    """trainer.v1.trainer_mode=colocate_async: this rollout dp group's samples between steps (unfinished, or in
+    complete groups not trained yet), and the prompts drawn from the sampler but not dispatched (the same on
+    every rank). Plain host data, saved in checkpoints (in_flight_state)."""
+
+    warmup_batches: int  # trainer.v1.colocate_async.num_warmup_batches
+    threshold: int  # trainer.v1.sampler.max_off_policy_threshold
+    strategy: str  # trainer.v1.sampler.max_off_policy_strategy
+    trajectories: list[rollout.Trajectory] = field(default_factory=list)
+    queue: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> InFlight | None:
+        v1 = cfg.trainer.v1
+        if v1.trainer_mode != "colocate_async":
+            return None
+        return cls(v1.colocate_async.num_warmup_batches, v1.sampler.max_off_policy_threshold,
+                   v1.sampler.max_off_policy_strategy)
+
+
+@dataclass
 class Run:
     """Everything a run holds between steps; build_run makes it whole, train_step and train use it."""
 
@@ -235,6 +258,7 @@ class Run:
     reward_model: RewardModel | None = None  # reward_model.enable: it scores the training samples
     teacher: torch.nn.Module | None = None  # distillation.enabled: the frozen teacher, beside the reference
     teacher_vocab_limit: int | None = None  # the ids its top-k may name: the tokenizer's (models.check_teacher)
+    in_flight: InFlight | None = None  # trainer.v1.trainer_mode=colocate_async: the samples carried between steps
     consecutive_skips: int = 0
 
     def checkpointed(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]]:
@@ -287,6 +311,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         batch = ulysses.gather_rows(batch, run.sp_group)
         reward_extras = gather_items(reward_extras, run.sp_group)  # the extras stay beside their rows
     check_generated_layout(batch["prompt_index"], plan.n, run.dp_group)
+    if "rollout_versions" in batch:  # colocate_async: tokens of older weights, within the bound
+        metrics.update(check_versions(batch, step, run.in_flight.threshold, run.old_log_probs_from, run.dp_group))
     if cfg.trainer.balance_batch:  # verl's: as many tokens on every dp rank, for the forwards and the update
         with timed(metrics, "balance_batch"):
             batch, reward_extras, balance_metrics = balance_batch(batch, reward_extras, run.dp_group)
@@ -330,7 +356,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     # the whole step batch; IS weights for the policy loss, rejected tokens out of every loss
     if old is not None:
         metrics.update(check_old_policy(batch, old, run.actor_loss.correction, actor_cfg.loss_agg_mode,
-                                        run.dp_group))
+                                        run.dp_group, version=step - 1))
 
     # 6. updates: critic first (verl's order), then the actor; Adam's moments may live on the host between
     enter(run, step, "update")  # optimizer_offload: Adam's state to the device for the steps
@@ -349,7 +375,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             old = update_old
             batch["old_log_probs"] = old.old_log_probs
             metrics.update(check_old_policy(batch, old, run.actor_loss.correction, actor_cfg.loss_agg_mode,
-                                            run.dp_group))
+                                            run.dp_group, version=step - 1))
         metrics["actor/on_policy_shortcut"] = float(run.old_log_probs_from == "update")
         metrics.update(actor_metrics)
         metrics["actor/lr"] = run.actor_sched.get_last_lr()[0]
@@ -533,15 +559,22 @@ def rollout_step(run: Run, step: int, gen_batch: int,
     cfg, rollout_mesh = run.cfg, run.meshes.rollout
     sampling = run.engine.train_sampling.for_batch(gen_batch)  # fresh seeds per generation batch
     baseline_rollout = core.ADV_ESTIMATORS[cfg.algorithm.adv_estimator].baseline_rollout
+    versions = None
     with timed(metrics, "gen"):
-        prompt_indices = run.sampler.next_batch()  # the same on every rank
-        group_indices = rollout.shard_for_dp(prompt_indices, rollout_mesh.get_local_rank("dp"), run.dims.rollout_dp)
-        group_prompts = [run.train_prompts[i] for i in group_indices]
-        generated, turn_stats = generate(run, group_prompts, group_indices, step, sampling)  # prompt-major
-        if baseline_rollout == "greedy":
-            greedy, greedy_stats = generate(run, group_prompts, group_indices, step, sampling.greedy())
+        if run.in_flight is not None:  # colocate_async: carried samples resumed, the step's batch cut from the stream
+            (generated, versions), turn_stats = stream_rollout(run, step, metrics), None
+        else:
+            prompt_indices = run.sampler.next_batch()  # the same on every rank
+            group_indices = rollout.shard_for_dp(prompt_indices, rollout_mesh.get_local_rank("dp"),
+                                                 run.dims.rollout_dp)
+            group_prompts = [run.train_prompts[i] for i in group_indices]
+            generated, turn_stats = generate(run, group_prompts, group_indices, step, sampling)  # prompt-major
+            if baseline_rollout == "greedy":
+                greedy, greedy_stats = generate(run, group_prompts, group_indices, step, sampling.greedy())
     tp_rows = rollout.training_rows(len(generated), rollout_mesh.get_local_rank("infer_tp"), run.dims.infer_tp)
     rows = dict(vars(generated.rows(tp_rows)))
+    if versions is not None:
+        rows["rollout_versions"] = versions[tp_rows]  # (B, R) the weight version of each token, -1 on padding
     score = functools.partial(score_samples, run.reward_fn, run.tokenizer, prompts=run.train_prompts,
                               reward_cfg=cfg.reward_model, max_response_length=cfg.data.max_response_length)
     if run.reward_model is not None:  # the learned reward model's score replaces the rule's (verl's rm_scores)
@@ -559,6 +592,60 @@ def rollout_step(run: Run, step: int, gen_batch: int,
             baseline = dict(zip(greedy.prompt_index.tolist(), greedy_scores.tolist(), strict=True))
             rows["reward_baselines"] = torch.tensor([baseline[i] for i in rows["prompt_index"].tolist()])  # (B,)
     return rows, extras
+
+
+def stream_rollout(run: Run, step: int, metrics: dict[str, float]) -> tuple[rollout.RolloutBatch, torch.Tensor]:
+    """colocate_async's generation for this rollout dp group: fresh groups dispatched until (1 +
+    num_warmup_batches) batches' worth are in flight, the carried ones resumed, all streamed under weight
+    version step - 1 until a batch's worth is complete (rollout.should_cut), the oldest complete groups
+    taken (rollout.select_groups) and the rest carried; (their batch, prompt-major, and each token's weight
+    version (N, R)). Every rank draws the same prompts from the sampler (a collective: each dp group's need)."""
+    flight, sampling, llm = run.in_flight, run.engine.train_sampling, run.engine.llm
+    quota = run.cfg.data.train_batch_size // run.dims.rollout_dp  # groups this dp group trains per step
+    dp_rank = run.meshes.rollout.get_local_rank("dp")
+    every_rank: list[Any] = [None] * run.env.world_size
+    need = (1 + flight.warmup_batches) * quota - len(rollout.groups_of(flight.trajectories))
+    dist.all_gather_object(every_rank, (dp_rank, need))
+    needs = dict(every_rank)  # dp rank -> groups to dispatch (the ranks of a TP group agree)
+    while len(flight.queue) < sum(needs.values()):
+        flight.queue += run.sampler.next_batch()
+    start = sum(needs[g] for g in range(dp_rank))
+    fresh = flight.queue[start:start + needs[dp_rank]]
+    flight.queue = flight.queue[sum(needs.values()):]
+    flight.trajectories += [rollout.Trajectory(i, k, step, list(run.train_prompts[i].token_ids))
+                            for i in fresh for k in range(sampling.n)]
+    cut = functools.partial(rollout.should_cut, step=step, quota=quota, threshold=flight.threshold,
+                            strategy=flight.strategy)
+    stream = rollout.stream_generate(llm, sampling, flight.trajectories, version=step - 1, stop=cut,
+                                     tp_group=run.meshes.rollout.get_group("infer_tp"))
+    selected, flight.trajectories = rollout.select_groups(flight.trajectories, quota)
+    if len(selected) != quota * sampling.n:  # all finished, yet too few distinct prompts among them
+        raise RuntimeError(f"step {step}: {len(selected) // sampling.n} complete groups of distinct prompts for a batch "
+                           f"of {quota}: the same prompts are in flight twice (a data set of fewer prompts than "
+                           f"(1 + trainer.v1.colocate_async.num_warmup_batches) batches?). Lower num_warmup_batches.")
+    dropped = 0
+    if flight.strategy == "drop":  # groups the next step could not train within the bound
+        flight.trajectories, dropped = rollout.drop_stale(flight.trajectories, step + 1, flight.threshold)
+    check_same_in_tp_group(selected + flight.trajectories, run.meshes.rollout.get_group("infer_tp"))
+    metrics.update({"rollout/engine_steps": stream.engine_steps,
+                    "rollout/engine_occupancy": sum(stream.running) / max(len(stream.running), 1),
+                    "rollout/reprefilled_tokens": stream.reprefilled_tokens, "rollout/aborted_samples": stream.aborted,
+                    "rollout/carried_groups": len(rollout.groups_of(flight.trajectories)),
+                    "training/off_policy/dropped_groups": dropped})
+    return rollout.trajectories_batch(selected, sampling)
+
+
+def check_same_in_tp_group(trajs: list[rollout.Trajectory], group: dist.ProcessGroup) -> None:
+    """Every rank of a rollout TP group must hold the same trajectories after a cut (the same engine outputs,
+    the same stop rule): compare a digest, and fail on every rank rather than train on a split."""
+    if dist.get_world_size(group) == 1:
+        return
+    digest = hashlib.blake2b(repr([vars(t) for t in trajs]).encode(), digest_size=16).hexdigest()
+    every_rank: list[str] = [""] * dist.get_world_size(group)
+    dist.all_gather_object(every_rank, digest, group=group)
+    if len(set(every_rank)) > 1:
+        raise RuntimeError(f"the ranks of rollout TP group {dist.get_process_group_ranks(group)} cut the stream "
+                           f"differently (digests {every_rank}): the stop rule must read the engine's outputs only.")
 
 
 def generate(run: Run, prompts: list[Prompt], prompt_indices: list[int], step: int,
@@ -777,15 +864,23 @@ def compute_advantages(batch: Batch, algo_cfg: Config, kl_ctrl: core.FixedKLCont
 
 
 def check_old_policy(batch: Batch, old: PolicyForward, correction: rollout_correction.Correction, loss_agg_mode: str,
-                     dp_group: dist.ProcessGroup) -> dict[str, float]:
+                     dp_group: dist.ProcessGroup, version: int | None = None) -> dict[str, float]:
     """After the old log-probs, wherever they came from: the sync check (the engine's log-probs of its
     samples against the actor's under the same cut), the old policy's entropy, and decoupled rollout
-    correction over the whole step batch (IS weights and rejections into `batch`, its diagnostics)."""
+    correction over the whole step batch (IS weights and rejections into `batch`, its diagnostics).
+    With colocate_async's rollout_versions, the sync check reads the tokens of weight `version` (the
+    weights just synced) only, and the older tokens' gap is reported apart (their drift, not a sync error)."""
     mask = batch["response_mask"]  # (B, R)
-    diff = rollout.logprob_diff(batch["rollout_log_probs"], old.sampling_log_probs, mask)
+    versions = batch.get("rollout_versions")  # (B, R) or None: every token of the synced weights
+    fresh = mask if versions is None else mask * (versions == version)  # (B, R)
+    diff = rollout.logprob_diff(batch["rollout_log_probs"], old.sampling_log_probs, fresh)
     metrics = {"rollout/logprob_diff_mean": diff["logprob_diff_mean"],
                "rollout/logprob_diff_max": diff["logprob_diff_max"],
                "actor/entropy": core.agg_loss(old.entropy, mask.float(), loss_agg_mode).item()}
+    if versions is not None:
+        drift = rollout.logprob_diff(batch["rollout_log_probs"], old.sampling_log_probs, mask * (versions < version))
+        metrics.update({"rollout/stale_logprob_diff_mean": drift["logprob_diff_mean"],
+                        "rollout/stale_logprob_diff_max": drift["logprob_diff_max"]})
     with timed(metrics, "rollout_corr"):
         is_weights, batch["response_mask"], rc_metrics = rollout_correction.correct_batch(
             old.sampling_log_probs, batch["rollout_log_probs"], mask, correction, dp_group)
@@ -793,6 +888,40 @@ def check_old_policy(batch: Batch, old: PolicyForward, correction: rollout_corre
     if is_weights is not None:
         batch["rollout_is_weights"] = is_weights  # (B, R)
     return metrics
+
+
+def check_versions(batch: Batch, step: int, threshold: int, old_log_probs_from: str,
+                   dp_group: dist.ProcessGroup) -> dict[str, float]:
+    """colocate_async: every trained token's weight version (rollout_versions, (B, R)) within verl's bound
+    (a token of version v is trained at `step` with step - v <= threshold, i.e. the trajectory spans at
+    most `threshold` versions up to this step) and none newer than the weights synced for it (step - 1); the
+    on-policy shortcut (the update's own forward as the old policy) refused when any token is older.
+    Raises on every rank of dp_group alike. verl V1's metrics: trajectory_spans (versions within a sample),
+    trajectory_staleness (the weights' version minus the sample's newest), _worst (minus its oldest). Collective."""
+    versions, current = batch["rollout_versions"], step - 1  # (B, R)
+    real = versions >= 0  # (B, R) response tokens; -1 is padding
+    newest = torch.where(real, versions, -1).max(-1).values  # (B,)
+    oldest = torch.where(real, versions, current + 1).min(-1).values  # (B,)
+    counts = torch.stack([(oldest < current - (threshold - 1)).sum(), (newest > current).sum(),
+                          (real & (versions < current)).sum(), real.sum()]).double()
+    dist.all_reduce(counts, group=dp_group)
+    too_old, too_new, stale, tokens = counts.tolist()
+    if too_old or too_new:
+        raise RuntimeError(
+            f"step {step}: {too_old:.0f} samples hold tokens older than trainer.v1.sampler.max_off_policy_threshold="
+            f"{threshold} versions and {too_new:.0f} hold tokens newer than the weights synced for this step "
+            f"({current}): the in-flight bookkeeping is wrong.")
+    if old_log_probs_from == "update" and stale:
+        raise RuntimeError(
+            f"step {step}: {stale:.0f} trained tokens were sampled by older weights than version {current}, but the "
+            f"old log-probs are the update's own forward (the on-policy shortcut), which anchors the clip at a "
+            f"policy that never sampled them. Set algorithm.rollout_correction.rollout_is=token or bypass_mode=true.")
+    prefix = "training/off_policy/"
+    return {**stats(f"{prefix}trajectory_spans", newest - oldest + 1),
+            **stats(f"{prefix}trajectory_staleness", current - newest),
+            **stats(f"{prefix}trajectory_staleness_worst", current - oldest),
+            f"{prefix}stale_sample_fraction": (oldest < current).float().mean().item(),
+            f"{prefix}stale_token_fraction": stale / tokens}
 
 
 # -----------------------------------------------------------------------------
@@ -1173,12 +1302,43 @@ def save_budget_s(run: Run) -> float:
 def save(run: Run, step: int) -> None:
     """A sharded, atomic checkpoint; older ones pruned only after the new one is complete."""
     start = time.perf_counter()
-    path = save_checkpoint(run.out_dir, step, run.checkpointed(),
-                           {"sampler": run.sampler.state_dict(), "kl_ctrl": run.kl_ctrl.state_dict(),
-                            "fingerprint": run.fingerprint},
+    trainer_state = {"sampler": run.sampler.state_dict(), "kl_ctrl": run.kl_ctrl.state_dict(),
+                     "fingerprint": run.fingerprint}
+    if run.in_flight is not None:
+        trainer_state["in_flight"] = in_flight_state(run)
+    path = save_checkpoint(run.out_dir, step, run.checkpointed(), trainer_state,
                            hf_source=(run.actor.config, run.tokenizer, *lora_config(run.actor)),
                            keep=run.cfg.trainer.max_actor_ckpt_to_keep)
     print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
+
+
+def in_flight_state(run: Run) -> dict[str, Any]:
+    """colocate_async's carried samples, every rollout dp group's (from its TP rank 0), and the undispatched
+    prompts: plain JSON for the checkpoint's trainer state. Collective."""
+    mine = (run.meshes.rollout.get_local_rank("dp"), run.meshes.rollout.get_local_rank("infer_tp"),
+            [vars(t) for t in run.in_flight.trajectories])
+    every_rank: list[Any] = [None] * run.env.world_size
+    dist.all_gather_object(every_rank, mine)
+    groups = {dp: trajs for dp, tp, trajs in every_rank if tp == 0}
+    return {"rollout_dp": run.dims.rollout_dp, "trajectories": [groups[dp] for dp in range(run.dims.rollout_dp)],
+            "queue": run.in_flight.queue}
+
+
+def load_in_flight(in_flight: InFlight | None, dp_rank: int, rollout_dp: int, saved: dict[str, Any] | None,
+                   path: Path) -> None:
+    """A checkpoint's carried samples back into this rollout dp group's InFlight (in_flight_state's)."""
+    if in_flight is None and saved is None:
+        return
+    if in_flight is None or saved is None:
+        raise ConfigError(f"checkpoint {path} was written {'with' if saved else 'without'} trainer.v1.trainer_mode="
+                          f"colocate_async and this run is {'not' if saved else ''} one: its carried samples "
+                          f"would be {'lost' if saved else 'missing'}. Resume with the trainer_mode it was written with.")
+    if saved["rollout_dp"] != rollout_dp:
+        raise ConfigError(f"checkpoint {path} carries samples of {saved['rollout_dp']} rollout dp groups, this run has "
+                          f"{rollout_dp}: each group's stream is cut by its own engine, so they cannot be dealt anew. "
+                          f"Resume with world size / {rollout.TP_KEY} = {saved['rollout_dp']}.")
+    in_flight.trajectories = [rollout.Trajectory(**t) for t in saved["trajectories"][dp_rank]]
+    in_flight.queue = list(saved["queue"])
 
 
 def finish(run: Run) -> None:
@@ -1248,7 +1408,9 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
     print0(f"old log-probs: {source} ({why})")
     train_files = [cfg.data.train_files] if isinstance(cfg.data.train_files, str) else list(cfg.data.train_files)
     fingerprint = run_dir.fingerprint(cfg, train_files, len(train_prompts))
-    start_step = resume(cfg, out_dir, env.rank, checkpointed(models), sampler, models.kl_ctrl, fingerprint)
+    in_flight = InFlight.from_config(cfg)
+    start_step = resume(cfg, out_dir, env.rank, checkpointed(models), sampler, models.kl_ctrl, fingerprint,
+                        (in_flight, meshes.rollout.get_local_rank("dp"), dims.rollout_dp))
     # placed as for the first weight sync before the engine starts: vLLM sizes its KV cache from the
     # memory free then, so an offloaded critic must already be on the host
     offload = OffloadFlags.from_config(cfg)
@@ -1271,7 +1433,8 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
                validation_data_dir=Path(tc.validation_data_dir or out_dir / "val_generations"),
                start_step=start_step, engine=engine, tracker=tracker, progress=progress, placement="sync", lock=lock,
                stop=run_dir.StopRequests(out_dir, install=watch), fingerprint=fingerprint,
-               multi_turn=multi_turn, reward_model=reward_model, teacher_vocab_limit=teacher_vocab_limit, **vars(models))
+               multi_turn=multi_turn, reward_model=reward_model, teacher_vocab_limit=teacher_vocab_limit,
+               in_flight=in_flight, **vars(models))
 
 
 def load_data(cfg: Config, dims: ParallelDims,
@@ -1451,12 +1614,14 @@ def load_learned_reward_model(cfg: Config, meshes: Meshes, env: DistEnv, tokeniz
 
 
 def resume(cfg: Config, out_dir: Path, rank: int, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]],
-           sampler: PromptSampler, kl_ctrl: core.FixedKLController, fingerprint: dict[str, Any]) -> int:
+           sampler: PromptSampler, kl_ctrl: core.FixedKLController, fingerprint: dict[str, Any],
+           in_flight: tuple[InFlight | None, int, int] = (None, 0, 1)) -> int:
     """Load the latest complete checkpoint, if any (DCP reshards it to this world size), into the models
-    (checkpointed), the prompt sampler and the KL controller; its step (0: none). Rank 0 chooses it for
-    every rank, moves checkpoints later than a rewind's aside (checkpoint.abandon_later), and compares
-    the config and data with the checkpoint's (run_dir.check_resume); the config's optimizer settings
-    then replace the checkpoint's."""
+    (checkpointed), the prompt sampler, the KL controller and, with colocate_async, in_flight's first
+    element (this rollout dp group's carried samples: (InFlight, dp rank, rollout dp size)); its step (0: none).
+    Rank 0 chooses it for every rank, moves checkpoints later than a rewind's aside (checkpoint.abandon_later),
+    and compares the config and data with the checkpoint's (run_dir.check_resume); the config's optimizer
+    settings then replace the checkpoint's."""
     tc = cfg.trainer
     choice: list[Any] = [None, None]  # (the path, or the error every rank raises)
     if rank == 0:
@@ -1481,6 +1646,7 @@ def resume(cfg: Config, out_dir: Path, rank: int, models: dict[str, tuple[torch.
         start_step = state["step"]
         sampler.load_state_dict(state["sampler"])
         kl_ctrl.load_state_dict(state["kl_ctrl"])
+        load_in_flight(*in_flight, state.get("in_flight"), path)
         for name, (_, optimizer, sched) in models.items():
             optim_cfg = (cfg.critic if name == "critic" else cfg.actor_rollout_ref.actor).optim
             for change in set_optimizer_config(optimizer, sched, optim_cfg):

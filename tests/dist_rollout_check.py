@@ -10,7 +10,10 @@ Each rank writes OUT_DIR/rank{r}.json; the test compares ranks and launches. In 
   3. n samples per prompt at temperature 1: masks, padding and vLLM's logprobs vs the actor's;
   4. one real optimizer step (raise log p(EOS)): a sync that moves nothing is caught by the
      check; a real re-sync passes it, greedy still equals the actor's and differs from before;
-     sampling again now stops early on EOS.
+     sampling again now stops early on EOS;
+  5. the stepwise driver (rollout.stream_generate): without a cut, generate's samples bit for bit; cut
+     after a few engine steps and resumed as prompt + tokens so far, the resumed tokens' engine log-probs
+     equal the actor's (the re-prefill continues the positions), and the TP ranks cut alike.
 """
 
 import json
@@ -130,6 +133,47 @@ def train_towards_eos(actor: torch.nn.Module, batch: rollout.RolloutBatch, eos: 
     return loss.item()
 
 
+def stream_check(llm, actor, prompts, indices, eos, pad, step, tp_group) -> dict:
+    """rollout.stream_generate against rollout.generate (the same requests, seeds and step), and a cut one."""
+    sampling = rollout.Sampling(n=N_SAMPLES, temperature=1.0, max_tokens=MAX_TOKENS, stop_token_ids=(eos,),
+                                pad_token_id=pad, seed=SAMPLE_SEED)
+    reference = rollout.generate(llm, prompts, sampling, step=step, prompt_indices=indices)
+
+    def fresh() -> list[rollout.Trajectory]:
+        return [rollout.Trajectory(i, k, step, list(p)) for i, p in zip(indices, prompts, strict=True)
+                for k in range(N_SAMPLES)]
+
+    whole = fresh()
+    rollout.stream_generate(llm, sampling, whole, version=0)
+    streamed, _ = rollout.trajectories_batch(whole, sampling)
+    same = {k: torch.equal(getattr(streamed, k), getattr(reference, k)) for k in ("responses", "response_mask",
+                                                                                  "rollout_log_probs", "input_ids")}
+    same["log_prob_diff_zero"] = (streamed.rollout_log_probs - reference.rollout_log_probs).abs().max().item() == 0
+    cut = fresh()
+    first = rollout.stream_generate(llm, sampling, cut, version=0, stop=lambda ts: sum(t.finished for t in ts) >= 1
+                                    or max(len(t.tokens) for t in ts) >= 5, tp_group=tp_group)
+    carried = [(t.prompt_index, t.sample_index, list(t.tokens), list(t.log_probs)) for t in cut if not t.finished]
+    second = rollout.stream_generate(llm, sampling, cut, version=1)
+    batch, versions = rollout.trajectories_batch(cut, sampling)
+    with torch.no_grad():
+        actor_lp = models.compute_log_probs(actor, vars(batch), temperature=1.0, micro_batch_size=8).log_probs
+    resumed = versions == 1  # (N, R) the tokens sampled after the cut
+    # cut again, move the engine's weights (every one x 1.01) and resume: the carried tokens keep the
+    # log-probs they were sampled with (the behaviour policy's), whatever the new weights say of them
+    moved = fresh()
+    rollout.stream_generate(llm, sampling, moved, version=0, stop=lambda ts: max(len(t.tokens) for t in ts) >= 5)
+    before = {(t.prompt_index, t.sample_index): list(t.log_probs) for t in moved if not t.finished}
+    rollout.sync_weights(llm, ((name, tensor * 1.01) for name, tensor in models.iter_full_params(actor)))
+    rollout.stream_generate(llm, sampling, moved, version=1)
+    rollout.sync_weights(llm, models.iter_full_params(actor))
+    kept = all(t.log_probs[:len(before[t.prompt_index, t.sample_index])] == before[t.prompt_index, t.sample_index]
+               for t in moved if (t.prompt_index, t.sample_index) in before)
+    return {"carried_log_probs_kept": kept and bool(before),"equals_generate": same, "carried": carried, "aborted": first.aborted,
+            "reprefilled_tokens": second.reprefilled_tokens, "resumed_tokens": int(resumed.sum()),
+            "resumed_diff_max": float((batch.rollout_log_probs - actor_lp).abs()[resumed].max()) if resumed.any() else None,
+            "all_diff_max": float((batch.rollout_log_probs - actor_lp).abs()[batch.response_mask.bool()].max())}
+
+
 def bad_mesh_error(device_type: str, world: int) -> str | None:
     """A rollout mesh whose rows are not vLLM's TP groups (ranks in reverse) must be refused."""
     reversed_mesh = DeviceMesh(device_type, torch.arange(world).flip(0).reshape(world, 1),
@@ -211,6 +255,8 @@ def main() -> None:
     result["sampling_after"], batch = sample_and_check(llm, actor, prompts, indices, eos, pad, step=1)
     share = rollout.split_for_training(batch, tp_rank, tp)
     result["training_share_prompt_index"] = share.prompt_index.tolist()
+    result["stream"] = stream_check(llm, actor, prompts, indices, eos, pad, step=2,
+                                    tp_group=meshes.rollout.get_group("infer_tp"))
 
     result["rss_mb_peak"] = peak_rss_mb()
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps(result))

@@ -32,6 +32,28 @@ class Mutation:
 
 
 MUTATIONS = (
+    # trainer.v1.trainer_mode=colocate_async (tests/test_train_ppo_colocate_async.py, tests/test_config.py)
+    Mutation("colocate_async allows the on-policy shortcut on tokens of older weights", "config.py", ((
+        "if warmup > 0 and not (rc.bypass_mode or rc.rollout_is is not None):", "if False:"),),
+        "tests/test_config.py -k test_colocate_async_refusals"),
+    Mutation("colocate_async tags tokens with a weight version one too new", "train_ppo.py", ((
+        "flight.trajectories, version=step - 1, stop=cut,",
+        "flight.trajectories, version=step, stop=cut,"),),
+        "tests/test_train_ppo_colocate_async.py::test_carried_tokens_stay_within_the_bound_and_fresh_ones_match_the_engine"),
+    Mutation("a carried sample's log-probs recomputed under the new weights instead of kept", "rollout.py", (
+        ("stop_token_ids=list(sampling.stop_token_ids), logprobs=0, seed=seed,\n",
+         "stop_token_ids=list(sampling.stop_token_ids), logprobs=0, seed=seed, prompt_logprobs=0,\n"),
+        ("            traj, sampled = live[out.request_id], out.outputs[0]\n",
+         "            traj, sampled = live[out.request_id], out.outputs[0]\n"
+         "            if out.prompt_logprobs and traj.log_probs and len(traj.log_probs) == len(traj.tokens):\n"
+         "                traj.log_probs[:] = [e[t].logprob for t, e in zip(traj.tokens, out.prompt_logprobs["
+         "len(traj.prompt):], strict=True)]\n")),
+        "tests/test_rollout.py -k stream_without_cut and w2_tp1"),
+    Mutation("one rank of a rollout TP group cuts the stream one engine step late", "rollout.py", ((
+        "cut = bool(live) and stop is not None and stop(trajectories)",
+        "cut = bool(live) and stop is not None and stop(trajectories) and (not dist.get_rank() % 2 or "
+        "getattr(stop, 'late', 0) or setattr(stop, 'late', 1) or False)"),),
+        "tests/test_train_ppo_colocate_async.py::test_tp_ranks_cut_alike_and_drop_keeps_the_bound"),
     # (dcp.load fills the state dicts in place, and they share storage with the model and the optimizer:
     # the load itself restores them, so the mutations drop what is loaded, not only what is set after)
     Mutation("resume restores the model but not the optimizer", "checkpoint.py", (
@@ -96,7 +118,8 @@ MUTATIONS = (
         'ref, reference_mode = actor, actor.disable_adapter', 'ref, reference_mode = actor, contextlib.nullcontext'),),
         "tests/test_lora.py -k learns_and_exports"),
     Mutation("rollout.n samples of a prompt split across rollout dp groups", "train_ppo.py", (
-        ('group_indices = rollout.shard_for_dp(prompt_indices, rollout_mesh.get_local_rank("dp"), run.dims.rollout_dp)',
+        ('group_indices = rollout.shard_for_dp(prompt_indices, rollout_mesh.get_local_rank("dp"),\n'
+         '                                                 run.dims.rollout_dp)',
          'group_indices = prompt_indices'),
         ('train_sampling = rollout.Sampling(n=rollout_cfg.n,',
          'train_sampling = rollout.Sampling(n=rollout_cfg.n // dims.rollout_dp,')),

@@ -46,6 +46,13 @@ RC_DECOUPLED = [
     # a band of 0.1% around ratio 1: exactness rejects nothing, the full-vocabulary comparison half
     f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=0.999_1.001"]
 DISTILL_STEPS = 20
+V1 = "trainer.v1"
+# colocate_async with a batch of groups dispatched ahead, a bound of 2 versions, decoupled PPO (IS weights actor /
+# engine); 4 steps, saved at step 2 (async_resume resumes there)
+ASYNC_W1 = [*TINY, f"{V1}.trainer_mode=colocate_async", f"{V1}.colocate_async.num_warmup_batches=1",
+            f"{V1}.sampler.max_off_policy_threshold=2", f"{V1}.sampler.max_off_policy_strategy=wait",
+            f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=2.0", "trainer.total_training_steps=4",
+            "trainer.save_freq=2"]
 
 CASES: dict[str, tuple[str, list[str]]] = {
     # --- tests/test_train_ppo_algorithms.py: the recipes as shipped, and each estimator and loss mode once
@@ -151,6 +158,16 @@ CASES: dict[str, tuple[str, list[str]]] = {
     # --- tests/test_checkpoint.py: the uninterrupted reference of the killed-rank resume, 6 steps, checkpoints
     # at 3 and 6 (the killed run is RESUME's, too)
     "resume_reference": ("configs/tiny_cpu.yaml", [*RESUME, "trainer.max_actor_ckpt_to_keep=2"]),
+    # --- tests/test_train_ppo_colocate_async.py: sync against colocate_async without a batch ahead (nothing is
+    # ever cut: the same metrics bit for bit, in one launch); with one, and its resume from step 2
+    "async_sync_reference": ("configs/tiny_cpu.yaml", TINY),
+    "async_w0": ("configs/tiny_cpu.yaml", [*TINY, f"{V1}.trainer_mode=colocate_async",
+                                           f"{V1}.colocate_async.num_warmup_batches=0",
+                                           f"{V1}.sampler.max_off_policy_threshold=1",
+                                           f"{V1}.sampler.max_off_policy_strategy=wait"]),
+    "async_w1": ("configs/tiny_cpu.yaml", ASYNC_W1),
+    "async_resume": ("configs/tiny_cpu.yaml", [*ASYNC_W1, "trainer.resume_mode=resume_path", "trainer.save_freq=-1",
+                                               "trainer.resume_from_path={root}/async_w1/global_step_2"]),
     # --- tests/test_lora.py: the demo task with a rank-8 adapter on every linear layer, the KL loss to the
     # reference (the adapter disabled) and the KL in the reward (which logs the KL of the policy before each
     # update to the reference), LORA_STEPS steps; the engine samples from the merged weights, so it is shared
@@ -188,6 +205,13 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100",
         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=300", "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.shuffle=true", *TWO_STEPS]),
+    # tests/test_train_ppo_colocate_async.py: colocate_async on one TP=2 engine (its ranks must cut alike: the
+    # ranks compare each engine step's decision, and their carried samples after every cut), strategy drop,
+    # bypass mode
+    "async_tp2": ("configs/tiny_cpu.yaml", [
+        *TINY, "actor_rollout_ref.rollout.tensor_model_parallel_size=2", f"{V1}.trainer_mode=colocate_async",
+        f"{V1}.colocate_async.num_warmup_batches=1", f"{V1}.sampler.max_off_policy_threshold=2",
+        f"{V1}.sampler.max_off_policy_strategy=drop", f"{RC}.bypass_mode=true", "trainer.total_training_steps=3"]),
     # tests/test_checkpoint.py: rc_decoupled's step-2 checkpoint, written by 4 ranks, resumed on 2 (DCP
     # reshards), validated before a third step
     "resume_smaller": ("configs/tiny_cpu.yaml", [
@@ -235,13 +259,13 @@ VERL_CASES = tuple(name for name in CASES if name.startswith("verl_"))
 # Cases not named here run in "tp1"; within a launch they run in CASES' order.
 LAUNCHES: dict[str, tuple[int, tuple[str, ...]]] = {
     "w4": (4, ("rc_decoupled",)),
-    "tp2": (2, ("multi_turn", "grpo_tp2", "ulysses", "resume_smaller")),
+    "tp2": (2, ("multi_turn", "grpo_tp2", "ulysses", "resume_smaller", "async_tp2")),
     "tp1": (2, ()),
 }
 # cases that stop with an error, as their tests expect: each rank's is written to <name>/error.rank<r>.txt
 EXPECTED_ERRORS = {"reward_raises", "non_finite"}
 # cases that read another case's files ({root}/<name>): selecting one runs the other too
-NEEDS = {"resume_smaller": ("rc_decoupled",)}
+NEEDS = {"resume_smaller": ("rc_decoupled",), "async_resume": ("async_w1",)}
 
 
 def launch_of(name: str) -> str:

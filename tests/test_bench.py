@@ -341,3 +341,15 @@ def test_device_check_smoke(tiny_assets, tmp_path):
     for name in ("load", "log_prob", "update", "gather", "offload"):
         assert math.isfinite(report["phases"][name]["seconds"]) and report["phases"][name]["peak_gb"] > 0
     assert all(math.isfinite(loss) for loss in report["losses"]) and len(report["losses"]) == 2
+
+
+@pytest.mark.slow
+def test_bench_tail_smoke(tiny_assets, tmp_path):
+    """bench/bench_tail.py at its smallest: sync steps against colocate_async's cut, its JSON's fields."""
+    out = tmp_path / "tail.json"
+    torchrun(1, ROOT / "bench" / "bench_tail.py", "--model", str(tiny_assets["tiny-qwen2"]), "--groups", "2",
+             "--rollout-n", "2", "--max-tokens", "16", "--steps", "2", "--out", str(out), timeout=400)
+    result = json.loads(out.read_text())
+    for mode in ("sync", "cut"):
+        assert_positive(result, f"{mode}.gen_s_per_trained_sample", f"{mode}.mean_trained_length")
+    assert_positive(result, "ratio_cut_over_sync")

@@ -368,6 +368,41 @@ def test_every_short_run_config_is_valid():
             raise AssertionError(f"short run {name}: {e}") from None
 
 
+V1 = "trainer.v1"
+ASYNC = [DATA, f"{V1}.trainer_mode=colocate_async", f"{V1}.sampler.max_off_policy_strategy=wait",
+         f"{V1}.sampler.max_off_policy_threshold=2", "algorithm.rollout_correction.rollout_is=token"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor_rollout_ref.rollout.over_sample_rate=0.1"], "over_sample_rate=0.1 is not implemented"),
+    (["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.environment=agent.GuessNumberEnv"],
+     "multi_turn.enable=true is not supported yet"),
+    (["algorithm.filter_groups.enable=true"], "dynamic sampling) is not supported yet"),
+    (["algorithm.adv_estimator=remax"], "baseline rollout"),
+    ([f"{V1}.colocate_async.num_warmup_batches=2"], "num_warmup_batches <= 1"),
+    ([f"{V1}.sampler.max_off_policy_threshold=0"], "max_off_policy_threshold=0 must be >= 1"),
+    # tokens of older weights without a correction: the clip would be anchored at a policy that never sampled
+    (["algorithm.rollout_correction.rollout_is=null"], "rollout_is=token"),
+    ([f"{V1}.trainer_mode=separate_async"], "valid values: sync, colocate_async"),
+    ([f"{V1}.sampler.max_off_policy_strategy=keep"], "valid values: drop, wait"),
+])
+def test_colocate_async_refusals(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_supported(load_config(None, [*ASYNC, *overrides]))
+
+
+def test_colocate_async_accepts_the_corrected_and_the_degenerate_settings():
+    check_supported(load_config(None, ASYNC))
+    check_supported(load_config(None, [*ASYNC, "algorithm.rollout_correction.rollout_is=null",
+                                       "algorithm.rollout_correction.bypass_mode=true"]))
+    # no batch ahead: nothing is ever cut, no token is stale, so nothing needs correcting
+    check_supported(load_config(None, [*ASYNC, "algorithm.rollout_correction.rollout_is=null",
+                                       f"{V1}.colocate_async.num_warmup_batches=0"]))
+    # drop never lets a group pass the threshold, whatever the warm-up
+    check_supported(load_config(None, [*ASYNC, f"{V1}.sampler.max_off_policy_strategy=drop",
+                                       f"{V1}.colocate_async.num_warmup_batches=3"]))
+
+
 # --- verl's own files: whole, hydra-style partial, and the three kinds of key --------------------------
 
 def _verl_generated(tmp_path):
@@ -394,7 +429,7 @@ def test_the_key_table_covers_every_verl_key_with_one_rule_each():
     table = verl_key_table()
     assert [key for key, _, _ in table] == list(fixture["defaults"])
     assert [key for key, kind, _ in table if kind is None] == []
-    assert sum(kind == IMPLEMENTED for _, kind, _ in table) == 184
+    assert sum(kind == IMPLEMENTED for _, kind, _ in table) == 189
     used = {verl_key_rule(key).pattern for key, kind, _ in table if kind != IMPLEMENTED}
     assert [rule.pattern for rule in VERL_KEY_RULES if rule.pattern not in used] == []
 
@@ -419,9 +454,9 @@ def test_verls_generated_config_loads_and_plans(tmp_path):
     assert dims.world_size == 8 and cfg.trainer.total_epochs == 30  # verl's values, not this program's
     assert cfg.actor_rollout_ref.rollout.name == "vllm"  # verl's ??? : this program's default, said at start-up
     assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"  # an interpolation, resolved
-    assert len(verl_keys_without_effect(cfg)) == 898 - 184
+    assert len(verl_keys_without_effect(cfg)) == 898 - 189
     text = describe_verl_keys(cfg)
-    assert "verl keys with no effect here (714" in text and "actor_rollout_ref.rollout.name='???' -> 'vllm'" in text
+    assert "verl keys with no effect here (709" in text and "actor_rollout_ref.rollout.name='???' -> 'vllm'" in text
     with pytest.raises(ConfigError, match=r"'actor_rollout_ref.rollout.name' is 'sglang'; valid values: vllm"):
         check_supported(load_config(path, [*paths, "actor_rollout_ref.rollout.name=sglang"]))
     # not implemented: refused off verl's default, with the key, the value and what to set

@@ -289,3 +289,62 @@ def test_stale_cpu_shm_segments_are_cleared_and_a_live_one_is_named(tmp_path):
         assert f"other-cpushm_0 by pid [{holder.pid}]" in result["error"], result
         assert "tensor_model_parallel_size=1" in result["error"]
     assert sorted(p.name for p in shm.iterdir()) == ["other-cpushm_0", "ours-cpushm_1", "unrelated"]
+
+
+def test_stream_without_cut_is_generate_and_a_cut_resumes_on_policy(launch):
+    """rollout.stream_generate: run to the end, it gives generate's samples bit for bit (tokens, masks,
+    log-probs); cut after a few engine steps and resubmitted as prompt + tokens so far under the same
+    weights, every resumed token's engine log-prob equals the actor's (the re-prefill continues the
+    positions; fp32 bound as the sync check's). The TP ranks of a group cut at the same step: the same
+    carried samples, tokens and log-probs. Resumed under other weights, a carried sample keeps the
+    log-probs its tokens were sampled with (the behaviour policy's), bit for bit."""
+    groups: dict[int, list[dict]] = {}
+    for rank in launch:
+        result = rank["stream"]
+        assert all(result["equals_generate"].values()), (rank["rank"], result["equals_generate"])
+        assert result["aborted"] > 0 and result["carried"], "the cut left nothing to carry: the resume is untested"
+        assert result["reprefilled_tokens"] == sum(len(tokens) for _, _, tokens, _ in result["carried"])
+        assert result["resumed_tokens"] > 0 and result["resumed_diff_max"] < 1e-4, result
+        assert result["all_diff_max"] < 1e-4, result
+        assert result["carried_log_probs_kept"], "a carried sample's log-probs changed when it was resumed"
+        groups.setdefault(rank["dp_rank"], []).append(result["carried"])
+    for members in groups.values():
+        assert all(m == members[0] for m in members), "TP ranks of a group cut at different engine steps"
+
+
+def _trajs(groups: list[tuple[int, int, list[bool]]]) -> list[rollout.Trajectory]:
+    """(dispatch step, prompt index, each sample finished?) per group."""
+    return [rollout.Trajectory(p, k, s, [1], finish_reason="stop" if done else None)
+            for s, p, finished in groups for k, done in enumerate(finished)]
+
+
+def test_stop_rule_waits_for_a_quota_and_for_groups_at_the_threshold():
+    # step 3: a group of step 2 (span 2) unfinished, two complete groups of step 3
+    trajs = _trajs([(2, 5, [True, False]), (3, 1, [True, True]), (3, 2, [True, True])])
+    assert not rollout.should_cut(trajs, step=3, quota=3, threshold=2, strategy="wait")  # 2 complete < 3
+    assert rollout.should_cut(trajs, step=3, quota=2, threshold=3, strategy="wait")  # span 2 < 3: it can wait
+    assert not rollout.should_cut(trajs, step=3, quota=2, threshold=2, strategy="wait")  # span 2: must finish now
+    assert rollout.should_cut(trajs, step=3, quota=2, threshold=2, strategy="drop")  # drop: it will be dropped
+    assert rollout.span(3, 2) == 2 and rollout.span(3, 3) == 1
+
+
+def test_selection_takes_the_oldest_complete_groups_and_keeps_their_order():
+    trajs = _trajs([(3, 7, [True, True]), (2, 9, [True, False]), (2, 4, [True, True]), (3, 1, [True, True])])
+    selected, rest = rollout.select_groups(trajs, quota=2)
+    assert [(t.dispatch_step, t.prompt_index, t.sample_index) for t in selected] == [
+        (2, 4, 0), (2, 4, 1), (3, 7, 0), (3, 7, 1)]  # the oldest first, then the order of dispatch
+    assert [(t.dispatch_step, t.prompt_index) for t in rest] == [(2, 9), (2, 9), (3, 1), (3, 1)]
+    kept, dropped = rollout.drop_stale(rest, next_step=4, threshold=2)  # step 2's group would span 3 versions
+    assert dropped == 1 and [(t.dispatch_step, t.prompt_index) for t in kept] == [(3, 1), (3, 1)]
+    # prompt 4 drawn again (the next epoch) while its first group waits: one group per prompt in a batch
+    again = _trajs([(2, 4, [True]), (3, 4, [True]), (3, 6, [True])])
+    selected, rest = rollout.select_groups(again, quota=2)
+    assert [(t.dispatch_step, t.prompt_index) for t in selected] == [(2, 4), (3, 6)]
+    assert [(t.dispatch_step, t.prompt_index) for t in rest] == [(3, 4)]
+
+
+def test_a_cut_samples_later_segments_with_other_seeds():
+    first = rollout.sample_seed(0, 3, 5, 1)
+    assert rollout.sample_seed(0, 3, 5, 1, segment=0) == first  # the first segment is generate's seed
+    assert len({first, rollout.sample_seed(0, 3, 5, 1, segment=1), rollout.sample_seed(0, 3, 5, 1, segment=2),
+                rollout.sample_seed(0, 3, 5, 1, turn=1)}) == 4

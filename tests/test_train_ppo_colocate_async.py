@@ -1,0 +1,68 @@
+"""train_ppo.py end to end with trainer.v1.trainer_mode=colocate_async (verl V1's collocated partial rollouts):
+real torchrun / gloo ranks, the real vLLM CPU engine, the warmed model (tests/short_runs.py's async_* cases).
+
+  async_w0 against async_sync_reference, in one launch: no batch ahead, so every group dispatched is
+      trained in its step and nothing is cut; the stream must then be the sync run, metric for metric.
+  async_w1: a batch of groups ahead, bound 2 versions, decoupled PPO, 2 rollout dp groups: the cut
+      carries samples, some trained tokens come from the weights before the last update, none older;
+      the sync check on the fresh tokens stays as tight as the sync run's, while the stale ones drift.
+  async_resume: async_w1 resumed from its step-2 checkpoint (the carried samples with it) repeats its
+      steps 3 and 4 exactly.
+  async_tp2: one TP=2 engine, strategy drop, bypass mode: its ranks cut alike (the trainer compares their
+      carried samples after each cut and raises otherwise).
+"""
+import pytest
+from conftest import short_run
+from test_checkpoint import compared
+from test_train_ppo import assert_common, step_rows
+
+OFF = "training/off_policy/"
+
+
+@pytest.mark.short_run("async_sync_reference", "async_w0")
+def test_colocate_async_without_a_batch_ahead_is_the_sync_run(short_runs):
+    sync, stream = (step_rows(short_run(short_runs, name)) for name in ("async_sync_reference", "async_w0"))
+    assert [r["step"] for r in sync] == [r["step"] for r in stream] == [1, 2]
+    for a, b in zip(sync, stream, strict=True):
+        assert {k: b[k] for k in compared(a)} == compared(a), a["step"]  # bit for bit (same launch, same kernels)
+        assert b[f"{OFF}stale_token_fraction"] == 0 and b["rollout/aborted_samples"] == 0
+        assert b["rollout/carried_groups"] == 0
+
+
+@pytest.mark.short_run("async_w1")
+def test_carried_tokens_stay_within_the_bound_and_fresh_ones_match_the_engine(short_runs):
+    rows = step_rows(short_run(short_runs, "async_w1"))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert_common(rows, prompts=8, samples=32)
+    for r in rows:
+        # verl's span: at most max_off_policy_threshold=2 versions; staleness against the weights synced
+        assert r[f"{OFF}trajectory_staleness_worst/max"] <= 1 and r[f"{OFF}trajectory_spans/max"] <= 2
+        assert r["rollout/logprob_diff_max"] < 1e-4, r["step"]  # the fresh tokens: the sync check holds
+    assert rows[0][f"{OFF}stale_token_fraction"] == 0  # step 1: nothing was carried yet
+    later = rows[1:]
+    assert all(r["rollout/carried_groups"] > 0 for r in rows), "nothing carried: the cut is untested"
+    assert sum(r["rollout/reprefilled_tokens"] for r in later) > 0 and all(r[f"{OFF}stale_token_fraction"] > 0
+                                                                            for r in later)
+    # the stale tokens did drift (the update moved the actor): counted with the fresh ones, the sync check
+    # would fail, and the versions decide which is which
+    assert max(r["rollout/stale_logprob_diff_max"] for r in later) > 1e-3
+
+
+@pytest.mark.short_run("async_w1", "async_resume")
+def test_resume_with_carried_samples_repeats_the_run(short_runs):
+    reference = {r["step"]: r for r in step_rows(short_run(short_runs, "async_w1"))}
+    resumed = step_rows(short_run(short_runs, "async_resume"))
+    assert [r["step"] for r in resumed] == [3, 4]
+    for r in resumed:
+        assert compared(r) == compared(reference[r["step"]]), r["step"]
+
+
+@pytest.mark.slow  # the TP=2 launch runs in the full suite only
+@pytest.mark.short_run("async_tp2")
+def test_tp_ranks_cut_alike_and_drop_keeps_the_bound(short_runs):
+    rows = step_rows(short_run(short_runs, "async_tp2"))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # bypass mode: no old-log-prob forward, so no sync check to read
+        assert r[f"{OFF}trajectory_staleness_worst/max"] <= 1 and r[f"{OFF}trajectory_spans/max"] <= 2
+        assert r["actor/on_policy_shortcut"] == 0
+    assert all(r["rollout/carried_groups"] > 0 for r in rows) and rows[-1][f"{OFF}stale_token_fraction"] > 0
