@@ -151,7 +151,9 @@ def test_every_config_key_is_read(grpo_tp2, gae_kl):
     (algorithm.rollout_correction's: tests/test_train_ppo_rollout_correction.py's two runs; the keys of
     the other policy losses, which only their mode reads: tests/test_train_ppo_algorithms.py's; the LLM
     judge's, which only a judge reads: tests/test_reward_remote.py checks that it reads them all;
-    distillation's: tests/test_train_ppo_distillation.py's runs)."""
+    distillation's: tests/test_train_ppo_distillation.py's runs; trainer.v1's, which only colocate_async
+    reads: tests/test_train_ppo_colocate_async.py's runs; trainer.resume_force, which only a resume reads:
+    tests/test_checkpoint.py's)."""
     unread = [set(json.loads((out / "config_unread.json").read_text())) for out in (grpo_tp2, gae_kl)]
     other_losses = {config.policy_loss_key(key) for loss in config.algorithm_traits().policy_losses.values()
                     for key in loss.keys}
@@ -159,7 +161,7 @@ def test_every_config_key_is_read(grpo_tp2, gae_kl):
     reward_model = ("reward_model.model.", "reward_model.max_length", "reward_model.micro_batch_size_per_gpu")
     unread_by_both = {k for k in set.intersection(*unread) - other_losses
                       if not k.startswith(("algorithm.rollout_correction.", "reward_model.judge.", "distillation.",
-                                           *reward_model))}
+                                           "trainer.v1.", "trainer.resume_force", *reward_model))}
     assert unread_by_both == set(), sorted(unread_by_both)
 
 
