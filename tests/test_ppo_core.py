@@ -1030,8 +1030,9 @@ def test_token_sum_gradient_is_the_sum_however_the_batch_is_cut():
                                                    if mask[i, t]))
 
 
-def otb_reference(rewards, mask, index, old_lp, sum_sq, is_weights=None, zero_tail=True, eps=1e-8):
-    """verl 0.9.1's optimal token baseline written out with Python loops over samples and positions."""
+def returns_and_path_weights(rewards, mask, old_lp, sum_sq, is_weights=None):
+    """Both optimal-token-baseline references' inputs, with loops: each sample's returns-to-go G[i][t] and
+    cumulative score-norm proxy W[i][t] = sum_{j<=t} (1 - 2 pi(y_j) + sum_v pi(v)^2) (x IS weight squared)."""
     B, T = len(mask), len(mask[0])
     G = [[sum(rewards[i][s] * mask[i][s] for s in range(t, T)) for t in range(T)] for i in range(B)]
     W = []
@@ -1044,6 +1045,13 @@ def otb_reference(rewards, mask, index, old_lp, sum_sq, is_weights=None, zero_ta
             acc += w * mask[i][t]
             row.append(acc)
         W.append(row)
+    return G, W
+
+
+def otb_reference(rewards, mask, index, old_lp, sum_sq, is_weights=None, zero_tail=True, eps=1e-8):
+    """verl 0.9.1's optimal token baseline written out with Python loops over samples and positions."""
+    B, T = len(mask), len(mask[0])
+    G, W = returns_and_path_weights(rewards, mask, old_lp, sum_sq, is_weights)
     baseline = [[0.0] * T for _ in range(B)]
     for key in dict.fromkeys(index):
         members = [i for i in range(B) if index[i] == key]
@@ -1121,17 +1129,7 @@ def tir_otb_reference(rewards, mask, index, old_lp, sum_sq, is_weights=None, zer
     """verl 0.9.1's tir_optimal_token_baseline written out with loops: each sample's valid tokens listed in
     order, the baseline of its k-th one from the k-th valid tokens of its group's non-empty samples."""
     B, T = len(mask), len(mask[0])
-    G = [[sum(rewards[i][s] * mask[i][s] for s in range(t, T)) for t in range(T)] for i in range(B)]
-    W, acc = [], 0.0
-    for i in range(B):
-        acc, row = 0.0, []
-        for t in range(T):
-            w = 1 - 2 * math.exp(old_lp[i][t]) + sum_sq[i][t]
-            if is_weights is not None:
-                w *= is_weights[i][t] ** 2
-            acc += w * mask[i][t]
-            row.append(acc)
-        W.append(row)
+    G, W = returns_and_path_weights(rewards, mask, old_lp, sum_sq, is_weights)
     valid = [[t for t in range(T) if mask[i][t]] for i in range(B)]  # the positions of each sample's tokens
     packed_g = [[G[i][t] for t in valid[i]] for i in range(B)]
     packed_w = [[W[i][t] for t in valid[i]] for i in range(B)]
