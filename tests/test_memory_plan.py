@@ -388,13 +388,20 @@ def test_update_counts_the_logits_gradient_and_the_accumulated_gradient():
 # --- the planner ------------------------------------------------------------------------------------
 
 
+def planner_output(capsys: pytest.CaptureFixture, *argv: str) -> str:
+    """memory_plan.py's stdout for argv, run in this process (main(argv), what the script runs: the CLI's own exit
+    status and streams are test_planner_without_a_model_prints_the_layout_and_refuses_a_bad_config's)."""
+    capsys.readouterr()
+    assert mp.main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
 @pytest.mark.slow
-def test_planner_prints_the_memory_plan(tiny_assets, tmp_path):
+def test_planner_prints_the_memory_plan(tiny_assets, tmp_path, capsys):
     # padded forwards: their activations are linear in the tokens, which checkpointing cuts most
     common = ["--config", "configs/tiny_cpu.yaml", f"actor_rollout_ref.model.path={tiny_assets['tiny-qwen2']}",
               "actor_rollout_ref.model.use_remove_padding=false"]
-    proc = run([sys.executable, "memory_plan.py", "--json", *common])
-    memory = json.loads(proc.stdout)["memory"]
+    memory = json.loads(planner_output(capsys, "--json", *common))["memory"]
     shape = mp.model_shape(str(tiny_assets["tiny-qwen2"]))
     ranks = memory["per_fsdp_rank"]
     for rank, phases in enumerate(ranks):
@@ -406,25 +413,23 @@ def test_planner_prints_the_memory_plan(tiny_assets, tmp_path):
     # (checkpointing keeps each block's input and one block's recompute, and the padded rows' masks: here it
     # frees about 40% of the activations)
     limit_gb = (sum(update.values()) - update["activations"] / 4) / mp.GIB
-    proc = run([sys.executable, "memory_plan.py", "--json", *common, "--gpu-memory-gb", str(limit_gb)])
-    small = json.loads(proc.stdout)["memory"]
+    small = json.loads(planner_output(capsys, "--json", *common, "--gpu-memory-gb", str(limit_gb)))["memory"]
     assert small["fits"] is False
     assert "set actor_rollout_ref.model.enable_gradient_checkpointing=true" in small["verdict"], small["verdict"]
-    proc = run([sys.executable, "memory_plan.py", *common, "--gpu-memory-gb", "0.001"])
-    assert "does not fit" in proc.stdout and "set actor_rollout_ref." in proc.stdout
+    out = planner_output(capsys, *common, "--gpu-memory-gb", "0.001")
+    assert "does not fit" in out and "set actor_rollout_ref." in out
     # no config.json: a clear message, and the rest of the plan still prints
-    proc = run([sys.executable, "memory_plan.py", "--config", "configs/tiny_cpu.yaml",
-                f"actor_rollout_ref.model.path={tmp_path / 'nowhere'}"])
-    assert "Device map" in proc.stdout and "cannot read the config.json of actor_rollout_ref.model.path" in proc.stdout
+    out = planner_output(capsys, "--config", "configs/tiny_cpu.yaml", f"actor_rollout_ref.model.path={tmp_path / 'nowhere'}")
+    assert "Device map" in out and "cannot read the config.json of actor_rollout_ref.model.path" in out
 
 
-def test_planner_without_a_model_prints_the_layout_and_refuses_a_bad_config():
+def test_planner_without_a_model_prints_the_layout_and_refuses_a_bad_config(capsys):
     """No config.json at hand: the layout (mesh_utils.py's text) and the reason there is no memory plan;
     a bad layout exits 1 with the reason before any model is read."""
     seed = ["--config", "configs/gsm8k_grpo_1node_6gpu.yaml"]
     layout = run([sys.executable, "mesh_utils.py", *seed]).stdout
-    proc = run([sys.executable, "memory_plan.py", *seed, "actor_rollout_ref.model.path=/nowhere"])
-    assert proc.stdout.startswith(layout) and "Memory plan: no memory plan: cannot read" in proc.stdout
+    out = planner_output(capsys, *seed, "actor_rollout_ref.model.path=/nowhere")
+    assert out.startswith(layout) and "Memory plan: no memory plan: cannot read" in out
     proc = run([sys.executable, "memory_plan.py", *seed, "actor_rollout_ref.rollout.tensor_model_parallel_size=4"],
                check=False)
     assert proc.returncode == 1 and "tensor_model_parallel_size=4" in proc.stderr and proc.stdout == ""
