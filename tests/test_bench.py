@@ -8,17 +8,26 @@ import json
 import math
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
-from conftest import ROOT, run, torchrun
+from conftest import ROOT, torchrun
 
 sys.path.insert(0, str(ROOT / "bench"))
+import bench_memory  # noqa: E402
+import bench_packing  # noqa: E402
+import bench_rollout  # noqa: E402
 import bench_step  # noqa: E402
+import bench_sync  # noqa: E402
+import bench_ulysses  # noqa: E402
 import run_all  # noqa: E402
 
 
-def run_script(name: str, args: list[str], timeout: int = 400) -> None:
-    run([sys.executable, str(ROOT / "bench" / name), *args], timeout=timeout)
+def run_script(module: ModuleType, args: list[str]) -> None:
+    """A bench script's launcher in this process, as run_all.py runs it (`module.run(module.parse_args(args))`):
+    the workers it starts are its own processes, and the launcher's imports (~7 s of CPU each) are paid
+    once, by this module."""
+    module.run(module.parse_args(args))
 
 
 def assert_positive(obj: dict, *keys: str) -> None:
@@ -36,7 +45,7 @@ def smoke_args(tiny_assets: dict, out: Path) -> list[str]:
 @pytest.mark.slow
 def test_bench_packing_smoke(tiny_assets, tmp_path):
     out = tmp_path / "packing.json"
-    run_script("bench_packing.py", ["--models", "tiny", "--samples", "6", "--max-prompt-length", "16",
+    run_script(bench_packing, ["--models", "tiny", "--samples", "6", "--max-prompt-length", "16",
                                     "--max-response-length", "32", "--micro-batch", "2", "--repeats", "1",
                                     *smoke_args(tiny_assets, out)])
     rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}
@@ -56,7 +65,7 @@ def test_bench_packing_smoke(tiny_assets, tmp_path):
 @pytest.mark.slow
 def test_bench_ulysses_smoke(tiny_assets, tmp_path):
     out = tmp_path / "ulysses.json"
-    run_script("bench_ulysses.py", ["--model", "tiny", "--samples", "4", "--max-prompt-length", "16",
+    run_script(bench_ulysses, ["--model", "tiny", "--samples", "4", "--max-prompt-length", "16",
                                     "--max-response-length", "32", "--repeats", "1", *smoke_args(tiny_assets, out)])
     sp1, sp2 = json.loads(out.read_text())["rows"]
     assert (sp1["variant"], sp2["variant"]) == ("sp1", "sp2")
@@ -72,7 +81,7 @@ def test_bench_ulysses_smoke(tiny_assets, tmp_path):
 @pytest.mark.slow
 def test_bench_rollout_smoke(tiny_assets, tmp_path):
     out = tmp_path / "rollout.json"
-    run_script("bench_rollout.py", ["--models", str(tiny_assets["tiny-qwen2"]), "--prompts", "4", "--rollout-n", "2",
+    run_script(bench_rollout, ["--models", str(tiny_assets["tiny-qwen2"]), "--prompts", "4", "--rollout-n", "2",
                                     "--max-tokens", "16", "--reps", "2", *smoke_args(tiny_assets, out)])
     report = json.loads(out.read_text())
     assert report["benchmark"] == "rollout" and report["machine"]["device"] == "cpu"
@@ -91,7 +100,7 @@ def test_bench_rollout_smoke(tiny_assets, tmp_path):
 @pytest.mark.slow
 def test_bench_sync_smoke(tiny_assets, tmp_path):
     out = tmp_path / "sync.json"
-    run_script("bench_sync.py", ["--models", "tiny", "--layouts", "2x2", "--reps", "1",
+    run_script(bench_sync, ["--models", "tiny", "--layouts", "2x2", "--reps", "1",
                                  *smoke_args(tiny_assets, out)])
     report = json.loads(out.read_text())
     [result] = report["results"]
@@ -121,7 +130,7 @@ def test_bench_sync_smoke(tiny_assets, tmp_path):
 @pytest.mark.slow
 def test_bench_memory_smoke(tiny_assets, tmp_path):
     out = tmp_path / "memory.json"
-    run_script("bench_memory.py", ["--models", "tiny", "--prompts", "2", "--rollout-n", "2", "--max-tokens", "8",
+    run_script(bench_memory, ["--models", "tiny", "--prompts", "2", "--rollout-n", "2", "--max-tokens", "8",
                                    "--micro-batch", "2", "--steps", "1", *smoke_args(tiny_assets, out)])
     report = json.loads(out.read_text())
     [result] = report["results"]
@@ -139,7 +148,7 @@ def test_bench_memory_smoke(tiny_assets, tmp_path):
 @pytest.mark.slow
 def test_bench_step_smoke(tiny_assets, tmp_path):
     out = tmp_path / "step.json"
-    run_script("bench_step.py", ["--sizes", str(tiny_assets["tiny-qwen2"]), "--n-values", "2",
+    run_script(bench_step, ["--sizes", str(tiny_assets["tiny-qwen2"]), "--n-values", "2",
                                  "--response-lengths", "8", "--prompts", "2", "--steps", "2",
                                  *smoke_args(tiny_assets, out)])
     report = json.loads(out.read_text())
