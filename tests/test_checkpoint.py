@@ -28,6 +28,7 @@ from conftest import ROOT, clean_env, run, short_run, torchrun_cmd
 from safetensors.torch import load_file
 from short_runs import RESUME
 
+import export_hf
 from checkpoint import complete_checkpoints, find_resume_path
 from tracking import read_metrics
 
@@ -49,6 +50,7 @@ def by_step(out: Path) -> dict[int, dict]:
 
 @pytest.mark.slow
 @pytest.mark.short_run("resume_reference")
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # export_hf's DCP load, in-process
 def test_killed_rank_resumes_and_reproduces(tiny_assets, sft_model, short_runs, tmp_path):
     ref_dir, run_dir = short_run(short_runs, "resume_reference"), tmp_path / "B"  # A ran in tests/short_runs.py
     assert [p.name for p in complete_checkpoints(ref_dir)] == ["global_step_3", "global_step_6"]
@@ -96,7 +98,7 @@ def test_killed_rank_resumes_and_reproduces(tiny_assets, sft_model, short_runs, 
 
     exported = check_export(ref_dir, tmp_path / "exported")
     resumed_export = tmp_path / "exported_resumed"
-    run([sys.executable, "export_hf.py", str(run_dir), "--out", str(resumed_export)])
+    assert export_hf.main([str(run_dir), "--out", str(resumed_export)]) == 0  # in this process; A's: the CLI
     final, initial = load_file(exported / "model.safetensors"), load_file(sft_model / "model.safetensors")
     resumed_final = load_file(resumed_export / "model.safetensors")
     assert all(torch.equal(final[k], resumed_final[k]) for k in final), "the resumed run ended with other weights"

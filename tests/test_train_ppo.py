@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 from short_runs import LEARN_STEPS, VERL_CASES
 
 import config
+import export_hf
 import ppo_core
 from mesh_utils import plan_device_map, validate
 from tracking import read_metrics
@@ -66,7 +67,7 @@ def weights_moved(model_dir: Path, run_dir: Path, lr: float, steps: int, weight_
     """How much more the exported final actor differs from the initial one than AdamW's weight decay
     alone would have moved it (relative norms; > 1 means the gradient did the moving)."""
     exported = run_dir / "exported"
-    run([sys.executable, "export_hf.py", str(run_dir), "--out", str(exported)])
+    assert export_hf.main([str(run_dir), "--out", str(exported)]) == 0  # the CLI: test_checkpoint.py's export
     initial, final = load_file(model_dir / "model.safetensors"), load_file(exported / "model.safetensors")
     change = math.sqrt(sum(((final[k] - initial[k]) ** 2).sum().item() for k in initial))
     norm = math.sqrt(sum((initial[k] ** 2).sum().item() for k in initial))
@@ -93,6 +94,7 @@ def gae_kl(short_runs) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.short_run("grpo_tp2")
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # export_hf's DCP load, in-process
 def test_grpo_tp2(grpo_tp2, sft_model):
     rows = step_rows(grpo_tp2)
     assert [r["step"] for r in rows] == [1, 2, 3]
