@@ -1232,8 +1232,23 @@ def dump_rollouts(run: Run, step: int, batch: Batch, reward_extras: list[dict[st
     records = sample_records(step, [run.train_prompts[i] for i in batch["prompt_index"].tolist()], outputs,
                              batch["token_level_scores"].sum(-1).tolist(), reward_extras)
     gap = None if old is None else batch["rollout_log_probs"] - old.sampling_log_probs  # (B, R)
-    add_token_fields(records, run.tokenizer, batch, gap)
+    add_token_fields(records, run.tokenizer, batch, gap, exact=correction_inputs(batch, old))
     write_samples(records, run.rollout_data_dir, step, run.dp_group)
+
+
+def correction_inputs(batch: Batch, old: PolicyForward | None) -> dict[str, torch.Tensor]:
+    """The per-token values the step's rollout correction read (each (B, R)), for the dumps, so that its IS
+    weights can be recomputed from them (docs/partial_rollout.md): the engine's log-probs, the old actor's under
+    the engine's top-k / top-p cut (decoupled mode), the weights applied, each token's weight version
+    (colocate_async)."""
+    fields = {"rollout_log_probs": batch["rollout_log_probs"]}
+    if old is not None:
+        fields["old_log_probs"] = old.sampling_log_probs
+    if "rollout_is_weights" in batch:
+        fields["rollout_is_weights"] = batch["rollout_is_weights"]
+    if "rollout_versions" in batch:
+        fields["versions"] = batch["rollout_versions"]
+    return fields
 
 
 def run_validation(run: Run, step: int) -> dict[str, float]:

@@ -165,9 +165,11 @@ CASES: dict[str, tuple[str, list[str]]] = {
                                            f"{V1}.colocate_async.num_warmup_batches=0",
                                            f"{V1}.sampler.max_off_policy_threshold=1",
                                            f"{V1}.sampler.max_off_policy_strategy=wait"]),
-    "async_w1": ("configs/tiny_cpu.yaml", ASYNC_W1),
+    # each step's samples dumped (trainer.rollout_data_dir) with what its IS weights are recomputed from
+    "async_w1": ("configs/tiny_cpu.yaml", [*ASYNC_W1, "trainer.rollout_data_dir={root}/async_w1_rollouts"]),
     "async_resume": ("configs/tiny_cpu.yaml", [*ASYNC_W1, "trainer.resume_mode=resume_path", "trainer.save_freq=-1",
-                                               "trainer.resume_from_path={root}/async_w1/global_step_2"]),
+                                               "trainer.resume_from_path={root}/async_w1/global_step_2",
+                                               "trainer.rollout_data_dir={root}/async_resume_rollouts"]),
     # --- tests/test_lora.py: the demo task with a rank-8 adapter on every linear layer, the KL loss to the
     # reference (the adapter disabled) and the KL in the reward (which logs the KL of the policy before each
     # update to the reference), LORA_STEPS steps; the engine samples from the merged weights, so it is shared
