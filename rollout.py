@@ -748,6 +748,15 @@ def drop_stale(trajs: Sequence[Trajectory], next_step: int, threshold: int) -> t
     return [t for g in kept for t in g], len(groups) - len(kept)
 
 
+def deal_groups(per_group: Sequence[Sequence[Trajectory]], dp_size: int) -> list[list[Trajectory]]:
+    """Carried samples saved by rollout dp groups of another number, dealt anew to `dp_size` groups: whole
+    groups (a prompt's n samples stay together, for its advantages), oldest first (dispatch step, then the
+    saved groups' order), in turn, so that the counts differ by one at most. The seeds key on what is sampled
+    (sample_seed), not on which engine samples it, so a sample goes on the same wherever it lands."""
+    groups = sorted((g for trajs in per_group for g in groups_of(trajs)), key=lambda g: g[0].dispatch_step)
+    return [[t for g in groups[dp::dp_size] for t in g] for dp in range(dp_size)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Splitting the batch: prompts over dp groups, samples over all ranks for training
 

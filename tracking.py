@@ -384,13 +384,18 @@ def sample_records(step: int, prompts: list[Any], outputs: list[str], scores: li
     return records
 
 
+def _float32(value: float) -> float:
+    return float(f"{value:.9g}")  # 9 significant digits: a float32 read back exactly
+
+
 def add_token_fields(records: list[dict[str, Any]], tokenizer: Any, batch: dict[str, torch.Tensor],
-                     logprob_gap: torch.Tensor | None) -> None:
+                     logprob_gap: torch.Tensor | None, exact: dict[str, torch.Tensor] | None = None) -> None:
     """This project's per-sample and per-token fields of a training batch's records (one per row):
     prompt_index, advantage (the mean over the loss mask), num_turns (multi-turn); per response token
     its id (tokens), text (pieces), loss mask (mask: 0 on tool or user replies and rejected tokens),
     advantage (token_advantages) and, given logprob_gap (B, R), the engine's log-prob minus the actor's
-    (null where the mask is 0)."""
+    (null where the mask is 0). exact: more per-token fields by name, (B, R) each, written for every
+    response token as they are (integers as integers, floats to float32's precision)."""
     width = batch["responses"].shape[1]
     real = batch["attention_mask"][:, -width:].bool()  # (B, R) every real response token
     mask, adv = batch["response_mask"].float(), batch["advantages"].float()  # (B, R) each
@@ -410,6 +415,9 @@ def add_token_fields(records: list[dict[str, Any]], tokenizer: Any, batch: dict[
         if logprob_gap is not None:
             gaps = logprob_gap[b][real[b]].tolist()
             record["logprob_gap"] = [_short(g) if m else None for g, m in zip(gaps, row_mask, strict=True)]
+        for name, values in (exact or {}).items():
+            row = values[b][real[b]].tolist()
+            record[name] = row if not values.is_floating_point() else [_float32(v) for v in row]
 
 
 def write_samples(records: list[dict[str, Any]], directory: Path, step: int, group: dist.ProcessGroup) -> Path:

@@ -1232,8 +1232,23 @@ def dump_rollouts(run: Run, step: int, batch: Batch, reward_extras: list[dict[st
     records = sample_records(step, [run.train_prompts[i] for i in batch["prompt_index"].tolist()], outputs,
                              batch["token_level_scores"].sum(-1).tolist(), reward_extras)
     gap = None if old is None else batch["rollout_log_probs"] - old.sampling_log_probs  # (B, R)
-    add_token_fields(records, run.tokenizer, batch, gap)
+    add_token_fields(records, run.tokenizer, batch, gap, exact=correction_inputs(batch, old))
     write_samples(records, run.rollout_data_dir, step, run.dp_group)
+
+
+def correction_inputs(batch: Batch, old: PolicyForward | None) -> dict[str, torch.Tensor]:
+    """The per-token values the step's rollout correction read (each (B, R)), for the dumps, so that its IS
+    weights can be recomputed from them (docs/partial_rollout.md): the engine's log-probs, the old actor's under
+    the engine's top-k / top-p cut (decoupled mode), the weights applied, each token's weight version
+    (colocate_async)."""
+    fields = {"rollout_log_probs": batch["rollout_log_probs"]}
+    if old is not None:
+        fields["old_log_probs"] = old.sampling_log_probs
+    if "rollout_is_weights" in batch:
+        fields["rollout_is_weights"] = batch["rollout_is_weights"]
+    if "rollout_versions" in batch:
+        fields["versions"] = batch["rollout_versions"]
+    return fields
 
 
 def run_validation(run: Run, step: int) -> dict[str, float]:
@@ -1326,18 +1341,19 @@ def in_flight_state(run: Run) -> dict[str, Any]:
 
 def load_in_flight(in_flight: InFlight | None, dp_rank: int, rollout_dp: int, saved: dict[str, Any] | None,
                    path: Path) -> None:
-    """A checkpoint's carried samples back into this rollout dp group's InFlight (in_flight_state's)."""
+    """A checkpoint's carried samples back into this rollout dp group's InFlight (in_flight_state's); saved at
+    another rollout dp size, they are dealt anew (rollout.deal_groups)."""
     if in_flight is None and saved is None:
         return
     if in_flight is None or saved is None:
         raise ConfigError(f"checkpoint {path} was written {'with' if saved else 'without'} trainer.v1.trainer_mode="
                           f"colocate_async and this run is {'not' if saved else ''} one: its carried samples "
                           f"would be {'lost' if saved else 'missing'}. Resume with the trainer_mode it was written with.")
-    if saved["rollout_dp"] != rollout_dp:
-        raise ConfigError(f"checkpoint {path} carries samples of {saved['rollout_dp']} rollout dp groups, this run has "
-                          f"{rollout_dp}: each group's stream is cut by its own engine, so they cannot be dealt anew. "
-                          f"Resume with world size / {rollout.TP_KEY} = {saved['rollout_dp']}.")
-    in_flight.trajectories = [rollout.Trajectory(**t) for t in saved["trajectories"][dp_rank]]
+    per_group = [[rollout.Trajectory(**t) for t in trajs] for trajs in saved["trajectories"]]
+    if saved["rollout_dp"] != rollout_dp:  # another layout: whole groups dealt anew (the run goes on, not the same)
+        print0(f"checkpoint {path}: the carried samples of {saved['rollout_dp']} rollout dp groups dealt to {rollout_dp}")
+        per_group = rollout.deal_groups(per_group, rollout_dp)
+    in_flight.trajectories = per_group[dp_rank]
     in_flight.queue = list(saved["queue"])
 
 

@@ -40,6 +40,11 @@ MUTATIONS = (
         "flight.trajectories, version=step - 1, stop=cut,",
         "flight.trajectories, version=step, stop=cut,"),),
         "tests/test_train_ppo_colocate_async.py::test_carried_tokens_stay_within_the_bound_and_fresh_ones_match_the_engine"),
+    Mutation("rollout correction over the fresh tokens only (the stale ones left out of the loss, unweighted)",
+             "train_ppo.py", ((
+                 'old.sampling_log_probs, batch["rollout_log_probs"], mask, correction, dp_group)',
+                 'old.sampling_log_probs, batch["rollout_log_probs"], fresh, correction, dp_group)'),),
+             "tests/test_train_ppo_colocate_async.py::test_is_weights_recomputed_from_the_dumps_equal_the_trainers"),
     Mutation("a carried sample's log-probs recomputed under the new weights instead of kept", "rollout.py", (
         ("stop_token_ids=list(sampling.stop_token_ids), logprobs=0, seed=seed,\n",
          "stop_token_ids=list(sampling.stop_token_ids), logprobs=0, seed=seed, prompt_logprobs=0,\n"),

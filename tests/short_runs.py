@@ -31,8 +31,14 @@ RC = "algorithm.rollout_correction"
 LEARN_STEPS = 80
 LORA_STEPS = 160
 LEARN_RM_STEPS = 60
+V1 = "trainer.v1"
+# the killed-rank resume (tests/test_checkpoint.py) in colocate_async with a batch of groups ahead (decoupled
+# PPO), so that the checkpoints carry unfinished samples: a killed process's resume must repeat them too (the
+# sync-mode resume: resume_smaller, tests/test_train_ppo.py::test_one_step_replays_in_process)
 RESUME = ["trainer.total_training_steps=6", "trainer.save_freq=3", "trainer.val_before_train=false",
-          "trainer.test_freq=6", "data.max_val_samples=32"]
+          "trainer.test_freq=6", "data.max_val_samples=32", f"{V1}.trainer_mode=colocate_async",
+          f"{V1}.colocate_async.num_warmup_batches=1", f"{V1}.sampler.max_off_policy_threshold=2",
+          f"{V1}.sampler.max_off_policy_strategy=wait", f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=2.0"]
 PACKING = ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
            "actor_rollout_ref.actor.entropy_coeff=0.01", "trainer.total_training_steps=3", "trainer.val_before_train=false",
            "trainer.test_freq=0", "actor_rollout_ref.actor.ppo_mini_batch_size=32"]
@@ -46,7 +52,6 @@ RC_DECOUPLED = [
     # a band of 0.1% around ratio 1: exactness rejects nothing, the full-vocabulary comparison half
     f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=0.999_1.001"]
 DISTILL_STEPS = 20
-V1 = "trainer.v1"
 # colocate_async with a batch of groups dispatched ahead, a bound of 2 versions, decoupled PPO (IS weights actor /
 # engine); 4 steps, saved at step 2 (async_resume resumes there)
 ASYNC_W1 = [*TINY, f"{V1}.trainer_mode=colocate_async", f"{V1}.colocate_async.num_warmup_batches=1",
@@ -165,9 +170,11 @@ CASES: dict[str, tuple[str, list[str]]] = {
                                            f"{V1}.colocate_async.num_warmup_batches=0",
                                            f"{V1}.sampler.max_off_policy_threshold=1",
                                            f"{V1}.sampler.max_off_policy_strategy=wait"]),
-    "async_w1": ("configs/tiny_cpu.yaml", ASYNC_W1),
+    # each step's samples dumped (trainer.rollout_data_dir) with what its IS weights are recomputed from
+    "async_w1": ("configs/tiny_cpu.yaml", [*ASYNC_W1, "trainer.rollout_data_dir={root}/async_w1_rollouts"]),
     "async_resume": ("configs/tiny_cpu.yaml", [*ASYNC_W1, "trainer.resume_mode=resume_path", "trainer.save_freq=-1",
-                                               "trainer.resume_from_path={root}/async_w1/global_step_2"]),
+                                               "trainer.resume_from_path={root}/async_w1/global_step_2",
+                                               "trainer.rollout_data_dir={root}/async_resume_rollouts"]),
     # --- tests/test_lora.py: the demo task with a rank-8 adapter on every linear layer, the KL loss to the
     # reference (the adapter disabled) and the KL in the reward (which logs the KL of the policy before each
     # update to the reference), LORA_STEPS steps; the engine samples from the merged weights, so it is shared

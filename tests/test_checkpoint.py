@@ -2,11 +2,13 @@
 which learns from step 1: a resume that lost the optimizer's moments or the weights shows in the
 metrics and the final weights.
 
-  A  world 2, 6 steps, checkpoints at 3 and 6: the uninterrupted reference
+  A  world 2, 6 steps, checkpoints at 3 and 6: the uninterrupted reference, in colocate_async with a batch
+     of prompt groups ahead (tests/short_runs.py's RESUME), so that every checkpoint carries unfinished samples
   B  the same run under `torchrun --max-restarts=1`, one rank SIGKILLed after step 4: torchrun
-     restarts the job, it resumes from step 3 on its own; once it has logged step 4 again, torchrun
-     gets SIGTERM (as SLURM stops a job): every rank saves at the end of step 5 and exits; the same
-     command again resumes from step 5. Steps 4-6 must equal A's, every metric and the final weights
+     restarts the job, it resumes from step 3 on its own (its carried samples with it); once it has logged
+     step 4 again, torchrun gets SIGTERM (as SLURM stops a job): every rank saves at the end of step 5 and
+     exits; the same command again resumes from step 5. Steps 4-6 must equal A's, every metric and the
+     final weights
   C  world 4 for 2 steps, then D resumes it at world 2 (DCP reshards) for a third step, validating
      first: the same greedy answers (tests/short_runs.py's rc_decoupled and resume_smaller)
   the export of A's final actor equals B's final weights bit for bit and differs from the initial
@@ -88,6 +90,9 @@ def test_killed_rank_resumes_and_reproduces(tiny_assets, sft_model, short_runs, 
     for step in (4, 5, 6):  # CPU float32, same layout, per-request sampling seeds: bit for bit
         assert compared(resumed[step]) == compared(ref[step]), step
     assert ref[5]["actor/grad_norm"] > 0 and ref[5]["critic/advantages/max"] > 0  # there was something to lose
+    # samples were carried over each checkpoint and trained at later steps (tokens of older weights)
+    assert all(ref[s]["rollout/carried_groups"] > 0 and ref[s]["training/off_policy/stale_token_fraction"] > 0
+               for s in (3, 4, 5))
     # only the newest checkpoint is kept, and only after it was complete
     assert [p.name for p in complete_checkpoints(run_dir)] == ["global_step_6"]
 

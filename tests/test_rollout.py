@@ -343,6 +343,19 @@ def test_selection_takes_the_oldest_complete_groups_and_keeps_their_order():
     assert [(t.dispatch_step, t.prompt_index) for t in rest] == [(3, 4)]
 
 
+def test_carried_groups_saved_at_another_dp_size_are_dealt_whole_and_oldest_first():
+    saved = [_trajs([(3, 7, [True, False]), (2, 9, [False, False])]),  # rollout dp group 0 of 2
+             _trajs([(2, 4, [True, True]), (3, 1, [False, True]), (3, 5, [True, False])])]  # group 1
+    one = rollout.deal_groups(saved, 1)
+    assert [(t.dispatch_step, t.prompt_index) for t in one[0][::2]] == [(2, 9), (2, 4), (3, 7), (3, 1), (3, 5)]
+    three = rollout.deal_groups(saved, 3)
+    assert [[(g[0].dispatch_step, g[0].prompt_index) for g in rollout.groups_of(d)] for d in three] == [
+        [(2, 9), (3, 1)], [(2, 4), (3, 5)], [(3, 7)]]  # in turn, oldest first: the counts differ by one at most
+    for dealt in (one, three):  # every sample once, each group whole, its samples in order
+        assert sorted(id(t) for d in dealt for t in d) == sorted(id(t) for g in saved for t in g)
+        assert all([t.sample_index for t in g] == [0, 1] for d in dealt for g in rollout.groups_of(d))
+
+
 def test_a_cut_samples_later_segments_with_other_seeds():
     first = rollout.sample_seed(0, 3, 5, 1)
     assert rollout.sample_seed(0, 3, 5, 1, segment=0) == first  # the first segment is generate's seed

@@ -6,17 +6,24 @@ real torchrun / gloo ranks, the real vLLM CPU engine, the warmed model (tests/sh
   async_w1: a batch of groups ahead, bound 2 versions, decoupled PPO, 2 rollout dp groups: the cut
       carries samples, some trained tokens come from the weights before the last update, none older;
       the sync check on the fresh tokens stays as tight as the sync run's, while the stale ones drift.
+      Its dumps (trainer.rollout_data_dir) hold each token's weight version, the engine's and the old actor's
+      log-probs and the IS weight applied: the weights recomputed from them are the trainer's.
   async_resume: async_w1 resumed from its step-2 checkpoint (the carried samples with it) repeats its
-      steps 3 and 4 exactly.
+      steps 3 and 4 exactly, metrics and dumped samples.
   async_tp2: one TP=2 engine, strategy drop, bypass mode: its ranks cut alike (the trainer compares their
       carried samples after each cut and raises otherwise).
 """
+import json
+from pathlib import Path
+
 import pytest
+import torch
 from conftest import short_run
 from test_checkpoint import compared
 from test_train_ppo import assert_common, step_rows
 
 OFF = "training/off_policy/"
+RC = "rollout_corr/rollout_is"
 
 
 @pytest.mark.short_run("async_sync_reference", "async_w0")
@@ -48,6 +55,46 @@ def test_carried_tokens_stay_within_the_bound_and_fresh_ones_match_the_engine(sh
     assert max(r["rollout/stale_logprob_diff_max"] for r in later) > 1e-3
 
 
+def dumped(out: Path, name: str, step: int) -> list[dict]:
+    """A step's samples as trainer.rollout_data_dir (<root>/<name>_rollouts, tests/short_runs.py) holds them."""
+    path = out.parent / f"{name}_rollouts" / f"{step}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.short_run("async_w1")
+def test_is_weights_recomputed_from_the_dumps_equal_the_trainers(short_runs):
+    """Decoupled rollout correction, token level, rollout_is_threshold=2 (TIS): w = min(pi_old / pi_engine, 2) on
+    every trained token, recomputed here in float64 from the dumped log-probs and compared with the weights the
+    trainer applied (dumped beside them) and with its rollout_corr/* metrics of the whole step batch. The fresh
+    tokens (version step - 1) have weights of 1 (the sync check); the stale ones do not, so the dumped versions
+    tell the two apart."""
+    out, stale_deviation = short_run(short_runs, "async_w1"), []
+    for m in step_rows(out):
+        step = m["step"]
+        records = dumped(out, "async_w1", step)
+        assert len(records) == 32 and {r["step"] for r in records} == {step}
+        # every response token is trained (no tool replies, no rejection): the stale ones too, weighted
+        assert all(set(r["mask"]) == {1} for r in records)
+        old, engine, applied, versions = (torch.tensor([x for r in records for x in r[key]], dtype=torch.float64)
+                                          for key in ("old_log_probs", "rollout_log_probs", "rollout_is_weights",
+                                                      "versions"))
+        assert len(old) == sum(len(r["tokens"]) for r in records) == pytest.approx(m["response_length/mean"] * 32)
+        weights = (old - engine).exp().clamp(max=2.0)
+        assert torch.allclose(weights, applied, rtol=1e-5, atol=0), (step, (weights - applied).abs().max())
+        assert m[f"{RC}_mean"] == pytest.approx(weights.mean().item(), rel=1e-5)
+        assert m[f"{RC}_max"] == pytest.approx(weights.max().item(), rel=1e-5)
+        assert m[f"{RC}_min"] == pytest.approx(weights.min().item(), rel=1e-5)
+        assert m[f"{RC}_std"] == pytest.approx(weights.std(correction=0).item(), rel=1e-3, abs=1e-3)  # float32 E[w^2] - E[w]^2
+        fresh = versions == step - 1
+        assert ((versions >= step - 2) & (versions <= step - 1)).all()  # bound 2: this step's weights or the last
+        assert (weights[fresh] - 1).abs().max() < 1e-4, step
+        assert fresh.double().mean().item() == pytest.approx(1 - m[f"{OFF}stale_token_fraction"], abs=1e-9)
+        stale_deviation.append((weights[~fresh] - 1).abs().max().item() if (~fresh).any() else 0.0)
+    # carried tokens, sampled before the last update: weighted by how far the actor moved since (on some steps
+    # only a few confident tokens are stale, and they hardly move)
+    assert stale_deviation[0] == 0 and max(stale_deviation) > 1e-3, stale_deviation
+
+
 @pytest.mark.short_run("async_w1", "async_resume")
 def test_resume_with_carried_samples_repeats_the_run(short_runs):
     reference = {r["step"]: r for r in step_rows(short_run(short_runs, "async_w1"))}
@@ -55,6 +102,9 @@ def test_resume_with_carried_samples_repeats_the_run(short_runs):
     assert [r["step"] for r in resumed] == [3, 4]
     for r in resumed:
         assert compared(r) == compared(reference[r["step"]]), r["step"]
+        # the same samples, tokens, versions and log-probs (carried ones included)
+        assert dumped(short_run(short_runs, "async_resume"), "async_resume", r["step"]) == \
+            dumped(short_run(short_runs, "async_w1"), "async_w1", r["step"])
 
 
 @pytest.mark.slow  # the TP=2 launch runs in the full suite only
@@ -66,3 +116,4 @@ def test_tp_ranks_cut_alike_and_drop_keeps_the_bound(short_runs):
         assert r[f"{OFF}trajectory_staleness_worst/max"] <= 1 and r[f"{OFF}trajectory_spans/max"] <= 2
         assert r["actor/on_policy_shortcut"] == 0
     assert all(r["rollout/carried_groups"] > 0 for r in rows) and rows[-1][f"{OFF}stale_token_fraction"] > 0
+
