@@ -38,7 +38,7 @@ import ulysses
 from attention import register_packed_attention
 from collectives import all_gather_single
 from config import ConfigError
-from moe import RouterReplay, mlp_widths, routes_from_rows, routes_to_rows
+from moe import RouterReplay, check_cpu_engine_expert_width, mlp_widths, routes_from_rows, routes_to_rows
 
 logger = logging.getLogger(__name__)
 
@@ -937,7 +937,8 @@ def read_model_config(path: str, key: str, trust_remote_code: bool) -> Any:
 
 def check_model(path: str, needed_length: int, trust_remote_code: bool, device_type: str, infer_tp: int = 1) -> None:
     """Before anything loads: the model's config can be read, prompt + response fit its context, vLLM can
-    split it over infer_tp ranks, and (on the CPU) vLLM's CPU engine can run its attention. Each failure
+    split it over infer_tp ranks, and (on the CPU) vLLM's CPU engine can run its attention and sync its
+    experts. Each failure
     is one ConfigError line."""
     config = read_model_config(path, "actor_rollout_ref.model.path", trust_remote_code)
     limit = getattr(config, "max_position_embeddings", None)
@@ -949,6 +950,8 @@ def check_model(path: str, needed_length: int, trust_remote_code: bool, device_t
     heads = getattr(config, "num_attention_heads", None)
     if heads is not None:
         check_tensor_parallel(config, infer_tp, path)
+    if device_type == "cpu":
+        check_cpu_engine_expert_width(config, infer_tp, path)
     head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
     if device_type == "cpu" and head_dim is not None and head_dim not in CPU_ENGINE_HEAD_SIZES:
         raise ConfigError(

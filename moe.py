@@ -42,13 +42,38 @@ def mlp_widths(config: Any) -> dict[str, int]:
     return widths
 
 
+def expert_width(config: Any) -> int | None:
+    """Each routed expert's MLP width (moe_intermediate_size; Mixtral's intermediate_size); None if dense."""
+    if not is_moe(config):
+        return None
+    return getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+
+
+# vLLM's CPU engine pads an expert width per TP rank up to a multiple of this when it loads the model; its
+# reload (the weight sync) then fails on the padded tensors (docs/moe.md)
+CPU_ENGINE_EXPERT_ALIGN = 32
+
+
+def check_cpu_engine_expert_width(config: Any, tp: int, path: str) -> None:
+    """Refuse, before anything loads, a MoE whose expert width per TP rank vLLM's CPU engine would pad."""
+    width = expert_width(config)
+    if width is None or (width % tp == 0 and (width // tp) % CPU_ENGINE_EXPERT_ALIGN == 0):
+        return
+    valid = [t for t in range(1, 65) if width % t == 0 and (width // t) % CPU_ENGINE_EXPERT_ALIGN == 0]
+    raise ConfigError(
+        f"actor_rollout_ref.model.path={path!r} has experts {width} wide, {width / tp:g} per rank at "
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: vLLM's CPU engine pads an expert width per "
+        f"rank that is not a multiple of {CPU_ENGINE_EXPERT_ALIGN} when it loads the model, and its weight sync "
+        f"(reload_weights) then fails on the padded tensors. Use a TP where it is (valid here: "
+        f"{', '.join(map(str, valid)) or 'none'}), a model whose expert width is, or a GPU.")
+
+
 def active_mlp_width(config: Any) -> int:
     """The MLP width one token runs through in a layer: a dense model's intermediate_size; a MoE's top_k x
     the expert width, plus its shared expert's (what its activations scale with, not the dense width)."""
     if not is_moe(config):
         return config.intermediate_size
-    expert = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-    return config.num_experts_per_tok * expert + (getattr(config, "shared_expert_intermediate_size", 0) or 0)
+    return config.num_experts_per_tok * expert_width(config) + (getattr(config, "shared_expert_intermediate_size", 0) or 0)
 
 
 def engine_names(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]
