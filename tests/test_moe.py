@@ -74,7 +74,7 @@ def test_moe_grpo_at_tp2_keeps_the_sync_with_router_replay(short_runs):
     rows = [r for r in read_metrics(short_run(short_runs, "moe_tp2") / "metrics.jsonl") if r["step"] > 0]
     assert len(rows) == 3
     for row in rows:
-        assert row["rollout/logprob_diff_max"] < PARITY, row
+        assert row["rollout/logprob_diff_max"] < 1e-4, row  # the dense runs' bound; without the repack 0.1 to 0.9
         assert row["actor/moe_load_balance"] > 1.0 and row["actor/ppo_kl"] != 0  # the update moved the weights
 
 
