@@ -267,10 +267,10 @@ def test_replay_holds_through_activation_checkpointing(moe_assets):
 
 def test_the_update_replays_the_old_forwards_routes(moe_assets):
     """train_ppo's R2 path on a (1-rank FSDP) Qwen3-MoE with activation checkpointing: old_policy_forward's
-    recording (padded, micro batches of 2) replayed by update_actor over 2 epochs of 2 shuffled mini batches
-    (packed, one row per micro batch). With the weights unchanged (lr 0) every update forward's log-probs are
-    the old ones (ppo_kl 0 up to float noise); after the routers moved, every forward and recomputation hands
-    the experts the routes the old forward chose."""
+    recording replayed by update_actor over 2 epochs of 2 shuffled mini batches (packed, one row per micro
+    batch). With the weights unchanged (lr 0) and the old forward in the update's cut, every update forward's
+    log-probs are the old ones exactly (ppo_kl 0). After the routers moved, every forward and recomputation
+    hands the experts the routes an old forward in another layout (padded, micro batches of 2) chose."""
     import dataclasses
 
     from conftest import one_rank_process_group
@@ -291,14 +291,20 @@ def test_the_update_replays_the_old_forwards_routes(moe_assets):
         actor = models.load_causal_lm(str(moe_assets["qwen3_moe"]), mesh, device=torch.device("cpu"),
                                       param_dtype=torch.float32, reduce_dtype=torch.float32,
                                       activation_checkpointing=True)
-        plan = types.SimpleNamespace(old_log_prob=types.SimpleNamespace(micro_batch_size=2, max_token_len=None,
-                                                                        use_remove_padding=False))
-        run = types.SimpleNamespace(cfg=cfg, actor=actor, plan=plan, actor_loss=loss, sp_group=None)
-        old = train_ppo.old_policy_forward(run, batch)
+        def old_forward(micro_batch_size: int, packed: bool) -> train_ppo.PolicyForward:
+            plan = types.SimpleNamespace(old_log_prob=types.SimpleNamespace(
+                micro_batch_size=micro_batch_size, max_token_len=None, use_remove_padding=packed))
+            run = types.SimpleNamespace(cfg=cfg, actor=actor, plan=plan, actor_loss=loss, sp_group=None)
+            return train_ppo.old_policy_forward(run, batch)
+
+        old = old_forward(1, True)  # the update's own cut
         rows = dict(batch, old_log_probs=old.old_log_probs, routed_experts=old.routed_experts)
         metrics, _ = train_ppo.update_actor(actor, torch.optim.SGD(actor.parameters(), lr=0.0), rows, loss, spec,
                                             torch.Generator().manual_seed(0))
-        assert abs(metrics["actor/ppo_kl"]) < 1e-6 and metrics["actor/pg_clipfrac"] == 0
+        assert metrics["actor/ppo_kl"] == 0 and metrics["actor/pg_clipfrac"] == 0, metrics  # on-policy, exactly
+
+        old = old_forward(2, False)  # another layout and cut: padded, micro batches of 2
+        rows = dict(batch, old_log_probs=old.old_log_probs, routed_experts=old.routed_experts)
 
         _move_routers(actor, 4)
         seen, handles = _experts_used(actor)
