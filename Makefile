@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: setup setup-gpu demo demo-tools test test-slurm lint plan clean chromium traces learning-caps
+.PHONY: setup setup-gpu demo demo-tools demo-moe test test-slurm lint plan clean chromium traces learning-caps
 
 # Idempotent: reinstalls only when requirements-cpu.txt changes (seconds when done).
 $(STAMP): requirements-cpu.txt
@@ -56,6 +56,14 @@ demo-tools: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train_ppo.py --config configs/tiny_cpu_tools.yaml $(ARGS) && \
 	$(PY) tracking.py outputs/tiny_cpu_tools/metrics.jsonl val/score tools/call_frequency num_turns/mean \
 		critic/score/mean --wall-s $$(( $$(date +%s) - start )) --out outputs/tiny_cpu_tools/demo_result.json
+
+# A mixture-of-experts model learns: the tiny Qwen3-MoE (make_assets.py --moe) warmed as the demo's model,
+# then GRPO on the demo task, 2 ranks, router replay R2, at rollout TP 1 and TP 2 (bench/bench_moe.py).
+# The numbers (the score's rise in standard errors of its noise, the sync check, s/step) go to
+# outputs/bench/moe/result.json; docs/moe.md quotes a run. MOE_STEPS=60 each.
+MOE_STEPS ?= 60
+demo-moe: setup
+	$(PY) bench/bench_moe.py --assets assets --steps $(MOE_STEPS) $(ARGS)
 
 # The whole plan of a config, with no GPU: device map, batch flow, memory per rank and phase
 # (CONFIG=configs/X.yaml, ARGS="key=value ... --gpu-memory-gb 40").

@@ -123,7 +123,7 @@ SCHEMA: dict[str, Any] = {
         },
         "actor": {
             "strategy": (str, "fsdp2"),
-            "router_replay": {"mode": (str, "disabled")},  # MoE: disabled | R2 | R3 (only disabled runs: moe.md)
+            "router_replay": {"mode": (str, "disabled")},  # MoE: disabled | R2 | R3 (R3 refused: docs/moe.md)
             "ppo_mini_batch_size": (int, 256),  # in prompts, as in verl; x rollout.n / dp per rank
             "ppo_micro_batch_size_per_gpu": (_INT_OR_NONE, None),  # null: the whole mini batch
             # micro batches cut by token count (at most ppo_max_token_len_per_gpu valid tokens each)
@@ -1372,17 +1372,28 @@ def sampling_truncates(rollout: Config) -> bool:
 
 
 def check_router_replay(cfg: Config) -> None:
-    """verl's router replay keys for MoE models: accepted at their defaults only (docs/moe.md)."""
+    """verl's router replay keys for MoE models (docs/moe.md): R2 (routes recorded in the old-log-prob forward,
+    replayed in the update's); R3 and the engine's routes are refused: the CPU engine cannot return them."""
     mode = cfg.actor_rollout_ref.actor.router_replay.mode
-    if cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay:
+    if cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay or mode == "R3":
+        key = ("actor_rollout_ref.rollout.enable_rollout_routing_replay=true" if mode != "R3"
+               else "actor_rollout_ref.actor.router_replay.mode=R3")
         raise ConfigError(
-            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true is not supported: vLLM 0.32 returns "
-            "routed experts only from its GPU model runner V2 (never on the CPU engine), and the trainer does not "
-            "replay routes yet. Set it to false.")
-    if mode != "disabled":
-        raise ConfigError(
-            f"actor_rollout_ref.actor.router_replay.mode={mode} is not supported yet: the trainer's forwards do "
-            "not record or replay routes (moe.RouterReplay exists, unwired). Set it to disabled.")
+            f"{key} is not supported: R3 replays the routes the rollout engine chose, and vLLM 0.32 returns routed "
+            "experts only from its GPU model runner V2 (never on the CPU engine); this trainer does not read them "
+            "from the engine. Use actor_rollout_ref.actor.router_replay.mode=R2 (routes recorded in the "
+            "old-log-prob forward, replayed in the update) with enable_rollout_routing_replay=false.")
+    if mode != "R2":
+        return
+    sp = cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size
+    if sp > 1:
+        raise ConfigError(f"actor_rollout_ref.actor.router_replay.mode=R2 with actor.ulysses_sequence_parallel_size="
+                          f"{sp} is not supported: routes are mapped to rows in whole sequences, not Ulysses slices. "
+                          "Set ulysses_sequence_parallel_size=1 or router_replay.mode=disabled.")
+    if cfg.algorithm.rollout_correction.bypass_mode:
+        raise ConfigError(f"actor_rollout_ref.actor.router_replay.mode=R2 with {_RC}.bypass_mode=true: R2 records "
+                          "the routes in the old-log-prob forward, which bypass mode skips. Set bypass_mode=false, "
+                          "or router_replay.mode=disabled.")
 
 
 def check_rollout_correction(cfg: Config) -> None:

@@ -38,7 +38,7 @@ import ulysses
 from attention import register_packed_attention
 from collectives import all_gather_single
 from config import ConfigError
-from moe import mlp_widths
+from moe import RouterReplay, check_cpu_engine_expert_width, mlp_widths, routes_from_rows, routes_to_rows
 
 logger = logging.getLogger(__name__)
 
@@ -466,12 +466,30 @@ def _trim(inputs: Mapping[str, torch.Tensor], response_len: int) -> tuple[dict[s
     are left-padded to P) and right of its longest response (R). The forward then runs over the micro
     batch's longest sample rather than P+R; position ids are explicit and padding is masked, so every
     real token's output is the same. Returns the inputs and the response columns kept, r <= R."""
-    columns = inputs["attention_mask"].bool().any(0).tolist()  # (P+R,) one host sync
+    first, end = _trimmed_columns(inputs["attention_mask"], response_len)
+    prompt_len = inputs["attention_mask"].shape[1] - response_len
+    return {key: value[:, first:end] for key, value in inputs.items()}, end - prompt_len
+
+
+def _trimmed_columns(attention_mask: torch.Tensor, response_len: int) -> tuple[int, int]:
+    """(first, end): the columns _trim keeps, from the micro batch's longest prompt to its longest response."""
+    columns = attention_mask.bool().any(0).tolist()  # (P+R,) one host sync
     prompt_len = len(columns) - response_len
     first = next((i for i, c in enumerate(columns[:prompt_len]) if c), prompt_len - 1)
     kept = max((j + 1 for j, c in enumerate(columns[prompt_len:]) if c), default=1)
     first = min(first, prompt_len - 1)  # the last prompt column predicts the first response token
-    return {key: value[:, first:prompt_len + kept] for key, value in inputs.items()}, kept
+    return first, prompt_len + kept
+
+
+def _forward_positions(attention_mask: torch.Tensor, response_len: int, packed: bool) -> torch.Tensor:
+    """(b, P+R) bool: the positions of a micro batch its forward runs, in the forward's row-major order:
+    the real tokens packed (_pack); the trimmed columns padded (_trim), padding inside them included."""
+    if packed:
+        return attention_mask.bool()
+    first, end = _trimmed_columns(attention_mask, response_len)
+    ran = torch.zeros_like(attention_mask, dtype=torch.bool)
+    ran[:, first:end] = True
+    return ran
 
 
 def _unpack(values: torch.Tensor, response_valid: torch.Tensor) -> torch.Tensor:
@@ -492,6 +510,7 @@ class ForwardOut:
     topk_ids: torch.Tensor | None = None  # (B, R, k) topk: their token ids
     gathered: torch.Tensor | None = None  # (B, R, k) topk_ids: the log-probs at those ids
     sum_pi_squared: torch.Tensor | None = None  # (B, R) calc_sum_pi_squared: sum_v pi(v)^2
+    routed_experts: torch.Tensor | None = None  # (B, P+R, layers, k) int16 a recording router_replay's routes
 
 
 @dataclass(frozen=True)
@@ -582,6 +601,8 @@ def compute_log_probs(
     calc_sum_pi_squared: bool = False,
     topk: tuple[int, int | None] | None = None,
     topk_ids: torch.Tensor | None = None,
+    router_replay: RouterReplay | None = None,
+    routed_experts: torch.Tensor | None = None,
 ) -> ForwardOut:
     """Log-probs (B, R) of the response tokens under logits / temperature, and what else is asked for,
     from the same forward (ForwardOut): their entropies; with truncation=(top_k, top_p) the log-probs
@@ -606,15 +627,29 @@ def compute_log_probs(
     With sp_group (Ulysses; packed only, and every rank of the group must hold the same batch), each rank
     runs 1/sp of every packed row (ulysses.py) and gets every sample's result back: then all positions
     of its slice go through the LM head, not only the response's.
+
+    A MoE's routes (actor.router_replay, R2): with router_replay (moe.RouterReplay, its hooks on `model`) in
+    "record", ForwardOut.routed_experts holds each row's experts (B, P+R, layers, k), -1 where no forward
+    ran the position; in "replay", routed_experts (B, P+R, layers, k), recorded so in any layout or cut,
+    are forced on the same rows' tokens (moe.routes_from_rows), whatever this call's layout and cut.
     """
     response_len = _response_len(batch)
     _check_sp_packed(sp_group, use_remove_padding)
     if sp_group is not None and (topk is not None or topk_ids is not None):
         raise NotImplementedError("compute_log_probs: top-k log-probs under Ulysses (config refuses forward_kl_topk "
                                   "with ulysses_sequence_parallel_size > 1)")
+    if router_replay is not None and sp_group is not None:
+        raise NotImplementedError("compute_log_probs: router replay under Ulysses (config refuses router_replay.mode "
+                                  "R2 with ulysses_sequence_parallel_size > 1)")
+    if router_replay is not None and (router_replay.mode == "replay") != (routed_experts is not None):
+        raise ValueError("compute_log_probs: routed_experts go with a replaying router_replay, and only with it")
     pieces: dict[str, list[torch.Tensor]] = {}
     row_groups = []
     for rows, inputs in _micro_batches(batch, micro_batch_size, max_token_len):
+        ran = None if router_replay is None else _forward_positions(inputs["attention_mask"], response_len,
+                                                                    use_remove_padding)  # (b, P+R)
+        if routed_experts is not None:  # the recorded experts of this forward's tokens, in its order
+            router_replay.force(routes_from_rows(routed_experts[rows], ran))
         if sp_group is not None:
             layout = _sequence_parallel_layout(model, inputs, response_len, temperature, sp_group)
         elif use_remove_padding:
@@ -623,6 +658,8 @@ def compute_log_probs(
             layout = _padded_layout(model, inputs, response_len, temperature)
         heads = _heads(layout, calc_entropy, truncation, topk, None if topk_ids is None else topk_ids[rows],
                        calc_sum_pi_squared)
+        if router_replay is not None and router_replay.mode == "record":
+            heads["routed_experts"] = routes_to_rows(router_replay.routes, ran)
         for name, value in heads.items():
             pieces.setdefault(name, []).append(value)
         layout = None  # released now: held, the logits would sit beside the next micro batch's whole forward
@@ -900,7 +937,8 @@ def read_model_config(path: str, key: str, trust_remote_code: bool) -> Any:
 
 def check_model(path: str, needed_length: int, trust_remote_code: bool, device_type: str, infer_tp: int = 1) -> None:
     """Before anything loads: the model's config can be read, prompt + response fit its context, vLLM can
-    split it over infer_tp ranks, and (on the CPU) vLLM's CPU engine can run its attention. Each failure
+    split it over infer_tp ranks, and (on the CPU) vLLM's CPU engine can run its attention and sync its
+    experts. Each failure
     is one ConfigError line."""
     config = read_model_config(path, "actor_rollout_ref.model.path", trust_remote_code)
     limit = getattr(config, "max_position_embeddings", None)
@@ -912,6 +950,8 @@ def check_model(path: str, needed_length: int, trust_remote_code: bool, device_t
     heads = getattr(config, "num_attention_heads", None)
     if heads is not None:
         check_tensor_parallel(config, infer_tp, path)
+    if device_type == "cpu":
+        check_cpu_engine_expert_width(config, infer_tp, path)
     head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
     if device_type == "cpu" and head_dim is not None and head_dim not in CPU_ENGINE_HEAD_SIZES:
         raise ConfigError(

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from config import ConfigError
+
 
 def is_moe(config: Any) -> bool:
     """Does this transformers config describe a mixture-of-experts model (routed experts per layer)?"""
@@ -40,13 +42,38 @@ def mlp_widths(config: Any) -> dict[str, int]:
     return widths
 
 
+def expert_width(config: Any) -> int | None:
+    """Each routed expert's MLP width (moe_intermediate_size; Mixtral's intermediate_size); None if dense."""
+    if not is_moe(config):
+        return None
+    return getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+
+
+# vLLM's CPU engine pads an expert width per TP rank up to a multiple of this when it loads the model; its
+# reload (the weight sync) then fails on the padded tensors (docs/moe.md)
+CPU_ENGINE_EXPERT_ALIGN = 32
+
+
+def check_cpu_engine_expert_width(config: Any, tp: int, path: str) -> None:
+    """Refuse, before anything loads, a MoE whose expert width per TP rank vLLM's CPU engine would pad."""
+    width = expert_width(config)
+    if width is None or (width % tp == 0 and (width // tp) % CPU_ENGINE_EXPERT_ALIGN == 0):
+        return
+    valid = [t for t in range(1, 65) if width % t == 0 and (width // t) % CPU_ENGINE_EXPERT_ALIGN == 0]
+    raise ConfigError(
+        f"actor_rollout_ref.model.path={path!r} has experts {width} wide, {width / tp:g} per rank at "
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: vLLM's CPU engine pads an expert width per "
+        f"rank that is not a multiple of {CPU_ENGINE_EXPERT_ALIGN} when it loads the model, and its weight sync "
+        f"(reload_weights) then fails on the padded tensors. Use a TP where it is (valid here: "
+        f"{', '.join(map(str, valid)) or 'none'}), a model whose expert width is, or a GPU.")
+
+
 def active_mlp_width(config: Any) -> int:
     """The MLP width one token runs through in a layer: a dense model's intermediate_size; a MoE's top_k x
     the expert width, plus its shared expert's (what its activations scale with, not the dense width)."""
     if not is_moe(config):
         return config.intermediate_size
-    expert = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-    return config.num_experts_per_tok * expert + (getattr(config, "shared_expert_intermediate_size", 0) or 0)
+    return config.num_experts_per_tok * expert_width(config) + (getattr(config, "shared_expert_intermediate_size", 0) or 0)
 
 
 def engine_names(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]
@@ -92,27 +119,36 @@ def _replayed(router: nn.Module, logits: torch.Tensor, weights: torch.Tensor, ex
 class RouterReplay:
     """Records the experts each router chose, or forces recorded ones, in the forwards run inside it.
 
-        with RouterReplay(model, "record") as rec:   # the old-log-prob forward (R2), or the engine's (R3)
+        with RouterReplay(model, "record") as rec:   # the old-log-prob forward (R2)
             model(**inputs)
         routes = rec.routes                          # (layers, N, k) int64, N = tokens of the forward
         with RouterReplay(model, "replay", routes):  # the update's forward: the same experts
             loss = ...; loss.backward()              # the router still gets gradients
 
     Routes are in the order the routers see tokens: the forward's flattened (batch x sequence) layout.
-    Each router must be called once per forward; the forward's tokens must be the recorded ones.
+    Each router must be called once per forward; the forward's tokens must be the recorded ones. A replay
+    may change its routes between forwards (`force`); an expert id < 0 leaves that token's route to the
+    router. The hooks stay while the block lasts: a backward that recomputes the forward (activation
+    checkpointing) inside it replays the same routes.
     """
 
     def __init__(self, model: nn.Module, mode: str, routes: torch.Tensor | None = None) -> None:
         if mode not in ("record", "replay"):
             raise ValueError(f"RouterReplay mode {mode!r}: use 'record' or 'replay'")
-        if (mode == "replay") != (routes is not None):
+        if mode == "record" and routes is not None:
             raise ValueError("RouterReplay: routes are given to 'replay', and only to it")
         self.routers = routers(model)
-        if routes is not None and routes.shape[0] != len(self.routers):
-            raise ValueError(f"routes for {routes.shape[0]} MoE layers; the model has {len(self.routers)}")
-        self.mode, self.given = mode, routes
+        self.mode, self.given = mode, None
+        if routes is not None:
+            self.force(routes)
         self.recorded: list[torch.Tensor | None] = [None] * len(self.routers)
         self.handles: list = []
+
+    def force(self, routes: torch.Tensor) -> None:
+        """The routes (layers, N, k) the next forwards replay."""
+        if routes.shape[0] != len(self.routers):
+            raise ValueError(f"routes for {routes.shape[0]} MoE layers; the model has {len(self.routers)}")
+        self.given = routes
 
     def _hook(self, layer: int):
         def hook(router: nn.Module, args: tuple, output: tuple) -> tuple:
@@ -120,10 +156,13 @@ class RouterReplay:
             if self.mode == "record":
                 self.recorded[layer] = experts.detach().clone()
                 return output
+            if self.given is None:
+                raise RuntimeError("RouterReplay('replay'): a forward ran before any routes were given (force)")
             forced = self.given[layer].to(experts.device)
             if forced.shape != experts.shape:
                 raise ValueError(f"router of MoE layer {layer}: recorded routes {tuple(forced.shape)} for a forward "
                                  f"of {tuple(experts.shape)} (tokens x top_k); replay needs the recorded tokens")
+            forced = torch.where(forced < 0, experts, forced.to(experts.dtype))  # unrecorded tokens route freely
             return _replayed(router, logits, weights, forced)
         return hook
 
@@ -138,10 +177,35 @@ class RouterReplay:
 
     @property
     def routes(self) -> torch.Tensor:
-        """(layers, N, k): the recorded experts of each MoE layer."""
+        """(layers, N, k): the recorded experts of each MoE layer, in the last forward."""
         if any(r is None for r in self.recorded):
             raise RuntimeError("RouterReplay.routes: not every router ran inside the 'record' block")
         return torch.stack(self.recorded)
+
+
+# Routes per row (verl's batch key `routed_experts`): (B, P+R, layers, top_k), the experts of every token
+# of every sample, whatever layout (padded, packed, micro batch) the forward that chose them ran in.
+# int16 (expert ids up to 32767), -1 where the forward did not run the position (padding).
+
+
+def routes_to_rows(routes: torch.Tensor, ran: torch.Tensor) -> torch.Tensor:
+    """A forward's recorded routes (layers, N, k) -> (b, T, layers, k) rows, -1 where it ran no token.
+    ran: (b, T) bool, the positions the forward ran, N of them, in its (row-major) order."""
+    rows = torch.full((*ran.shape, *routes.shape[::2]), -1, dtype=torch.int16, device=routes.device)
+    rows[ran.to(routes.device)] = routes.transpose(0, 1).to(torch.int16)  # (N, layers, k)
+    return rows
+
+
+def routes_from_rows(rows: torch.Tensor, ran: torch.Tensor) -> torch.Tensor:
+    """(b, T, layers, k) rows -> the routes (layers, N, k) of a forward over the positions `ran` (b, T)."""
+    return rows[ran.to(rows.device)].transpose(0, 1).long()  # (layers, N, k)
+
+
+def check_router_replay(model: nn.Module, mode: str) -> None:
+    """actor.router_replay.mode R2 needs routers to record and replay."""
+    if mode != "disabled" and not routers(model):
+        raise ConfigError(f"actor_rollout_ref.actor.router_replay.mode={mode}: {type(model).__name__} has no MoE "
+                          "router to record or replay. Set it to disabled (routes exist only in MoE models).")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ rank, P = max_prompt_length, R = max_response_length):
     input_ids, attention_mask, position_ids (B, P+R); prompt_index (B,)      <- step 2, generate
     token_level_scores (B, R); reward_baselines (B,) for ReMax               <- step 3, reward
     old_log_probs, ref_log_probs, values (B, R)                              <- step 4
+    routed_experts (B, P+R, layers, top_k): a MoE's routes, router_replay R2 <- step 4, old log-probs
     teacher_log_probs (B, R), or teacher_topk_log_probs / _ids (B, R, k)     <- step 4, distillation
     token_level_rewards, advantages, returns (B, R)                          <- step 5
     rollout_is_weights (B, R); response_mask less rejected tokens            <- step 5b (rollout correction)
@@ -122,7 +123,7 @@ from models import (
     set_optimizer_config,
     token_budget_micro_batches,
 )
-from moe import RouterLogits, engine_names, load_balancing_loss
+from moe import RouterLogits, RouterReplay, check_router_replay, engine_names, load_balancing_loss
 from offload import LOADED, PHASES, OffloadFlags, plan_moves
 from reward_model import RewardModel
 from rewards import (
@@ -331,6 +332,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         batch["old_log_probs"] = old.old_log_probs
         if old.sum_pi_squared is not None:  # the optimal token baseline's input
             batch["sum_pi_squared"] = old.sum_pi_squared
+        if old.routed_experts is not None:  # router_replay R2: the update's forwards take these experts
+            batch["routed_experts"] = old.routed_experts
     if run.ref is not None:
         spec = plan.ref_log_prob
         with timed(metrics, "ref"), torch.no_grad(), run.reference_mode():
@@ -760,20 +763,24 @@ class PolicyForward:
     entropy: torch.Tensor
     sampling_log_probs: torch.Tensor  # under the engine's top-k / top-p cut (old_log_probs without one)
     sum_pi_squared: torch.Tensor | None = None  # sum_v pi(v)^2 per token, with actor.calculate_sum_pi_squared
+    routed_experts: torch.Tensor | None = None  # (B, P+R, layers, k) the experts chosen, with router_replay R2
 
 
 def old_policy_forward(run: Run, batch: Batch) -> PolicyForward:
     """The separate no-grad forward of the actor that sampled the batch: old log-probs, entropy, and the
-    log-probs under the engine's top-k / top-p cut (for the comparisons with the engine's)."""
+    log-probs under the engine's top-k / top-p cut (for the comparisons with the engine's). With
+    actor.router_replay.mode=R2 it records a MoE's routes per row, for the update's forwards to replay."""
     spec, truncation = run.plan.old_log_prob, run.actor_loss.truncation
+    actor_cfg = run.cfg.actor_rollout_ref.actor
     run.actor.eval()
-    with torch.no_grad():
+    record = RouterReplay(run.actor, "record") if actor_cfg.router_replay.mode == "R2" else None
+    with torch.no_grad(), record or contextlib.nullcontext():
         out = compute_log_probs(
             run.actor, batch, run.actor_loss.temperature, spec.micro_batch_size, calc_entropy=True,
             max_token_len=spec.max_token_len, use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group,
-            truncation=truncation, calc_sum_pi_squared=run.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
+            truncation=truncation, calc_sum_pi_squared=actor_cfg.calculate_sum_pi_squared, router_replay=record)
     return PolicyForward(out.log_probs, out.entropy, out.log_probs if out.truncated is None else out.truncated,
-                         out.sum_pi_squared)
+                         out.sum_pi_squared, out.routed_experts)
 
 
 def teacher_log_probs(run: Run, batch: Batch) -> Batch:
@@ -998,11 +1005,12 @@ def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
 
 def _actor_micro_batch(actor: torch.nn.Module, loss: ActorLoss, loss_agg_mode: str, use_remove_padding: bool,
                        groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None], generator: torch.Generator,
-                       forwards: list[tuple[torch.Tensor, ...]] | None, mb: Batch,
+                       forwards: list[tuple[torch.Tensor, ...]] | None, replay: RouterReplay | None, mb: Batch,
                        scale: core.LossScale) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's forward and loss on one micro batch (run_updates' loss_fn, through functools.partial).
     With `forwards` (a list) this forward is the old policy's: its log-probs, detached, are the old ones,
-    and (rows, log-probs, entropy, cut log-probs) are appended for the caller."""
+    and (rows, log-probs, entropy, cut log-probs) are appended for the caller. With `replay` the MoE's
+    routers take the micro batch's routed_experts."""
     dp_group, sp_group = groups
     own_old = forwards is not None
     topk_ids = mb.get("teacher_topk_ids")  # (b, R, k): forward_kl_topk reads the student's log-probs there
@@ -1010,7 +1018,8 @@ def _actor_micro_batch(actor: torch.nn.Module, loss: ActorLoss, loss_agg_mode: s
         out = compute_log_probs(
             actor, mb, loss.temperature, len(mb["responses"]), loss.entropy_coeff != 0 or own_old,
             use_remove_padding=use_remove_padding, sp_group=sp_group,
-            truncation=loss.truncation if own_old else None, topk_ids=topk_ids)  # one forward
+            truncation=loss.truncation if own_old else None, topk_ids=topk_ids, router_replay=replay,
+            routed_experts=mb.get("routed_experts") if replay is not None else None)  # one forward
     log_prob, entropy = out.log_probs, out.entropy  # (b, R) each
     if own_old:
         mb = dict(mb, old_log_probs=log_prob.detach())
@@ -1031,7 +1040,9 @@ def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
     """The actor's update (run_updates over actor_loss). The batch's rollout_is_weights (decoupled rollout
     correction) weigh the policy loss. With own_old_log_probs (one epoch of one mini batch: the forward
     runs on the weights that sampled the batch) the old log-probs are the update forward's own, and its
-    outputs come back as a PolicyForward in batch order; else the batch must carry old_log_probs."""
+    outputs come back as a PolicyForward in batch order; else the batch must carry old_log_probs. With
+    routed_experts in the batch (router_replay R2) every forward, and its recomputation under activation
+    checkpointing, replays them."""
     num_samples = batch["responses"].shape[0]
     if own_old_log_probs and (spec.epochs != 1 or num_samples > spec.mini_batch_size):
         raise ValueError(f"update_actor(own_old_log_probs=True) needs one epoch of one mini batch; got "
@@ -1039,9 +1050,11 @@ def update_actor(actor: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
     forwards: list[tuple[torch.Tensor, ...]] | None = [] if own_old_log_probs else None
     if own_old_log_probs:
         batch = dict(batch, row_index=torch.arange(num_samples, device=batch["responses"].device))  # (B,)
+    replay = RouterReplay(actor, "replay") if "routed_experts" in batch else None
     loss_fn = functools.partial(_actor_micro_batch, actor, loss, spec.loss_agg_mode, spec.use_remove_padding,
-                                (dp_group, sp_group), generator, forwards)
-    metrics = run_updates(actor, optimizer, batch, loss_fn, spec, generator, dp_group, "actor")
+                                (dp_group, sp_group), generator, forwards, replay)
+    with replay or contextlib.nullcontext():  # hooks on the routers through each backward too
+        metrics = run_updates(actor, optimizer, batch, loss_fn, spec, generator, dp_group, "actor")
     if forwards is None:
         return metrics, None
     order = torch.argsort(torch.cat([out[0] for out in forwards]))  # micro batch order -> batch order
@@ -1573,6 +1586,7 @@ def load_models(cfg: Config, meshes: Meshes, env: DistEnv, total_steps: int) -> 
                            reshard_after_forward=actor_cfg.fsdp_config.reshard_after_forward,
                            activation_checkpointing=model_cfg.enable_gradient_checkpointing,
                            wrap=lora_spec.add_adapter if lora_spec else None, **fsdp_kwargs)
+    check_router_replay(actor, actor_cfg.router_replay.mode)  # R2 needs a MoE's routers
     actor_optim, actor_sched = make_optimizer(actor, actor_cfg.optim, total_steps)
     ref, reference_mode = None, contextlib.nullcontext
     if (actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward) and lora_spec:

@@ -107,6 +107,18 @@ MUTATIONS = (
     Mutation("router replay's weights cut off from the router's gradient", "moe.py", ((
         "return logits, chosen.to(weights.dtype), experts", "return logits, chosen.detach().to(weights.dtype), experts"),),
         "tests/test_moe.py -k replay_forces_flipped"),
+    Mutation("R2's routes forced on the wrong rows (the batch's first ones)", "models.py", ((
+        "router_replay.force(routes_from_rows(routed_experts[rows], ran))",
+        "router_replay.force(routes_from_rows(routed_experts[:len(rows)], ran))"),),
+        "tests/test_moe.py -k routes_recorded_per_row"),
+    Mutation("the update does not replay R2's routes", "train_ppo.py", ((
+        'replay = RouterReplay(actor, "replay") if "routed_experts" in batch else None',
+        "replay = None"),),
+        "tests/test_moe.py::test_the_update_replays_the_old_forwards_routes"),
+    Mutation("router replay's hooks gone before the backward recomputes the forward", "moe.py", ((
+        "forced = torch.where(forced < 0, experts, forced.to(experts.dtype))  # unrecorded tokens route freely",
+        "forced = experts if torch._C._current_graph_task_id() != -1 else torch.where(forced < 0, experts, forced)"),),
+        "tests/test_moe.py::test_replay_holds_through_activation_checkpointing"),
     Mutation("the export writes the initial (unloaded) weights", "export_hf.py", ((
         'dcp.load(state, checkpoint_id=str(ckpt / which), no_dist=True)', 'pass'),),
         "tests/test_checkpoint.py::test_killed_rank_resumes_and_reproduces"),

@@ -224,6 +224,12 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "resume_smaller": ("configs/tiny_cpu.yaml", [
         *RC_DECOUPLED, "trainer.resume_mode=resume_path", "trainer.resume_from_path={root}/rc_decoupled/global_step_2",
         "trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=true"]),
+    # --- tests/test_moe.py (LAUNCHES["moe"], its own engine: another architecture): Qwen2-MoE with its shared
+    # expert, untrained ({moe}), one engine of TP 2, router replay R2 through activation checkpointing
+    "moe_tp2": ("configs/tiny_cpu.yaml", [
+        *TINY, "actor_rollout_ref.model.path={moe}", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+        "trainer.total_training_steps=3"]),
     # --- 4 ranks (LAUNCHES["w4"]); tests/test_train_ppo_rollout_correction.py: decoupled, top_k=20 and top_p=0.9,
     # FSDP groups of 2 (HSDP), vLLM TP=2, RLOO, 2 shuffled PPO epochs; saved and validated at step 2
     "rc_decoupled": ("configs/tiny_cpu.yaml", [
@@ -267,6 +273,7 @@ VERL_CASES = tuple(name for name in CASES if name.startswith("verl_"))
 LAUNCHES: dict[str, tuple[int, tuple[str, ...]]] = {
     "w4": (4, ("rc_decoupled",)),
     "tp2": (2, ("multi_turn", "grpo_tp2", "ulysses", "resume_smaller", "async_tp2")),
+    "moe": (2, ("moe_tp2",)),
     "tp1": (2, ()),
 }
 # cases that stop with an error, as their tests expect: each rank's is written to <name>/error.rank<r>.txt
@@ -298,7 +305,7 @@ def launch(names: list[str], assets: dict, model: Path, root: Path,
     (tests/reward_server.py's URL, which logs the items it scores to root/<name>.scored.jsonl),
     `{reward_model}` (the path reward_model() returns: the conftest fixture builds it then,
     tests/demo_reward_model.py), `{student}` (the path student() returns: the model 15 supervised steps
-    in, conftest's early_sft_model). A launch
+    in, conftest's early_sft_model), `{moe}` (an untrained tiny Qwen2-MoE, make_assets.build_moe_assets). A launch
     that fails is recorded in root/<launch>.failed, and the next launch still runs: only the tests of
     its cases fail (conftest.short_run)."""
     import datasets
@@ -313,6 +320,10 @@ def launch(names: list[str], assets: dict, model: Path, root: Path,
         if any(f"{{{key}}}" in o for name in names for o in CASES[name][1]):
             assert build is not None, f"a selected short run needs {{{key}}}: pass launch({key}=...)"
             fixed[f"{{{key}}}"] = str(build())
+    if any("{moe}" in o for name in names for o in CASES[name][1]):  # tiny MoE models (make_assets.py --moe)
+        import make_assets
+
+        fixed["{moe}"] = str(make_assets.build_moe_assets(root / "moe_assets")["qwen2_moe"])
     if any("{code_val}" in o for name in names for o in CASES[name][1]):
         fixed["{code_val}"] = str(root / "code_val.parquet")
         datasets.Dataset.from_list(code_rows(16)).to_parquet(fixed["{code_val}"])

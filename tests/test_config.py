@@ -346,7 +346,7 @@ def test_edge_values_that_work_are_accepted(override):
 
 PLACEHOLDER_VALUES = {"reward_server": "http://127.0.0.1:1", "tests": "tests", "root": "outputs/short_runs",
                       "code_val": "assets/data/val.parquet", "untrained": "m", "teacher": "t", "student": "s",
-                      "reward_model": "assets/tiny-rm"}
+                      "reward_model": "assets/tiny-rm", "moe": "assets/tiny-qwen2-moe"}
 
 
 def test_every_short_run_config_is_valid():

@@ -6,11 +6,12 @@ the experts moved; vLLM's log-probs of its own samples against the actor's.
 """
 
 import json
+import types
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, torchrun
+from conftest import ROOT, short_run, torchrun
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -21,7 +22,8 @@ WORKER = ROOT / "tests" / "dist_moe_check.py"
 PARITY = 1e-5  # float32 engine and actor, same weights: only the kernels' summation order differs
 
 # architecture -> (world size, rollout TP)
-LAUNCHES = {"qwen3_moe": (1, 1), "qwen2_moe": (1, 1), "mixtral": (2, 1)}
+# (Qwen2-MoE's sync is checked in a training run, at TP 2: test_moe_grpo_at_tp2_keeps_the_sync_with_router_replay)
+LAUNCHES = {"qwen3_moe": (1, 1), "mixtral": (2, 1)}
 _RESULTS: dict[str, list[dict]] = {}
 
 
@@ -58,6 +60,22 @@ def test_cpu_engine_still_needs_its_experts_repacked_after_a_sync(launch):
     for rank in launch:
         gap = rank["without_restore"]["logprob_diff_max"]
         assert gap > 1e-2, f"a sync without the repack gives parity ({gap:.2e}): drop _restore_cpu_moe_layout"
+
+
+@pytest.mark.slow
+@pytest.mark.short_run("moe_tp2")
+def test_moe_grpo_at_tp2_keeps_the_sync_with_router_replay(short_runs):
+    """train_ppo on 2 ranks with an untrained Qwen2-MoE (shared expert included), one vLLM engine of TP 2 and
+    router replay R2 (recorded in the old-log-prob forward, replayed in both mini batches' forwards and their
+    recomputation under activation checkpointing), 3 steps: after each step's sync the engine's log-probs of
+    its samples equal the actor's (the verified-sync check, float32), and the routers' balance is reported."""
+    from tracking import read_metrics
+
+    rows = [r for r in read_metrics(short_run(short_runs, "moe_tp2") / "metrics.jsonl") if r["step"] > 0]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["rollout/logprob_diff_max"] < 1e-4, row  # the dense runs' bound; without the repack 0.1 to 0.9
+        assert row["actor/moe_load_balance"] > 1.0 and row["actor/ppo_kl"] != 0  # the update moved the weights
 
 
 @pytest.mark.parametrize("arch", make_assets.MOE_ARCHS)
@@ -146,6 +164,165 @@ def test_replay_refuses_routes_of_other_tokens(moe_assets):
         moe.RouterReplay(model, "replay", rec.routes[:1])
 
 
+PROMPT, RESPONSE = 5, 6
+
+
+def _ragged_batch(rows: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The trainer's layout: ragged left-padded prompts (P=5), right-padded responses (R=6)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 128, (rows, PROMPT + RESPONSE), generator=g)
+    prompt_lens = torch.randint(1, PROMPT + 1, (rows,), generator=g)
+    response_lens = torch.randint(1, RESPONSE + 1, (rows,), generator=g)
+    mask = torch.cat([torch.arange(PROMPT)[None] >= PROMPT - prompt_lens[:, None],
+                      torch.arange(RESPONSE)[None] < response_lens[:, None]], dim=1).long()  # (B, P+R)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": ids[:, PROMPT:], "response_mask": mask[:, PROMPT:].clone()}
+
+
+def _move_routers(model: torch.nn.Module, seed: int) -> None:
+    """Noise on every router (each rank on its own shard): many tokens then pick other experts."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for router in moe.routers(model):
+            weight = router.weight.to_local() if hasattr(router.weight, "to_local") else router.weight
+            weight.add_(torch.randn(weight.shape, generator=g))
+
+
+@pytest.mark.parametrize("arch", make_assets.MOE_ARCHS)
+def test_routes_recorded_per_row_replay_in_any_layout_and_cut(arch, moe_assets):
+    """R2's store: routes recorded in one layout (padded, micro batches of 2) replay in another (packed,
+    token-budget micro batches, rows shuffled). Replayed on the recording weights: the padded forward is
+    the recorded one exactly, the packed one the free packed forward exactly. After the routers moved, each
+    packed forward's experts are those the packed forward chose before (recorded there directly)."""
+    import models
+
+    model, _ = _model_and_batch(moe_assets[arch])
+    batch = _ragged_batch(6)
+    shuffled = {k: v[torch.tensor([4, 1, 5, 0, 3, 2])] for k, v in batch.items()}
+    packed = dict(use_remove_padding=True, max_token_len=24)  # cuts of 2-3 rows
+    with torch.no_grad():
+        with moe.RouterReplay(model, "record") as rec:
+            old = models.compute_log_probs(model, batch, 1.0, 2, router_replay=rec)
+        with moe.RouterReplay(model, "replay") as replay:
+            again = models.compute_log_probs(model, batch, 1.0, 2, router_replay=replay,
+                                             routed_experts=old.routed_experts)
+        free_packed = models.compute_log_probs(model, shuffled, 1.0, 6, **packed)
+        packed_routes: list[torch.Tensor] = []
+        with moe.RouterReplay(model, "record") as direct:  # the reference: each packed forward's own choice
+            hook = model.lm_head.register_forward_hook(lambda *a: packed_routes.append(direct.routes))
+            models.compute_log_probs(model, shuffled, 1.0, 6, **packed)
+            hook.remove()
+        with moe.RouterReplay(model, "replay") as replay:
+            replayed_packed = models.compute_log_probs(model, shuffled, 1.0, 6, router_replay=replay,
+                                                       routed_experts=old.routed_experts[[4, 1, 5, 0, 3, 2]], **packed)
+    real = batch["attention_mask"].bool()
+    assert old.routed_experts.shape == (6, PROMPT + RESPONSE, 2, 2) and bool((old.routed_experts[real] >= 0).all())
+    assert torch.equal(again.log_probs, old.log_probs)
+    assert torch.equal(replayed_packed.log_probs, free_packed.log_probs)
+    responses = shuffled["response_mask"].bool()  # padded keeps the model's output past a response's end
+    torch.testing.assert_close(replayed_packed.log_probs[responses], old.log_probs[[4, 1, 5, 0, 3, 2]][responses],
+                               rtol=0, atol=1e-5)
+    assert len(packed_routes) > 1  # more than one micro batch
+
+    _move_routers(model, 1)
+    seen, handles = _experts_used(model)
+    with torch.no_grad():
+        models.compute_log_probs(model, shuffled, 1.0, 6, **packed)  # free: the routes flip
+        free_seen = list(seen)
+        seen.clear()
+        with moe.RouterReplay(model, "replay") as replay:
+            models.compute_log_probs(model, shuffled, 1.0, 6, router_replay=replay,
+                                     routed_experts=old.routed_experts[[4, 1, 5, 0, 3, 2]], **packed)
+    for handle in handles:
+        handle.remove()
+    want = [layer for routes in packed_routes for layer in routes]  # per forward, per layer (N, k)
+    flipped = sum(int((f.sort(-1).values != w.sort(-1).values).any(-1).sum()) for f, w in zip(free_seen, want, strict=True))
+    assert flipped > 5, "the moved routers flipped too few routes to test anything"
+    assert all(torch.equal(used, w) for used, w in zip(seen, want, strict=True))  # every flip forced back
+
+
+def test_replay_holds_through_activation_checkpointing(moe_assets):
+    """The update's backward recomputes each layer under activation checkpointing; the recomputed routers
+    must replay the same routes, or the gradient is of another forward than the loss's."""
+    import models
+
+    batch = _ragged_batch(4, seed=1)
+    grads = {}
+    for checkpointing in (False, True):
+        model, _ = _model_and_batch(moe_assets["qwen3_moe"])
+        with torch.no_grad(), moe.RouterReplay(model, "record") as rec:
+            old = models.compute_log_probs(model, batch, 1.0, 4, use_remove_padding=True, router_replay=rec)
+        _move_routers(model, 2)
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        with moe.RouterReplay(model, "replay") as replay:
+            out = models.compute_log_probs(model, batch, 1.0, 4, use_remove_padding=True, router_replay=replay,
+                                           routed_experts=old.routed_experts)
+            (out.log_probs * batch["response_mask"]).sum().backward()
+        grads[checkpointing] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        assert all(r.weight.grad.abs().sum() > 0 for r in moe.routers(model))
+    torch.testing.assert_close(grads[True], grads[False], rtol=1e-5, atol=1e-6)
+
+
+def test_the_update_replays_the_old_forwards_routes(moe_assets):
+    """train_ppo's R2 path on a (1-rank FSDP) Qwen3-MoE with activation checkpointing: old_policy_forward's
+    recording replayed by update_actor over 2 epochs of 2 shuffled mini batches (packed, one row per micro
+    batch). With the weights unchanged (lr 0) and the old forward in the update's cut, every update forward's
+    log-probs are the old ones exactly (ppo_kl 0). After the routers moved, every forward and recomputation
+    hands the experts the routes an old forward in another layout (padded, micro batches of 2) chose."""
+    import dataclasses
+
+    from conftest import one_rank_process_group
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import config
+    import models
+    import train_ppo
+
+    batch = _ragged_batch(4, seed=2)
+    batch["advantages"] = torch.randn(4, RESPONSE, generator=torch.Generator().manual_seed(3))
+    cfg = config.load_config(None, ["actor_rollout_ref.actor.router_replay.mode=R2"])
+    spec = train_ppo.UpdateSpec(epochs=2, mini_batch_size=2, micro_batch_size=1, max_token_len=None,
+                                shuffle=True, loss_agg_mode="token-mean", use_remove_padding=True, grad_clip=1e9)
+    loss = dataclasses.replace(train_ppo.ActorLoss.from_config(cfg), temperature=1.0)
+    with one_rank_process_group():
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+        actor = models.load_causal_lm(str(moe_assets["qwen3_moe"]), mesh, device=torch.device("cpu"),
+                                      param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                      activation_checkpointing=True)
+        def old_forward(micro_batch_size: int, packed: bool) -> train_ppo.PolicyForward:
+            plan = types.SimpleNamespace(old_log_prob=types.SimpleNamespace(
+                micro_batch_size=micro_batch_size, max_token_len=None, use_remove_padding=packed))
+            run = types.SimpleNamespace(cfg=cfg, actor=actor, plan=plan, actor_loss=loss, sp_group=None)
+            return train_ppo.old_policy_forward(run, batch)
+
+        old = old_forward(1, True)  # the update's own cut
+        rows = dict(batch, old_log_probs=old.old_log_probs, routed_experts=old.routed_experts)
+        metrics, _ = train_ppo.update_actor(actor, torch.optim.SGD(actor.parameters(), lr=0.0), rows, loss, spec,
+                                            torch.Generator().manual_seed(0))
+        assert metrics["actor/ppo_kl"] == 0 and metrics["actor/pg_clipfrac"] == 0, metrics  # on-policy, exactly
+
+        old = old_forward(2, False)  # another layout and cut: padded, micro batches of 2
+        rows = dict(batch, old_log_probs=old.old_log_probs, routed_experts=old.routed_experts)
+
+        _move_routers(actor, 4)
+        seen, handles = _experts_used(actor)
+        inputs: list[torch.Tensor] = []
+        handles.append(actor.model.embed_tokens.register_forward_pre_hook(lambda m, a: inputs.append(a[0].clone())))
+        train_ppo.update_actor(actor, torch.optim.SGD(actor.parameters(), lr=0.0), rows, loss, spec,
+                               torch.Generator().manual_seed(0))
+        for handle in handles:
+            handle.remove()
+    real = batch["attention_mask"].bool()
+    row_of = [next(r for r in range(4) if torch.equal(batch["input_ids"][r][real[r]], ids[0])) for ids in inputs]
+    assert len(row_of) == 8 and len(seen) == 8 * 4  # 2 epochs x 4 rows; 2 layers, each run and recomputed
+    for j, row in enumerate(row_of):
+        want = old.routed_experts[row][real[row]].transpose(0, 1).long()  # (layers, n, k)
+        used = seen[4 * j:4 * j + 4]  # layer 0, layer 1, then the backward's recomputation: layer 1, layer 0
+        assert all(torch.equal(u, want[layer]) for u, layer in zip(used, (0, 1, 1, 0), strict=True)), (j, row)
+
+
 def test_lora_on_a_moe_model_is_refused(moe_assets):
     from config import ConfigError
     from lora import LoraSpec
@@ -227,6 +404,23 @@ def test_tensor_parallel_is_checked_against_the_expert_width():
     check_tensor_parallel(make_assets.moe_config("mixtral"), 2, "mixtral")  # Mixtral: intermediate_size is the expert's
 
 
+def test_cpu_engine_expert_width_per_rank_is_checked():
+    """vLLM's CPU engine pads an expert width per TP rank that is not a multiple of 32 at load, and its
+    reload_weights then fails on the padded tensors (seen with width 48: 'The size of tensor a (128) must
+    match the size of tensor b (96)'): refused before anything loads, with the TP degrees that work."""
+    from config import ConfigError
+
+    wide = make_assets.moe_config("qwen3_moe", expert_intermediate=96)  # 96 per rank at TP 1, 48 at 2, 32 at 3
+    moe.check_cpu_engine_expert_width(wide, 1, "wide")
+    with pytest.raises(ConfigError, match=r"48 per rank at actor_rollout_ref.rollout.tensor_model_parallel_size=2.*"
+                                          r"valid here: 1, 3\)"):
+        moe.check_cpu_engine_expert_width(wide, 2, "wide")
+    with pytest.raises(ConfigError, match="experts 48 wide.*valid here: none"):
+        moe.check_cpu_engine_expert_width(make_assets.moe_config("mixtral", expert_intermediate=48), 1, "narrow")
+    moe.check_cpu_engine_expert_width(make_assets.moe_config("mixtral"), 2, "tiny")  # 64: 32 per rank
+    moe.check_cpu_engine_expert_width(make_assets.model_config("qwen2", 64, 2, 2, 2, 40, False), 2, "dense")
+
+
 @pytest.mark.parametrize("arch", make_assets.MOE_ARCHS)
 def test_planner_counts_active_experts_and_gathers_a_whole_layer(arch, moe_assets):
     import memory_plan
@@ -241,13 +435,27 @@ def test_planner_counts_active_experts_and_gathers_a_whole_layer(arch, moe_asset
     assert moe.active_mlp_width(config) == shape.intermediate
 
 
-@pytest.mark.parametrize("override, message", [
-    ("actor_rollout_ref.rollout.enable_rollout_routing_replay=true", "GPU model runner V2"),
-    ("actor_rollout_ref.actor.router_replay.mode=R3", "router_replay.mode=R3 is not supported yet"),
-    ("actor_rollout_ref.actor.router_replay.mode=R4", "valid values: disabled, R2, R3")])
-def test_router_replay_keys_are_refused_until_wired(override, message):
-    from config import ConfigError, check_supported, load_config
+@pytest.mark.parametrize("overrides, message", [
+    (["actor_rollout_ref.rollout.enable_rollout_routing_replay=true"], "GPU model runner V2.*Use actor_rollout_ref.actor.router_replay.mode=R2"),
+    (["actor_rollout_ref.actor.router_replay.mode=R3"], "router_replay.mode=R3 is not supported.*mode=R2"),
+    (["actor_rollout_ref.actor.router_replay.mode=R4"], "valid values: disabled, R2, R3"),
+    (["actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
+     "not Ulysses slices"),
+    (["actor_rollout_ref.actor.router_replay.mode=R2", "algorithm.rollout_correction.bypass_mode=true"],
+     "bypass mode skips")])
+def test_router_replay_refuses_what_cannot_work(overrides, message):
+    from config import ConfigError, check_router_replay, load_config
 
     with pytest.raises(ConfigError, match=message):
-        check_supported(load_config(None, ["data.train_files=x.parquet", override]))
-    check_supported(load_config(None, ["data.train_files=x.parquet"]))  # the defaults pass
+        check_router_replay(load_config(None, ["data.train_files=x.parquet", *overrides]))
+    check_router_replay(load_config(None, ["data.train_files=x.parquet"]))  # the defaults pass
+    check_router_replay(load_config(None, ["data.train_files=x.parquet", "actor_rollout_ref.actor.router_replay.mode=R2"]))
+
+
+def test_router_replay_on_a_dense_model_is_refused(tiny_assets):
+    from config import ConfigError
+
+    dense = AutoModelForCausalLM.from_pretrained(tiny_assets["tiny-qwen2"])
+    with pytest.raises(ConfigError, match="has no MoE router"):
+        moe.check_router_replay(dense, "R2")
+    moe.check_router_replay(dense, "disabled")

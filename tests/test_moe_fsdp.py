@@ -57,11 +57,43 @@ def _worker(rank: int, world: int, paths: dict[str, str], init_file: str, out: s
                           if torch.equal(tensor, reference[name].detach())]
             result[arch] = {"want": want, "padded": padded, "packed": packed, "grads": grads,
                             "full_equal": len(full_equal), "num_params": len(reference),
-                            "local_experts": experts.to_local().shape[0], "experts": experts.shape[0]}
+                            "local_experts": experts.to_local().shape[0], "experts": experts.shape[0],
+                            "replay": _replay_after_the_routers_moved(actor, batch)}
         result["mask"] = _batch(rank)["attention_mask"][:, PROMPT:].bool()
         torch.save(result, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+
+
+def _replay_after_the_routers_moved(actor: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict:
+    """R2 on the sharded actor: routes recorded in a padded forward (micro batches of 2), the routers moved
+    (each rank its shard), then a packed forward replaying them: the experts it hands each layer, the routes
+    a free packed forward on the recording weights chose (the reference), and the free forward's after the move."""
+    import models
+    import moe
+
+    seen: list[torch.Tensor] = []
+    experts = [m for name, m in actor.named_modules() if name.endswith("mlp.experts")]
+    with torch.no_grad():
+        with moe.RouterReplay(actor, "record") as rec:
+            old = models.compute_log_probs(actor, batch, 1.0, 2, router_replay=rec)
+            models.compute_log_probs(actor, batch, 1.0, 4, use_remove_padding=True, router_replay=rec)
+            reference = rec.routes  # (layers, N, k) the packed forward's own choice
+        g = torch.Generator().manual_seed(7)
+        for router in moe.routers(actor):
+            router.weight.to_local().add_(torch.randn(router.weight.to_local().shape, generator=g))
+        with moe.RouterReplay(actor, "record") as moved:
+            models.compute_log_probs(actor, batch, 1.0, 4, use_remove_padding=True, router_replay=moved)
+    handles = [m.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone())) for m in experts]
+    with moe.RouterReplay(actor, "replay") as replay:
+        log_probs = models.compute_log_probs(actor, batch, 1.0, 4, use_remove_padding=True, router_replay=replay,
+                                             routed_experts=old.routed_experts).log_probs
+    for handle in handles:
+        handle.remove()
+    actor.zero_grad(set_to_none=True)
+    log_probs.sum().backward()
+    router_grads = [r.weight.grad.full_tensor().abs().sum().item() for r in moe.routers(actor)]
+    return {"seen": torch.stack(seen), "reference": reference, "moved": moved.routes, "router_grads": router_grads}
 
 
 @pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)])
@@ -97,3 +129,15 @@ def test_gradients_reach_router_and_experts_and_full_params_are_the_checkpoint(r
             named = {n: g for n, g in got["grads"].items() if kind in n}
             assert named and all(g > 0 for g in named.values()), (kind, named)
         assert got["full_equal"] == got["num_params"]
+
+
+@pytest.mark.parametrize("arch", make_assets.MOE_ARCHS)
+def test_replay_forces_the_recorded_routes_on_the_sharded_actor(ranks, arch):
+    """Router replay (R2) on real ranks: routes recorded per row in one layout are forced back, flips and all,
+    in another layout after the routers moved, and the router still gets its gradient."""
+    for rank, result in enumerate(ranks):
+        got = result[arch]["replay"]
+        flipped = (got["moved"].sort(-1).values != got["reference"].sort(-1).values).any(-1).sum().item()
+        assert flipped > 3, (arch, rank, "the moved routers flipped too few routes to test anything")
+        assert torch.equal(got["seen"], got["reference"]), (arch, rank)
+        assert all(g > 0 for g in got["router_grads"]), (arch, rank, got["router_grads"])
