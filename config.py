@@ -1673,11 +1673,22 @@ def check_separate_async(cfg: Config) -> None:
         "algorithm.filter_groups.enable": (cfg.algorithm.filter_groups.enable, "extra generation batches"),
         "reward_model.enable": (cfg.reward_model.enable, "the reward model would load on the rollout ranks"),
         "actor_rollout_ref.model.lora_rank": (arr.model.lora_rank > 0, "the adapter-only syncs"),
+        "actor_rollout_ref.actor.use_dynamic_bsz": (bool(arr.actor.use_dynamic_bsz or arr.rollout.log_prob_use_dynamic_bsz
+                                                         or arr.ref.log_prob_use_dynamic_bsz or cfg.critic.use_dynamic_bsz),
+                                                    "micro batches agreed over the trainers alone"),
     }
     for key, (on, what) in unsupported.items():
         if on:
             raise ConfigError(f"{mode} with {key} is not implemented yet ({what}); use {_V1}.trainer_mode=sync with "
                               f"actor_rollout_ref.hybrid_engine=true for it.")
+    tc = cfg.trainer
+    later = {"trainer.val_before_train": (tc.val_before_train, "false", "validation on the pool"),
+             "trainer.test_freq": (tc.test_freq > 0, "-1", "validation on the pool"),
+             "trainer.save_freq": (tc.save_freq > 0, "-1", "checkpoints with the batch generated ahead")}
+    for key, (on, off, what) in later.items():
+        if on:
+            raise ConfigError(f"{mode} with {key}={tc[key.split('.')[1]]} is not implemented yet ({what}); set "
+                              f"{key}={off}, or use {_V1}.trainer_mode=sync with actor_rollout_ref.hybrid_engine=true.")
     if adv_estimator_traits(cfg.algorithm.adv_estimator).baseline_rollout is not None:
         raise ConfigError(f"{mode} with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: its baseline rollout is "
                           f"not implemented on the rollout pool. Use grpo / rloo / gae / another estimator, or "
@@ -1692,7 +1703,7 @@ def check_separate_async(cfg: Config) -> None:
             f"weights {warmup} update(s) old, {warmup + 1} weight versions, over {_V1}.sampler.max_off_policy_threshold="
             f"{threshold}. Raise the threshold to {warmup + 1}, or set num_warmup_batches=0 (sequential).")
     rc = cfg.algorithm.rollout_correction
-    if warmup > 0 and not (rc.bypass_mode or rc.rollout_is is not None):
+    if warmup == 1 and not (rc.bypass_mode or rc.rollout_is is not None):
         raise ConfigError(
             f"{mode} with {_V1}.separate_async.num_warmup_batches={warmup}: every trained batch was sampled by the "
             f"weights one update older than the update starts from, and a PPO ratio against the current actor "

@@ -588,8 +588,9 @@ def node_rank() -> int:
 class Meshes:
     world: Any  # 1D ('world',): the one mesh every domain below is a view of
     fsdp: Any  # ('fsdp',) or ('ddp','fsdp')
-    rollout: Any  # ('dp','infer_tp')
+    rollout: Any  # ('dp','infer_tp'): the engines that generate
     sp: Any | None  # ('dp','sp') when sp > 1
+    engines: Any = None  # ('dp','infer_tp') over every rank, as vLLM groups them; None: `rollout` (collocated)
 
 
 def build_meshes(dims: ParallelDims, device_type: str, timeout_s: int | None = None) -> Meshes:
@@ -599,20 +600,33 @@ def build_meshes(dims: ParallelDims, device_type: str, timeout_s: int | None = N
     subgroups do not inherit the default group's timeout but take torch's default (10 min NCCL,
     30 min gloo). vLLM's own groups keep vLLM's settings.
     """
+    import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    world = init_device_mesh(device_type, (dims.world_size,), mesh_dim_names=("world",))
-    fsdp2d = world._unflatten(0, (dims.ddp, dims.fsdp), ("ddp", "fsdp"))
+    world = init_device_mesh(device_type, (dims.launched,), mesh_dim_names=("world",))
+    engines = None
+    if dims.split:  # trainers [0, T), the pool [T, N): meshes over one role each (every rank builds them)
+        def over(first: int, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+            ranks = torch.arange(first, first + math.prod(shape)).reshape(shape)
+            return DeviceMesh(device_type, ranks, mesh_dim_names=names)
+
+        engines = world._unflatten(0, (dims.launched // dims.infer_tp, dims.infer_tp), ("dp", "infer_tp"))
+        fsdp2d = over(0, (dims.ddp, dims.fsdp), ("ddp", "fsdp"))
+        rollout = over(dims.world_size, (dims.rollout_dp, dims.infer_tp), ("dp", "infer_tp"))
+        sp = over(0, (dims.train_dp, dims.sp), ("dp", "sp")) if dims.sp > 1 else None
+    else:
+        fsdp2d = world._unflatten(0, (dims.ddp, dims.fsdp), ("ddp", "fsdp"))
+        rollout = world._unflatten(0, (dims.rollout_dp, dims.infer_tp), ("dp", "infer_tp"))
+        sp = world._unflatten(0, (dims.train_dp, dims.sp), ("dp", "sp")) if dims.sp > 1 else None
     fsdp = fsdp2d if dims.ddp > 1 else fsdp2d["fsdp"]
-    rollout = world._unflatten(0, (dims.rollout_dp, dims.infer_tp), ("dp", "infer_tp"))
-    sp = world._unflatten(0, (dims.train_dp, dims.sp), ("dp", "sp")) if dims.sp > 1 else None
     if timeout_s is not None:
-        for mesh in (world, fsdp2d, rollout, *([sp] if sp is not None else [])):
+        for mesh in (world, fsdp2d, rollout, *([sp] if sp is not None else []), *([engines] if engines is not None else [])):
             for name in mesh.mesh_dim_names:
-                # no public setter yet; this is the one torch's own tests use
-                dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), mesh.get_group(name))
-    return Meshes(world, fsdp, rollout, sp)
+                group = mesh.get_group(name) if mesh.get_coordinate() is not None else None
+                if group is not None:  # no public setter yet; this is the one torch's own tests use
+                    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
+    return Meshes(world, fsdp, rollout, sp, engines)
 
 
 def write_rank_layout(out_dir: Path, rank: int, meshes: Meshes) -> None:
@@ -624,6 +638,15 @@ def write_rank_layout(out_dir: Path, rank: int, meshes: Meshes) -> None:
         return dist.get_process_group_ranks(mesh.get_group(dim))
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    if meshes.engines is not None:  # a split job: each rank joined one role's meshes
+        trains = meshes.fsdp.get_coordinate() is not None
+        layout = {"rank": rank, "node_rank": node_rank(), "hostname": os.uname().nodename, "pid": os.getpid(),
+                  "role": "trainer" if trains else "rollout",
+                  "fsdp_group": ranks(meshes.fsdp, "fsdp") if trains else [],
+                  "rollout_tp_group": ranks(meshes.rollout, "infer_tp") if not trains else [],
+                  "rollout_dp_rank": meshes.rollout.get_local_rank("dp") if not trains else None}
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(layout))
+        return
     layout = {"rank": rank, "node_rank": node_rank(), "hostname": os.uname().nodename, "pid": os.getpid(),
               "fsdp_group": ranks(meshes.fsdp, "fsdp"), "rollout_tp_group": ranks(meshes.rollout, "infer_tp"),
               "rollout_dp_rank": meshes.rollout.get_local_rank("dp"),
@@ -638,7 +661,9 @@ def train_dp_group(meshes: Meshes) -> Any:
     the sp ranks sharing samples do not count them twice."""
     import torch.distributed as dist
 
-    return meshes.sp.get_group("dp") if meshes.sp is not None else dist.group.WORLD
+    if meshes.sp is not None:
+        return meshes.sp.get_group("dp") if meshes.sp.get_coordinate() is not None else None
+    return dist.group.WORLD  # a split job: the trainers' group instead (placement.Pool.trainer_group)
 
 
 def _dynamic_sampling_lines(cfg: Config, dims: ParallelDims) -> list[str]:

@@ -407,7 +407,8 @@ def test_colocate_async_accepts_the_corrected_and_the_degenerate_settings():
 SPLIT = [DATA, "actor_rollout_ref.hybrid_engine=false", f"{V1}.trainer_mode=separate_async",
          "actor_rollout_ref.rollout.nnodes=1", f"{V1}.separate_async.parameter_sync_step=1",
          "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "algorithm.adv_estimator=grpo",
-         "actor_rollout_ref.rollout.n=2", "algorithm.rollout_correction.rollout_is=token"]
+         "actor_rollout_ref.rollout.n=2", "algorithm.rollout_correction.rollout_is=token",
+         "trainer.val_before_train=false"]
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -427,6 +428,8 @@ SPLIT = [DATA, "actor_rollout_ref.hybrid_engine=false", f"{V1}.trainer_mode=sepa
     (["algorithm.rollout_correction.rollout_is=null"], "num_warmup_batches=0 (sequential)"),
     (["algorithm.adv_estimator=remax"], "baseline rollout is not implemented on the rollout pool"),
     (["algorithm.filter_groups.enable=true"], "algorithm.filter_groups.enable is not implemented yet"),
+    (["trainer.val_before_train=true"], "trainer.val_before_train=True is not implemented yet"),
+    (["trainer.save_freq=2"], "set trainer.save_freq=-1"),
 ])
 def test_separate_async_refusals(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
