@@ -482,7 +482,8 @@ def enter(run: Run, step: int, phase: str, timeout_s: float | None = None) -> No
 
 def move_to(run: Run, phase: str) -> None:
     """Place models, optimizer states and engine for `phase` (offload.placement, from the offload flags)."""
-    place(run, run.offload, run.placement, phase, run.env.device, run.engine.llm)
+    llm = run.engine.llm if run.pool is None else None  # a split job's trainers: their engine sleeps for good
+    place(run, run.offload, run.placement, phase, run.env.device, llm)
     run.placement = phase
 
 
@@ -681,7 +682,7 @@ def serve_rollouts(run: Run) -> None:
         if ahead and step < run.total_steps:
             run.progress.enter(step, "generate_ahead")
             held = pool_batch(run, step + 1, version=step - 1)
-        if stop_requested(run, step):  # the trainers' call of the same collective (train)
+        if step < run.total_steps and stop_requested(run, step):  # the trainers' call of it (train)
             break
 
 

@@ -62,12 +62,12 @@ def main() -> None:
         kept[step - 1] = {name: t.clone() for name, t in models.iter_full_params(run.actor)}  # version step - 1
         metrics = train_ppo.train_step(run, step)
         rows.append(metrics)
-        stop = train_ppo.stop_requested(run, step)  # the pool's call of the same collective
-        assert not stop
+        if step < run.total_steps:  # the pool's call of the same collective (train_ppo.train)
+            assert not train_ppo.stop_requested(run, step)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(cfg.actor_rollout_ref.model.path)
-    plain = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     temperature = cfg.actor_rollout_ref.rollout.temperature
     gaps = {step: {"sampler": engine_gap(plain, kept[max(step - 2, 0)], batch, temperature),
                    "current": engine_gap(plain, kept[step - 1], batch, temperature)}
