@@ -564,7 +564,8 @@ def test_a_separate_rollout_pool_plans_each_role(tiny_assets):
 
     split = ["actor_rollout_ref.hybrid_engine=false", "trainer.v1.trainer_mode=separate_async",
              "actor_rollout_ref.rollout.nnodes=1", "trainer.v1.separate_async.parameter_sync_step=2",
-             "trainer.v1.separate_async.num_warmup_batches=0", "trainer.val_before_train=false"]
+             "trainer.v1.separate_async.num_warmup_batches=0", "trainer.val_before_train=false", "trainer.test_freq=-1",
+             "trainer.save_freq=-1"]
 
     def plan(*overrides: str, world: int, gpu_gb: float = 80.0) -> dict:
         cfg = load_config("configs/tiny_cpu.yaml", [f"actor_rollout_ref.model.path={tiny_assets['tiny-qwen2']}",

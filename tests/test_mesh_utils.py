@@ -300,7 +300,8 @@ def test_every_rollout_group_needs_a_validation_prompt():
 
 SPLIT = ["actor_rollout_ref.hybrid_engine=false", "trainer.v1.trainer_mode=separate_async",
          "actor_rollout_ref.rollout.nnodes=1", "trainer.v1.separate_async.parameter_sync_step=1",
-         "trainer.v1.separate_async.num_warmup_batches=0", "trainer.val_before_train=false"]
+         "trainer.v1.separate_async.num_warmup_batches=0", "trainer.val_before_train=false", "trainer.test_freq=-1",
+         "trainer.save_freq=-1"]
 
 
 def test_seed_split_trainer_node_and_rollout_node():
