@@ -7,6 +7,8 @@ every rank (the trainers' idle), the warmed tiny model.
   weights come back to the pool's engine in buckets; the metrics must be the collocated run's, bit for bit
   (timings and memory aside). Both runs use the same kernels on this machine (the same CPU, one process each
   for the model that trains), so the floats can be compared exactly.
+  1 + 1 one step off (num_warmup_batches=1), decoupled PPO: tests/dist_split_check.py keeps every weight
+  version and finds which one sampled each trained batch: the one a step older than the update's.
 """
 import json
 
