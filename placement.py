@@ -119,7 +119,7 @@ def _broadcast_bucket(pool: Pool, bucket: list[tuple[str, torch.Tensor]]) -> Non
     header = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
     dist.broadcast_object_list([("bucket", header)], src=0, group=pool.sync_group)
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket])  # (bytes,)
-    dist.broadcast(flat.cpu() if flat.device.type == "cpu" else flat, src=0, group=pool.sync_group)
+    dist.broadcast(flat, src=0, group=pool.sync_group)
 
 
 def receive_weights(pool: Pool, device: torch.device, probe: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -138,9 +138,3 @@ def receive_weights(pool: Pool, device: torch.device, probe: list[Any]) -> Itera
         for (name, shape, dtype), part in zip(body, flat.split(sizes), strict=True):
             yield name, part.view(dtype).view(shape)
 
-
-def share_from(pool: Pool, value: Any, src: int) -> Any:
-    """Every rank gets `value` from global rank `src` (a collective over the world)."""
-    box = [value if pool.rank == src else None]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
