@@ -13,7 +13,7 @@ every rank (the trainers' idle), the warmed tiny model.
 import json
 
 import pytest
-from conftest import ROOT, clean_env, run
+from conftest import torchrun
 from test_checkpoint import compared
 from test_train_ppo import step_rows
 
@@ -32,10 +32,9 @@ SPLIT = ["actor_rollout_ref.hybrid_engine=false", "trainer.v1.trainer_mode=separ
 
 def launch(tmp_path, name: str, nproc: int, tiny_assets, sft_model, *overrides: str):
     out = tmp_path / name
-    run([str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "train_ppo.py",
-         "--config", "configs/tiny_cpu.yaml", f"actor_rollout_ref.model.path={sft_model}",
-         f"data.train_files={tiny_assets['train']}", f"data.val_files={tiny_assets['val']}",
-         f"trainer.default_local_dir={out}", *ONE_RANK, *overrides], env=clean_env())
+    torchrun(nproc, "train_ppo.py", "--config", "configs/tiny_cpu.yaml", f"actor_rollout_ref.model.path={sft_model}",
+             f"data.train_files={tiny_assets['train']}", f"data.val_files={tiny_assets['val']}",
+             f"trainer.default_local_dir={out}", *ONE_RANK, *overrides)
     return out
 
 
@@ -59,12 +58,11 @@ def test_one_step_off_trains_each_batch_sampled_by_the_weights_one_update_old(tm
     step's (the first batch: version 0) gives the engine's log-probs (float32, < 1e-4); the step's own version
     does not (the check can tell them apart), and the versions logged say staleness 1 from step 2 on."""
     out = tmp_path / "gaps.json"
-    run([str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", "--nproc_per_node=2", "tests/dist_split_check.py",
-         str(out), f"actor_rollout_ref.model.path={sft_model}", f"data.train_files={tiny_assets['train']}",
-         f"data.val_files={tiny_assets['val']}", f"trainer.default_local_dir={tmp_path / 'run'}", *ONE_RANK, *SPLIT,
-         "trainer.v1.separate_async.num_warmup_batches=1", "trainer.total_training_steps=3",
-         "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0"],
-        env=clean_env())
+    torchrun(2, "tests/dist_split_check.py", str(out), f"actor_rollout_ref.model.path={sft_model}",
+             f"data.train_files={tiny_assets['train']}", f"data.val_files={tiny_assets['val']}",
+             f"trainer.default_local_dir={tmp_path / 'run'}", *ONE_RANK, *SPLIT,
+             "trainer.v1.separate_async.num_warmup_batches=1", "trainer.total_training_steps=3",
+             "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0")
     result = json.loads(out.read_text())
     gaps = {int(step): gap for step, gap in result["gaps"].items()}
     assert sorted(gaps) == [1, 2, 3]
