@@ -41,24 +41,24 @@ def gather_items(items: list[Any], group: Any) -> list[Any]:
 
 
 @contextlib.contextmanager
-def failing_together(error_type: type[Exception], device: torch.device) -> Iterator[None]:
-    """Collective: run the block on every rank, then raise on every rank if it raised error_type on any
-    (a failed rank its own error, the others one naming it). Without this, the ranks that succeeded
-    would wait in the next collective for one that is gone, until a timeout."""
+def failing_together(error_type: type[Exception], device: torch.device, group: Any = None) -> Iterator[None]:
+    """Collective over `group` (None: every rank): run the block on each of its ranks, then raise on each if
+    it raised error_type on any (a failed rank its own error, the others one naming it). Without this, the
+    ranks that succeeded would wait in the next collective for one that is gone, until a timeout."""
     failure = None
     try:
         yield
     except error_type as e:
         failure = e
     failed = torch.tensor([failure is not None], dtype=torch.int32, device=device)
-    dist.all_reduce(failed)  # how many ranks failed
+    dist.all_reduce(failed, group=group)  # how many ranks failed
     if failed.item() == 0:
         return
-    messages: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if failure is None else str(failure).splitlines()[0])
+    messages: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, None if failure is None else str(failure).splitlines()[0], group=group)
     if failure is not None:
         raise failure
-    ranks = [r for r, m in enumerate(messages) if m is not None]
+    ranks = [r if group is None else dist.get_global_rank(group, r) for r, m in enumerate(messages) if m is not None]
     raise error_type(f"rank {ranks[0]} failed{f' (and ranks {ranks[1:]})' if ranks[1:] else ''}: {messages[ranks[0]]}")
 
 

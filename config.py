@@ -186,6 +186,11 @@ SCHEMA: dict[str, Any] = {
             # verl: abort the step's remaining requests once (1 - rate) of them completed. Refused above 0 here
             # (check_colocate_async): trainer.v1.trainer_mode=colocate_async cuts the tail and keeps what it cut
             "over_sample_rate": (float, 0.0),
+            # verl: the standalone rollout pool (actor_rollout_ref.hybrid_engine=false with trainer.v1.trainer_mode=
+            # separate_async): nnodes x n_gpus_per_node ranks of their own, after the trainers' (placement.py);
+            # 0 nodes: the engine is collocated with the actor on every rank. n_gpus_per_node null: trainer.n_gpus_per_node
+            "nnodes": (int, 0),
+            "n_gpus_per_node": (_INT_OR_NONE, None),
             "enable_rollout_routing_replay": (bool, False),  # MoE: the engine returns its routes (refused: docs/moe.md)
             # verl: sync (LLM) | async (AsyncLLM servers). Accepted, either value: the engine here is in-process
             # and a multi-turn rollout runs batched, one generate call per turn
@@ -367,9 +372,18 @@ SCHEMA: dict[str, Any] = {
         # worth of groups is complete, and the unfinished samples are carried to the next step (their tokens
         # and engine log-probs kept, resumed as prompt + tokens so far under the new weights)
         "v1": {
-            "trainer_mode": (str, "sync"),  # sync | colocate_async (verl's separate_async: not here)
+            "trainer_mode": (str, "sync"),  # sync | colocate_async | separate_async (docs/split_placement.md)
             "colocate_async": {
                 "num_warmup_batches": (int, 1),  # batches dispatched ahead, beside the step's own
+            },
+            # the rollout pool on ranks of its own (actor_rollout_ref.hybrid_engine=false, rollout.nnodes > 0)
+            "separate_async": {
+                # batches the pool generates ahead of the trainers: 0 sequential, 1 one step off (the pool
+                # samples step t+1's batch with the weights one update old while the trainers update on step t's)
+                "num_warmup_batches": (int, 1),
+                # actor updates (mini batches) per weight sync; verl requires data.train_batch_size =
+                # parameter_sync_step x actor.ppo_mini_batch_size, and so does this program
+                "parameter_sync_step": (int, 4),
             },
             "sampler": {  # read by colocate_async only (verl: a no-op in sync)
                 # the most weight versions a group may span from its dispatch to its training step:
@@ -553,7 +567,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "reward_model.reward_manager": ("naive", "dapo"),
     "reward_model.sandbox_fusion.isolation": ("full", "basic"),  # sandbox.ISOLATIONS
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
-    "trainer.v1.trainer_mode": ("sync", "colocate_async"),
+    "trainer.v1.trainer_mode": ("sync", "colocate_async", "separate_async"),
     "trainer.v1.sampler.max_off_policy_strategy": ("drop", "wait"),
     "distillation.distillation_loss.loss_mode": _ALGORITHMS.distillation_losses,
     "distillation.distillation_loss.policy_loss_mode": ("vanilla",),  # verl's only one
@@ -724,9 +738,10 @@ VERL_KEY_RULES: tuple[VerlKeyRule, ...] = (
             "samples", "actor_rollout_ref.rollout.trace.*"),
     *_rules(NOT_IMPLEMENTED, "verl's data plane and rollout dumps between Ray workers; here each rank holds its "
             "share of the batch", "transfer_queue.*", "skip.*"),
-    *_rules(NOT_IMPLEMENTED, "verl's V1 trainer beyond trainer.v1.trainer_mode (sync | colocate_async), "
-            "colocate_async.num_warmup_batches and the sampler's max_off_policy_* (docs/partial_rollout.md): "
-            "separate_async, custom samplers and refills are not implemented", "trainer.v1.*", "trainer.use_v1"),
+    *_rules(NOT_IMPLEMENTED, "verl's V1 trainer beyond trainer.v1.trainer_mode (sync | colocate_async | "
+            "separate_async), {colocate,separate}_async.num_warmup_batches, separate_async.parameter_sync_step and the "
+            "sampler's max_off_policy_* (docs/partial_rollout.md, docs/split_placement.md): the hybrid rollout switch, "
+            "custom samplers and refills are not implemented", "trainer.v1.*", "trainer.use_v1"),
     *_rules(NOT_IMPLEMENTED, "the device is detected at run time here (CUDA, else CPU)", "trainer.device"),
     *_rules(NOT_IMPLEMENTED, "not implemented here; every validation's samples go to trainer.validation_data_dir",
             "trainer.val_only", "trainer.log_val_generations"),
@@ -770,9 +785,8 @@ VERL_KEY_RULES: tuple[VerlKeyRule, ...] = (
             "actor_rollout_ref.actor.freeze_vision_tower", "actor_rollout_ref.actor.use_prefix_grouper",
             "algorithm.use_pf_ppo", "algorithm.pf_ppo.*",
             "algorithm.filter_groups.max_inflight_gen_batches"),
-    *_rules(NOT_IMPLEMENTED, "the rollout runs on the actor's ranks, its mesh ('dp','infer_tp') set by "
-            "rollout.tensor_model_parallel_size; no separate pool, no other parallelism",
-            "actor_rollout_ref.rollout.nnodes", "actor_rollout_ref.rollout.n_gpus_per_node",
+    *_rules(NOT_IMPLEMENTED, "the rollout's mesh ('dp','infer_tp') is set by rollout.tensor_model_parallel_size, "
+            "on the actor's ranks or on a separate pool (rollout.nnodes, docs/split_placement.md); no other parallelism",
             "actor_rollout_ref.rollout.data_parallel_size", "actor_rollout_ref.rollout.expert_parallel_size",
             "actor_rollout_ref.rollout.pipeline_model_parallel_size", "actor_rollout_ref.rollout.disaggregation.*",
             "actor_rollout_ref.rollout.checkpoint_engine.*", "actor_rollout_ref.rollout.router_config_path"),
@@ -1172,6 +1186,11 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "trainer.max_critic_ckpt_to_keep": (_ONE_OR_MORE[0], ">= 1 (null keeps every checkpoint)"),
     "trainer.max_consecutive_skipped_steps": _ONE_OR_MORE,
     "trainer.v1.colocate_async.num_warmup_batches": (_NON_NEGATIVE[0], ">= 0 (0: no batch ahead, the sync run)"),
+    "trainer.v1.separate_async.num_warmup_batches": (lambda v: v in (0, 1), "0 (sequential) or 1 (one step off); "
+                                                      "more batches ahead are not implemented here"),
+    "trainer.v1.separate_async.parameter_sync_step": _ONE_OR_MORE,
+    f"{_ROLLOUT}.nnodes": (_NON_NEGATIVE[0], ">= 0 (0: the engine collocated with the actor on every rank)"),
+    f"{_ROLLOUT}.n_gpus_per_node": (_ONE_OR_MORE[0], ">= 1 (null: trainer.n_gpus_per_node)"),
     "trainer.v1.sampler.max_off_policy_threshold": (_ONE_OR_MORE[0], ">= 1 weight versions (1: on policy)"),
     f"{_ROLLOUT}.over_sample_rate": _between(0, 1, high_open=True),
     "distillation.distillation_loss.topk": _ONE_OR_MORE,
@@ -1266,9 +1285,6 @@ def check_supported(cfg: Config) -> None:
             raise ConfigError(f"{key}={value!r} is not implemented; valid: {', '.join(CHOICES[key])}.")
     if cfg.reward_model.enable:
         _check_reward_model(cfg)
-    if not actor_rollout_ref.hybrid_engine:
-        raise ConfigError("actor_rollout_ref.hybrid_engine=false (a separate rollout pool) is not supported: "
-                          "the engine is collocated with the actor on every rank. Set it to true.")
     if cfg.data.val_batch_size is not None:
         raise ConfigError(f"data.val_batch_size={cfg.data.val_batch_size}: validation hands the whole held-out "
                           "set to the engine at once (vLLM batches it itself); set data.val_batch_size=null, or "
@@ -1581,8 +1597,12 @@ def check_colocate_async(cfg: Config) -> None:
             f"aborts the last requests of a step and trains without them (or on their truncation), a bias towards "
             f"short responses. {_V1}.trainer_mode=colocate_async cuts the same tail and carries the cut samples "
             f"to the next step instead; set over_sample_rate=0.")
+    check_rollout_pool(cfg)
     if v1.trainer_mode == "sync":
         return  # verl: the sampler's keys are no-ops in sync (a run that sets them hears they went unread)
+    if v1.trainer_mode == "separate_async":
+        check_separate_async(cfg)
+        return
     warmup = v1.colocate_async.num_warmup_batches
     threshold, strategy = v1.sampler.max_off_policy_threshold, v1.sampler.max_off_policy_strategy
     mode = f"{_V1}.trainer_mode=colocate_async"
@@ -1613,6 +1633,95 @@ def check_colocate_async(cfg: Config) -> None:
             f"algorithm.rollout_correction.rollout_is=token (decoupled PPO: IS weights actor / engine, e.g. with "
             f"rollout_is_threshold=2.0) or algorithm.rollout_correction.bypass_mode=true (the engine's log-probs "
             f"are the old ones), or num_warmup_batches=0 (then nothing is ever cut: the sync run).")
+
+
+def check_rollout_pool(cfg: Config) -> None:
+    """verl's three keys of a separate rollout pool agree: hybrid_engine=false, rollout.nnodes > 0 and
+    trainer_mode=separate_async come together (placement.py lays the pool out), or none of them."""
+    arr, mode = cfg.actor_rollout_ref, cfg.trainer.v1.trainer_mode
+    nnodes, per_node = arr.rollout.nnodes, arr.rollout.n_gpus_per_node
+    separate = mode == "separate_async"
+    # verl's default n_gpus_per_node is ${trainer.n_gpus_per_node}: that value says nothing of a pool
+    if arr.hybrid_engine and not separate and (nnodes != 0 or per_node not in (None, cfg.trainer.n_gpus_per_node)):
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.nnodes={nnodes} n_gpus_per_node={'null' if per_node is None else per_node} describe a rollout pool of its "
+            f"own, but actor_rollout_ref.hybrid_engine=true collocates the engine with the actor on every rank. For "
+            f"a separate pool set actor_rollout_ref.hybrid_engine=false {_V1}.trainer_mode=separate_async; otherwise "
+            f"leave rollout.nnodes=0 and rollout.n_gpus_per_node=null.")
+    if not separate and not arr.hybrid_engine:
+        raise ConfigError(
+            f"actor_rollout_ref.hybrid_engine=false (a rollout pool on ranks of its own) needs "
+            f"{_V1}.trainer_mode=separate_async (it is {mode}), as in verl 0.9. Set both, with "
+            f"actor_rollout_ref.rollout.nnodes >= 1, or hybrid_engine=true.")
+    if separate and arr.hybrid_engine:
+        raise ConfigError(
+            f"{_V1}.trainer_mode=separate_async with actor_rollout_ref.hybrid_engine=true asks for verl's hybrid "
+            f"replicas on the trainer ranks beside the standalone pool, which is not implemented: the pool here "
+            f"generates alone. Set actor_rollout_ref.hybrid_engine=false, or trainer_mode=colocate_async.")
+    if separate and nnodes < 1:
+        raise ConfigError(
+            f"{_V1}.trainer_mode=separate_async needs a rollout pool: actor_rollout_ref.rollout.nnodes={nnodes}. Set "
+            f"rollout.nnodes >= 1 and rollout.n_gpus_per_node (null: trainer.n_gpus_per_node's "
+            f"{cfg.trainer.n_gpus_per_node}).")
+
+
+def check_separate_async(cfg: Config) -> None:
+    """trainer.v1.trainer_mode=separate_async (placement.py): what the split loop implements, before any model
+    loads. At num_warmup_batches=1 the trained batch was sampled by the weights one update old, so the loss
+    must know (decoupled rollout correction or bypass mode, as colocate_async)."""
+    v1, arr = cfg.trainer.v1, cfg.actor_rollout_ref
+    sep = v1.separate_async
+    mode = f"{_V1}.trainer_mode=separate_async"
+    mini, tbs = arr.actor.ppo_mini_batch_size, cfg.data.train_batch_size
+    if tbs != sep.parameter_sync_step * mini:
+        raise ConfigError(
+            f"{mode}: data.train_batch_size={tbs} must equal {_V1}.separate_async.parameter_sync_step="
+            f"{sep.parameter_sync_step} x actor_rollout_ref.actor.ppo_mini_batch_size={mini} (verl's rule: the actor "
+            f"updates once per mini batch, and the pool gets the weights after the last). Set "
+            f"parameter_sync_step={tbs // mini if tbs % mini == 0 else 'train_batch_size / ppo_mini_batch_size'}.")
+    unsupported = {
+        "actor_rollout_ref.rollout.multi_turn.enable": (arr.rollout.multi_turn.enable, "tools run beside the engine"),
+        "algorithm.filter_groups.enable": (cfg.algorithm.filter_groups.enable, "extra generation batches"),
+        "reward_model.enable": (cfg.reward_model.enable, "the reward model would load on the rollout ranks"),
+        "actor_rollout_ref.model.lora_rank": (arr.model.lora_rank > 0, "the adapter-only syncs"),
+        "actor_rollout_ref.actor.use_dynamic_bsz": (bool(arr.actor.use_dynamic_bsz or arr.rollout.log_prob_use_dynamic_bsz
+                                                         or arr.ref.log_prob_use_dynamic_bsz or cfg.critic.use_dynamic_bsz),
+                                                    "micro batches agreed over the trainers alone"),
+    }
+    for key, (on, what) in unsupported.items():
+        if on:
+            raise ConfigError(f"{mode} with {key} is not implemented yet ({what}); use {_V1}.trainer_mode=sync with "
+                              f"actor_rollout_ref.hybrid_engine=true for it.")
+    tc = cfg.trainer
+    later = {"trainer.val_before_train": (tc.val_before_train, "false", "validation on the pool"),
+             "trainer.test_freq": (tc.test_freq > 0, "-1", "validation on the pool"),
+             "trainer.save_freq": (tc.save_freq > 0, "-1", "checkpoints with the batch generated ahead")}
+    for key, (on, off, what) in later.items():
+        if on:
+            raise ConfigError(f"{mode} with {key}={tc[key.split('.')[1]]} is not implemented yet ({what}); set "
+                              f"{key}={off}, or use {_V1}.trainer_mode=sync with actor_rollout_ref.hybrid_engine=true.")
+    if adv_estimator_traits(cfg.algorithm.adv_estimator).baseline_rollout is not None:
+        raise ConfigError(f"{mode} with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: its baseline rollout is "
+                          f"not implemented on the rollout pool. Use grpo / rloo / gae / another estimator, or "
+                          f"{_V1}.trainer_mode=sync.")
+    warmup, threshold = sep.num_warmup_batches, v1.sampler.max_off_policy_threshold
+    if v1.sampler.max_off_policy_strategy != "drop":
+        raise ConfigError(f"{mode}: {_V1}.sampler.max_off_policy_strategy=wait has nothing to wait for: the pool "
+                          f"generates whole batches, at most one ahead, so no group outlives the bound. Leave it at drop.")
+    if warmup + 1 > threshold:
+        raise ConfigError(
+            f"{mode} with {_V1}.separate_async.num_warmup_batches={warmup}: each trained batch was sampled by the "
+            f"weights {warmup} update(s) old, {warmup + 1} weight versions, over {_V1}.sampler.max_off_policy_threshold="
+            f"{threshold}. Raise the threshold to {warmup + 1}, or set num_warmup_batches=0 (sequential).")
+    rc = cfg.algorithm.rollout_correction
+    if warmup == 1 and not (rc.bypass_mode or rc.rollout_is is not None):
+        raise ConfigError(
+            f"{mode} with {_V1}.separate_async.num_warmup_batches={warmup}: every trained batch was sampled by the "
+            f"weights one update older than the update starts from, and a PPO ratio against the current actor "
+            f"alone anchors the clip at a policy that never sampled it. Set "
+            f"algorithm.rollout_correction.rollout_is=token (decoupled PPO: IS weights actor / engine, e.g. with "
+            f"rollout_is_threshold=2.0) or algorithm.rollout_correction.bypass_mode=true (the engine's log-probs "
+            f"are the old ones), or num_warmup_batches=0 (sequential).")
 
 
 def check_distillation(cfg: Config) -> None:

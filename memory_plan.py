@@ -323,6 +323,7 @@ class MemoryInputs:
     reward_packed: bool = True  # reward_model.model.use_remove_padding
     teacher: ModelShape | None = None  # distillation.enabled: the teacher, run forward in the log_prob phase
     teacher_topk: int | None = None  # forward_kl_topk's k: the teacher's top-k log-probs and ids stay in the batch
+    split: bool = False  # a separate rollout pool: no engine on the trainers (theirs sleeps for good at start)
 
 
 def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
@@ -356,8 +357,8 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
             "reward_model.params": (param_shard_bytes(m.reward_model, m.fsdp, fsdp_rank)
                                     if m.reward_model and on["reward_model.params"] else 0),
             "teacher.params": param_shard_bytes(m.teacher, m.fsdp, fsdp_rank) if m.teacher and on["teacher.params"] else 0,
-            "engine.weights": engine_weights if on["engine.weights"] else 0,
-            "engine.kv_cache": max(0, engine_total - engine_weights) if on["engine.kv_cache"] else 0,
+            "engine.weights": engine_weights if on["engine.weights"] and not m.split else 0,
+            "engine.kv_cache": max(0, engine_total - engine_weights) if on["engine.kv_cache"] and not m.split else 0,
             "gathered_blocks": 0,
             "activations": 0,
             "log_prob_chunk": 0,
@@ -383,6 +384,15 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
 # item's own largest: a tied model's embedding gradients peak at the end of the backward, when the logits
 # and the activations are long freed.
 Moment = dict[str, int]
+
+
+def rollout_rank_bytes(m: MemoryInputs) -> dict[str, int]:
+    """A rank of a separate rollout pool: its engine (weights and KV cache within gpu_memory_utilization), and
+    one bucket of the weights trainer 0 broadcasts (received whole, then loaded), beside it at the sync."""
+    engine_weights = sum(math.prod(s) for s in m.actor.param_shapes) * m.engine_bytes // m.infer_tp
+    engine_total = int(m.gpu_memory_utilization * m.gpu_memory_bytes)
+    return {"engine.weights": engine_weights, "engine.kv_cache": max(0, engine_total - engine_weights),
+            "sync_bucket": sync_bucket_bytes(m.actor, m.engine_bytes, 1)}
 
 
 def _largest(moments: list[Moment]) -> Moment:
@@ -592,7 +602,7 @@ def memory_inputs(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_g
                       if cfg.reward_model.enable else None),
         reward_micro=cfg.reward_model.micro_batch_size_per_gpu or roles.rollout.log_prob_micro_batch_size_per_gpu,
         reward_packed=cfg.reward_model.model.use_remove_padding,
-        teacher=teacher, teacher_topk=teacher_topk)
+        teacher=teacher, teacher_topk=teacher_topk, split=dims.split)
 
 
 def _holds_unsharded_grads(update: UpdateSpec) -> bool:
@@ -662,10 +672,18 @@ def memory_report(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_g
         return {"error": f"{message} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"}
     ranks = [phase_bytes(m, r) for r in range(m.fsdp)]
     fits, line = verdict(m, ranks[0], plan.actor_update.mini_batch_size)  # FSDP rank 0 holds the largest shards
+    pool = rollout_rank_bytes(m) if dims.split else None
+    if pool is not None and (pool["engine.kv_cache"] == 0 or sum(pool.values()) > m.gpu_memory_bytes):
+        fits, line = False, (f"does not fit: a rollout rank's engine weights ({pool['engine.weights'] / GIB:.2f} GiB) "
+                             f"and a sync bucket ({pool['sync_bucket'] / GIB:.2f} GiB) beside "
+                             f"actor_rollout_ref.rollout.gpu_memory_utilization={m.gpu_memory_utilization} of "
+                             f"{m.gpu_memory_bytes / GIB:.2f} GiB (--gpu-memory-gb) leave no KV cache; change "
+                             f"gpu_memory_utilization, or raise tensor_model_parallel_size")
     return {"assumes": "CUDA: bf16 compute and engine weights, fp32 master weights, gradients and Adam state",
             "gpu_memory_gb": gpu_memory_gb, "fits": fits, "verdict": line,
-            "per_fsdp_rank": ranks,  # rank r of the world is entry r % fsdp_size
+            "per_fsdp_rank": ranks,  # rank r of the world is entry r % fsdp_size (the trainers, when split)
             "totals_rank0": {phase: sum(items.values()) for phase, items in ranks[0].items()},
+            "rollout_rank": pool,  # a separate pool's rank (None: collocated)
             "in_flight": in_flight_memory(cfg, m, dims.rollout_dp, ranks[0]["generate"]["engine.kv_cache"])}
 
 
@@ -702,6 +720,11 @@ def describe_memory(report: dict[str, Any]) -> str:
     for item in items:
         lines.append(f"  {item:<18}" + "".join(f"{rank0[p][item] / GIB:>10.2f}" for p in PHASES))
     lines.append(f"  {'total':<18}" + "".join(f"{report['totals_rank0'][p] / GIB:>10.2f}" for p in PHASES))
+    pool = report.get("rollout_rank")
+    if pool:  # a separate rollout pool: the table above is a trainer's (no engine), this a rollout rank's
+        lines[0] = lines[0].replace("Memory plan per rank", "Memory plan per trainer rank (its engine asleep for good)")
+        lines.append("  rollout rank, GiB: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in pool.items())
+                     + f"; total {sum(pool.values()) / GIB:.2f}")
     lines.append(f"  verdict: {report['verdict']}")
     flight = report.get("in_flight")
     if flight:  # colocate_async: what the groups in flight hold

@@ -8,6 +8,10 @@ One SPMD program, three computation domains over the same ranks (verl's fsdp_wor
                   ranks, so for 6 ranks and tp=2: [[0,1],[2,3],[4,5]].
   Ulysses domain  only when sp>1, mesh ('dp','sp') = (world/sp, sp).
 
+A separate rollout pool (actor_rollout_ref.hybrid_engine=false, rollout.nnodes > 0; placement.py runs it) takes
+ranks of its own after the trainers': the FSDP and Ulysses domains then cover the trainers only, the rollout
+domain the pool only (every rank still builds an engine: vLLM's groups span the job; the trainers' stay idle).
+
 All three are views of one world DeviceMesh (`build_meshes`), and all the arithmetic behind them is
 pure (`ParallelDims`, `plan_device_map`, `plan_batches`), so that the planner
 
@@ -27,7 +31,7 @@ import math
 import os
 import socket
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -40,7 +44,8 @@ from config import Config, ConfigError, adv_estimator_traits, check_supported, d
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of every domain; `fsdp` is resolved (-1 -> world)."""
+    """Degrees of every domain; `fsdp` is resolved (-1 -> world). `world_size` counts the ranks that train
+    (all of them, collocated); a separate rollout pool (hybrid_engine=false) adds `rollout_ranks` after them."""
 
     world_size: int
     nnodes: int
@@ -48,14 +53,28 @@ class ParallelDims:
     fsdp: int  # ranks per FSDP group
     infer_tp: int  # ranks per vLLM tensor-parallel group
     sp: int  # ranks per Ulysses sequence-parallel group
+    rollout_nnodes: int = 0  # the separate pool's nodes (actor_rollout_ref.rollout.nnodes); 0: collocated
+    rollout_per_node: int = 0  # its ranks per node (actor_rollout_ref.rollout.n_gpus_per_node)
+
+    @property
+    def rollout_ranks(self) -> int:  # the separate pool's size; 0: the engine is collocated on every rank
+        return self.rollout_nnodes * self.rollout_per_node
+
+    @property
+    def split(self) -> bool:  # trainers and the rollout pool on different ranks
+        return self.rollout_ranks > 0
+
+    @property
+    def launched(self) -> int:  # every process of the job: the trainers, then the pool
+        return self.world_size + self.rollout_ranks
 
     @property
     def ddp(self) -> int:  # FSDP replicas (HSDP's outer dimension)
         return self.world_size // self.fsdp
 
     @property
-    def rollout_dp(self) -> int:  # vLLM engines, each generating for its own prompts
-        return self.world_size // self.infer_tp
+    def rollout_dp(self) -> int:  # vLLM engines that generate, each for its own prompts
+        return (self.rollout_ranks or self.world_size) // self.infer_tp
 
     @property
     def train_dp(self) -> int:  # ranks holding distinct training samples
@@ -89,19 +108,29 @@ def parallel_dims(cfg: Config, world_size: int | None = None) -> ParallelDims:
         raise ConfigError(
             f"trainer.nnodes={nnodes} and trainer.n_gpus_per_node={per_node} must both be >= 1."
         )
-    expected = nnodes * per_node
-    world = expected if world_size is None else world_size
-    if world != expected:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # processes per node, under torchrun
+    tp = actor_rollout_ref.rollout.tensor_model_parallel_size
+    pool_nodes, pool_per_node = rollout_pool(cfg)
+    expected = nnodes * per_node + pool_nodes * pool_per_node
+    launched = expected if world_size is None else world_size
+    if launched != expected:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", launched))  # processes per node, under torchrun
+        if pool_nodes:
+            raise ConfigError(
+                f"torchrun launched {launched} processes but the trainers (trainer.nnodes x trainer.n_gpus_per_node = "
+                f"{nnodes} x {per_node}) and the rollout pool (actor_rollout_ref.rollout.nnodes x n_gpus_per_node = "
+                f"{pool_nodes} x {pool_per_node}) are {expected}. Launch {expected} processes (--nnodes="
+                f"{nnodes + pool_nodes} --nproc_per_node={per_node}, or one machine: --nproc_per_node={expected}), "
+                f"or change those keys.")
         raise ConfigError(
-            f"torchrun launched {world} processes but trainer.nnodes x trainer.n_gpus_per_node = "
+            f"torchrun launched {launched} processes but trainer.nnodes x trainer.n_gpus_per_node = "
             f"{nnodes} x {per_node} = {expected}. Launch with --nnodes={nnodes} --nproc_per_node={per_node}, "
             f"or set trainer.nnodes / trainer.n_gpus_per_node to match the launch "
-            f"(e.g. trainer.nnodes={world // local} trainer.n_gpus_per_node={local})."
+            f"(e.g. trainer.nnodes={launched // local} trainer.n_gpus_per_node={local})."
         )
-
-    tp = actor_rollout_ref.rollout.tensor_model_parallel_size
-    if tp < 1 or per_node % tp != 0:
+    world = nnodes * per_node  # the ranks that train
+    if pool_nodes:
+        check_rollout_pool_layout(world, pool_per_node, tp)
+    elif tp < 1 or per_node % tp != 0:
         if tp < 1:
             why = "it must be >= 1"
         elif tp > per_node and nnodes == 1:
@@ -160,7 +189,33 @@ def parallel_dims(cfg: Config, world_size: int | None = None) -> ParallelDims:
                     f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp} shards packed sequences, "
                     f"but {key}=false. Set {key}=true, or ulysses_sequence_parallel_size=1."
                 )
-    return ParallelDims(world, nnodes, per_node, fsdp, tp, sp)
+    return ParallelDims(world, nnodes, per_node, fsdp, tp, sp, pool_nodes, pool_per_node)
+
+
+def rollout_pool(cfg: Config) -> tuple[int, int]:
+    """(nodes, ranks per node) of the separate rollout pool (verl's actor_rollout_ref.rollout.nnodes and
+    n_gpus_per_node, null: trainer.n_gpus_per_node's); (0, 0) when the engine is collocated (hybrid_engine)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    per_node = rollout.n_gpus_per_node if rollout.n_gpus_per_node is not None else cfg.trainer.n_gpus_per_node
+    return (rollout.nnodes, per_node) if not cfg.actor_rollout_ref.hybrid_engine else (0, 0)
+
+
+def check_rollout_pool_layout(trainers: int, pool_per_node: int, tp: int) -> None:
+    """The separate pool's TP groups: inside one of its nodes, and (vLLM's external launcher numbers TP groups
+    of consecutive ranks over the whole job, and every rank builds an engine) none across the two roles."""
+    key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    if tp < 1 or pool_per_node % tp != 0:
+        raise ConfigError(
+            f"{key}={tp} must divide actor_rollout_ref.rollout.n_gpus_per_node={pool_per_node}: "
+            f"{'it must be >= 1' if tp < 1 else 'the rollout pool would not cut into whole TP groups, or a TP group would span two of its nodes'}. "
+            f"Valid values: {', '.join(map(str, _divisors(pool_per_node)))}; or set rollout.n_gpus_per_node to a "
+            f"multiple of {max(tp, 1)}.")
+    if trainers % tp != 0:
+        raise ConfigError(
+            f"{key}={tp} must divide the {trainers} trainer ranks (trainer.nnodes x trainer.n_gpus_per_node): vLLM "
+            f"builds its TP groups over the whole job, consecutive ranks, so a group would hold trainer and rollout "
+            f"ranks at once. Valid values: {', '.join(str(d) for d in _divisors(math.gcd(trainers, pool_per_node)))}; "
+            f"or make the trainer ranks a multiple of {tp}.")
 
 
 # -----------------------------------------------------------------------------
@@ -274,9 +329,11 @@ def plan_batches(cfg: Config, dims: ParallelDims) -> BatchPlan:
             f"so actor_rollout_ref.rollout.n={n} must be >= 2 (e.g. rollout.n=8), or use adv_estimator=gae."
         )
     if tbs < 1 or tbs % dims.rollout_dp != 0:
+        pool = (f"rollout pool {dims.rollout_ranks}, actor_rollout_ref.rollout.nnodes x n_gpus_per_node" if dims.split
+                else f"world {dims.world_size}")
         raise ConfigError(
             f"data.train_batch_size={tbs} must be a positive multiple of the {dims.rollout_dp} rollout dp "
-            f"groups (world {dims.world_size} / actor_rollout_ref.rollout.tensor_model_parallel_size "
+            f"groups ({pool} / actor_rollout_ref.rollout.tensor_model_parallel_size "
             f"{dims.infer_tp}), so every vLLM engine gets the same number of prompts. "
             f"Nearest valid: {_nearest_multiples(tbs, dims.rollout_dp)}."
         )
@@ -411,6 +468,8 @@ class DeviceMap:
     # ranks at the same place in every sp group: between them they hold each training sample once
     # (all ranks when sp=1); the training reductions (loss counts, whitening, GRPO's groups) run over one
     train_dp_groups: list[list[int]]
+    # a separate rollout pool: the trainers' own engines, built because vLLM's groups span the whole job, idle
+    idle_engine_groups: list[list[int]] = field(default_factory=list)
 
 
 def _blocks(world: int, size: int) -> list[list[int]]:
@@ -419,14 +478,17 @@ def _blocks(world: int, size: int) -> list[list[int]]:
 
 def plan_device_map(dims: ParallelDims) -> DeviceMap:
     """Row-major layout, the same order `init_device_mesh` and `_unflatten` use."""
-    w = dims.world_size
+    w = dims.world_size  # the trainers: ranks [0, w); a separate pool: ranks [w, w + rollout_ranks)
+    engines = _blocks(dims.launched, dims.infer_tp)
     return DeviceMap(
         fsdp_groups=_blocks(w, dims.fsdp),
         ddp_groups=[list(range(i, w, dims.fsdp)) for i in range(dims.fsdp)],
-        rollout_tp_groups=_blocks(w, dims.infer_tp),
+        rollout_tp_groups=[g for g in engines if g[0] >= w] if dims.split else engines,
         sp_groups=_blocks(w, dims.sp),
-        node_of_rank=[r // dims.n_gpus_per_node for r in range(w)],
+        node_of_rank=[r // dims.n_gpus_per_node if r < w else dims.nnodes + (r - w) // dims.rollout_per_node
+                      for r in range(dims.launched)],
         train_dp_groups=[list(range(i, w, dims.sp)) for i in range(dims.sp)],
+        idle_engine_groups=[g for g in engines if g[0] < w] if dims.split else [],
     )
 
 
@@ -501,6 +563,14 @@ def check_launch(dims: ParallelDims, env: DistEnv) -> None:
     """What torchrun launched must be what the config plans: processes per node included, since
     the node boundaries decide which TP groups stay on one node."""
     local_world = env.local_world_size
+    if dims.split:  # one machine for both roles, or nodes of equal size (torchrun starts as many on each)
+        if local_world != dims.launched and not local_world == dims.n_gpus_per_node == dims.rollout_per_node:
+            raise ConfigError(
+                f"torchrun launched {local_world} processes on this node; a split job runs on one machine (all "
+                f"{dims.launched}: trainer.nnodes x n_gpus_per_node + actor_rollout_ref.rollout.nnodes x "
+                f"n_gpus_per_node) or on nodes of one size: trainer.n_gpus_per_node={dims.n_gpus_per_node} and "
+                f"actor_rollout_ref.rollout.n_gpus_per_node={dims.rollout_per_node} equal to --nproc_per_node.")
+        return
     if local_world != dims.n_gpus_per_node:
         raise ConfigError(
             f"torchrun launched {local_world} processes on this node but trainer.n_gpus_per_node="
@@ -518,8 +588,9 @@ def node_rank() -> int:
 class Meshes:
     world: Any  # 1D ('world',): the one mesh every domain below is a view of
     fsdp: Any  # ('fsdp',) or ('ddp','fsdp')
-    rollout: Any  # ('dp','infer_tp')
+    rollout: Any  # ('dp','infer_tp'): the engines that generate
     sp: Any | None  # ('dp','sp') when sp > 1
+    engines: Any = None  # ('dp','infer_tp') over every rank, as vLLM groups them; None: `rollout` (collocated)
 
 
 def build_meshes(dims: ParallelDims, device_type: str, timeout_s: int | None = None) -> Meshes:
@@ -529,20 +600,33 @@ def build_meshes(dims: ParallelDims, device_type: str, timeout_s: int | None = N
     subgroups do not inherit the default group's timeout but take torch's default (10 min NCCL,
     30 min gloo). vLLM's own groups keep vLLM's settings.
     """
+    import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    world = init_device_mesh(device_type, (dims.world_size,), mesh_dim_names=("world",))
-    fsdp2d = world._unflatten(0, (dims.ddp, dims.fsdp), ("ddp", "fsdp"))
+    world = init_device_mesh(device_type, (dims.launched,), mesh_dim_names=("world",))
+    engines = None
+    if dims.split:  # trainers [0, T), the pool [T, N): meshes over one role each (every rank builds them)
+        def over(first: int, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+            ranks = torch.arange(first, first + math.prod(shape)).reshape(shape)
+            return DeviceMesh(device_type, ranks, mesh_dim_names=names)
+
+        engines = world._unflatten(0, (dims.launched // dims.infer_tp, dims.infer_tp), ("dp", "infer_tp"))
+        fsdp2d = over(0, (dims.ddp, dims.fsdp), ("ddp", "fsdp"))
+        rollout = over(dims.world_size, (dims.rollout_dp, dims.infer_tp), ("dp", "infer_tp"))
+        sp = over(0, (dims.train_dp, dims.sp), ("dp", "sp")) if dims.sp > 1 else None
+    else:
+        fsdp2d = world._unflatten(0, (dims.ddp, dims.fsdp), ("ddp", "fsdp"))
+        rollout = world._unflatten(0, (dims.rollout_dp, dims.infer_tp), ("dp", "infer_tp"))
+        sp = world._unflatten(0, (dims.train_dp, dims.sp), ("dp", "sp")) if dims.sp > 1 else None
     fsdp = fsdp2d if dims.ddp > 1 else fsdp2d["fsdp"]
-    rollout = world._unflatten(0, (dims.rollout_dp, dims.infer_tp), ("dp", "infer_tp"))
-    sp = world._unflatten(0, (dims.train_dp, dims.sp), ("dp", "sp")) if dims.sp > 1 else None
     if timeout_s is not None:
-        for mesh in (world, fsdp2d, rollout, *([sp] if sp is not None else [])):
+        for mesh in (world, fsdp2d, rollout, *([sp] if sp is not None else []), *([engines] if engines is not None else [])):
             for name in mesh.mesh_dim_names:
-                # no public setter yet; this is the one torch's own tests use
-                dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), mesh.get_group(name))
-    return Meshes(world, fsdp, rollout, sp)
+                group = mesh.get_group(name) if mesh.get_coordinate() is not None else None
+                if group is not None:  # no public setter yet; this is the one torch's own tests use
+                    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
+    return Meshes(world, fsdp, rollout, sp, engines)
 
 
 def write_rank_layout(out_dir: Path, rank: int, meshes: Meshes) -> None:
@@ -554,6 +638,15 @@ def write_rank_layout(out_dir: Path, rank: int, meshes: Meshes) -> None:
         return dist.get_process_group_ranks(mesh.get_group(dim))
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    if meshes.engines is not None:  # a split job: each rank joined one role's meshes
+        trains = meshes.fsdp.get_coordinate() is not None
+        layout = {"rank": rank, "node_rank": node_rank(), "hostname": os.uname().nodename, "pid": os.getpid(),
+                  "role": "trainer" if trains else "rollout",
+                  "fsdp_group": ranks(meshes.fsdp, "fsdp") if trains else [],
+                  "rollout_tp_group": ranks(meshes.rollout, "infer_tp") if not trains else [],
+                  "rollout_dp_rank": meshes.rollout.get_local_rank("dp") if not trains else None}
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(layout))
+        return
     layout = {"rank": rank, "node_rank": node_rank(), "hostname": os.uname().nodename, "pid": os.getpid(),
               "fsdp_group": ranks(meshes.fsdp, "fsdp"), "rollout_tp_group": ranks(meshes.rollout, "infer_tp"),
               "rollout_dp_rank": meshes.rollout.get_local_rank("dp"),
@@ -568,7 +661,9 @@ def train_dp_group(meshes: Meshes) -> Any:
     the sp ranks sharing samples do not count them twice."""
     import torch.distributed as dist
 
-    return meshes.sp.get_group("dp") if meshes.sp is not None else dist.group.WORLD
+    if meshes.sp is not None:
+        return meshes.sp.get_group("dp") if meshes.sp.get_coordinate() is not None else None
+    return dist.group.WORLD  # a split job: the trainers' group instead (placement.Pool.trainer_group)
 
 
 def _dynamic_sampling_lines(cfg: Config, dims: ParallelDims) -> list[str]:
@@ -598,7 +693,13 @@ def describe(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> str:
     actor_rollout_ref = cfg.actor_rollout_ref
     w = dims.world_size
     lines = [line for line in [describe_verl_keys(cfg)] if line]
-    lines.append(f"Device map: {dims.nnodes} node(s) x {dims.n_gpus_per_node} devices = world {w}")
+    if dims.split:
+        first = dims.launched - dims.rollout_ranks
+        lines.append(f"Device map: trainers {dims.nnodes} node(s) x {dims.n_gpus_per_node} = ranks 0..{w - 1}; rollout "
+                     f"pool {dims.rollout_nnodes} node(s) x {dims.rollout_per_node} = ranks {first}..{dims.launched - 1}"
+                     f" (actor_rollout_ref.hybrid_engine=false, trainer.v1.trainer_mode=separate_async)")
+    else:
+        lines.append(f"Device map: {dims.nnodes} node(s) x {dims.n_gpus_per_node} devices = world {w}")
     if dims.ddp == 1:
         lines.append(f"  FSDP      fsdp_size={actor_rollout_ref.actor.fsdp_config.fsdp_size}: mesh ('fsdp',) = ({w},), "
                      f"one group {_fmt(dm.fsdp_groups)}")
@@ -607,16 +708,27 @@ def describe(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> str:
                      f"shard groups {_fmt(dm.fsdp_groups)}, replica groups {_fmt(dm.ddp_groups)}")
     lines.append(f"  rollout   tensor_model_parallel_size={dims.infer_tp}: mesh ('dp','infer_tp') = "
                  f"({dims.rollout_dp},{dims.infer_tp}), TP groups {_fmt(dm.rollout_tp_groups)}")
+    if dims.split:
+        lines.append(f"  idle      the trainers' engines {_fmt(dm.idle_engine_groups)}: built (vLLM's groups span the "
+                     f"job), never synced nor asked to generate; asleep for good where sleep mode exists")
     if dims.sp > 1:
         lines.append(f"  ulysses   sp={dims.sp}: mesh ('dp','sp') = ({dims.train_dp},{dims.sp}), "
                      f"sp groups {_fmt(dm.sp_groups)} (each trains on one set of samples, 1/{dims.sp} of every "
                      f"sequence per rank), train dp groups {_fmt(dm.train_dp_groups)}")
     else:
         lines.append("  ulysses   off (ulysses_sequence_parallel_size=1)")
-    lines.append("  rank  node  local  fsdp_group  rollout_dp  infer_tp_rank  train_dp_rank")
-    for r in range(w):
-        lines.append(f"  {r:>4}  {dm.node_of_rank[r]:>4}  {r % dims.n_gpus_per_node:>5}  {r // dims.fsdp:>10}  "
-                     f"{r // dims.infer_tp:>10}  {r % dims.infer_tp:>13}  {r // dims.sp:>13}")
+    if dims.split:
+        lines.append("  rank  node  role     fsdp_group  rollout_dp  infer_tp_rank  train_dp_rank")
+        for r in range(dims.launched):
+            trains = r < w
+            lines.append(f"  {r:>4}  {dm.node_of_rank[r]:>4}  {'trainer' if trains else 'rollout':<7}  "
+                         f"{r // dims.fsdp if trains else '-':>10}  {'-' if trains else (r - w) // dims.infer_tp:>10}  "
+                         f"{'-' if trains else (r - w) % dims.infer_tp:>13}  {r // dims.sp if trains else '-':>13}")
+    else:
+        lines.append("  rank  node  local  fsdp_group  rollout_dp  infer_tp_rank  train_dp_rank")
+        for r in range(w):
+            lines.append(f"  {r:>4}  {dm.node_of_rank[r]:>4}  {r % dims.n_gpus_per_node:>5}  {r // dims.fsdp:>10}  "
+                         f"{r // dims.infer_tp:>10}  {r % dims.infer_tp:>13}  {r // dims.sp:>13}")
     for g, ranks in enumerate(dm.rollout_tp_groups):
         lines.append(f"  rollout group {g}: ranks {ranks} on node {dm.node_of_rank[ranks[0]]}")
     p, mini_prompts = plan, actor_rollout_ref.actor.ppo_mini_batch_size
@@ -625,6 +737,7 @@ def describe(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> str:
         f"  data.train_batch_size={p.train_batch_size} prompts -> {dims.rollout_dp} rollout dp groups x "
         f"{p.prompts_per_rollout_group} prompts",
         f"  x rollout.n={p.n} -> {p.samples_per_rollout_group} samples per group, {p.total_samples} in all",
+        *_split_flow_lines(cfg, dims),
         f"  training: {p.total_samples} samples / {dims.train_dp} dp ranks (world {w} / sp {dims.sp}) = "
         f"{p.samples_per_rank} per rank",
         *_dynamic_sampling_lines(cfg, dims),
@@ -634,6 +747,20 @@ def describe(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> str:
         *_role_lines(p, dims.sp),
     ]
     return "\n".join(lines)
+
+
+def _split_flow_lines(cfg: Config, dims: ParallelDims) -> list[str]:
+    """The planner's account of a separate rollout pool's step: what moves where, and how stale."""
+    if not dims.split:
+        return []
+    sep = cfg.trainer.v1.separate_async
+    ahead = ("sequential: the pool waits for each update (staleness 0)" if sep.num_warmup_batches == 0 else
+             "one step off: the pool samples step t+1's batch with the weights one update old while the trainers "
+             "update on step t's (staleness 1)")
+    return [f"  the pool scores its samples, then hands them to the {dims.world_size} trainer ranks (rank order: "
+            f"trainer r takes slice r, as collocated rank r would); {ahead}",
+            f"  after each update trainer 0 broadcasts the weights to the pool in buckets "
+            f"({sep.parameter_sync_step} actor update(s) per sync: trainer.v1.separate_async.parameter_sync_step)"]
 
 
 def _role_lines(plan: BatchPlan, sp: int) -> list[str]:

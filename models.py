@@ -259,12 +259,15 @@ def _load_weights_from_rank0(
     zero_init_head: bool, wrap: Callable[[nn.Module], nn.Module] | None = None,
     require_all_weights: str | None = None,
 ) -> None:
-    """Fill the sharded (empty) model's parameters from the checkpoint that only rank 0 reads.
-    require_all_weights (the config key of the path): a parameter the checkpoint lacks is an error, on
-    every rank."""
+    """Fill the sharded (empty) model's parameters from the checkpoint that only rank 0 reads (broadcast to
+    the others), or, when the model's mesh is part of the world (a split job's trainers: torch broadcasts over
+    the whole world), that every rank of the mesh reads. require_all_weights (the config key of the path): a
+    parameter the checkpoint lacks is an error, on every rank."""
     full_state: dict[str, torch.Tensor] = {}
     missing: list[list[str]] = [[]]
-    if dist.get_rank() == 0:
+    mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
+    every_rank_reads = mesh is not None and mesh.mesh.numel() < dist.get_world_size()
+    if dist.get_rank() == 0 or every_rank_reads:
         source, info = auto_cls.from_pretrained(
             name_or_path, config=config, dtype=torch.float32, trust_remote_code=trust_remote_code,
             output_loading_info=True)
@@ -274,14 +277,14 @@ def _load_weights_from_rank0(
             # sequence-classification checkpoint lacks: zero is exactly the head it saved
             source.score.bias.data.zero_()
             missing = [[]]
-    if require_all_weights is not None:
+    if require_all_weights is not None and not every_rank_reads:
         dist.broadcast_object_list(missing, src=0)
         if missing[0]:
             raise ConfigError(
                 f"{require_all_weights}={name_or_path!r} lacks {', '.join(missing[0][:4])}: it is not a "
                 f"sequence-classification checkpoint with one label and no head bias (save one with "
                 f"AutoModelForSequenceClassification(..., num_labels=1).save_pretrained).")
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 or every_rank_reads:
         if zero_init_head:
             head = getattr(source, "score", None) or getattr(source, "classifier", None)
             if head is None:
@@ -292,7 +295,7 @@ def _load_weights_from_rank0(
             source = wrap(source)
         full_state = source.state_dict()
         del source
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=not every_rank_reads)
     set_model_state_dict(model, full_state, options=options)
 
 

@@ -202,10 +202,12 @@ def build_rollout_engine(
     dtype: str,
     enforce_eager: bool,
     cpu_kv_cache_gib: int = 1,
+    seed: int | None = None,
     **engine_kwargs: object,
 ) -> LLM:
     """One vLLM engine per rank, TP over the rows of rollout_mesh, with random ("dummy") weights
-    that the first `sync_weights` replaces. Extra keyword arguments go to `vllm.LLM`."""
+    that the first `sync_weights` replaces. seed: the engine's (None: its dp rank in rollout_mesh).
+    Extra keyword arguments go to `vllm.LLM`."""
     from vllm import LLM
     from vllm.platforms import current_platform
 
@@ -236,7 +238,7 @@ def build_rollout_engine(
         skip_tokenizer_init=True,  # token ids in, token ids out
         # TP ranks of one group share a seed so they sample alike; groups differ. Requests carry
         # their own seeds (see sample_seed), so this only matters for unseeded requests.
-        seed=rollout_mesh.get_local_rank("dp"),
+        seed=rollout_mesh.get_local_rank("dp") if seed is None else seed,
         dtype=dtype,
         max_model_len=max_model_len,
         gpu_memory_utilization=gpu_memory_utilization,

@@ -128,8 +128,9 @@ def masked_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor, group: d
     return {f"{prefix}/mean": mean, f"{prefix}/max": high.item(), f"{prefix}/min": low.item()}
 
 
-def reduce_metrics(local: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Mean over ranks, except */max and */min which take the max / min. A collective."""
+def reduce_metrics(local: dict[str, float], device: torch.device, group: Any = None) -> dict[str, float]:
+    """Mean over the ranks of `group` (None: every rank), except */max and */min which take the max / min.
+    A collective."""
     keys = sorted(local)
     out = {}
     for op, pick in ((dist.ReduceOp.SUM, lambda k: not k.endswith(("/max", "/min"))),
@@ -139,24 +140,26 @@ def reduce_metrics(local: dict[str, float], device: torch.device) -> dict[str, f
         if not names:
             continue
         values = torch.tensor([float(local[k]) for k in names], dtype=torch.float64, device=device)
-        dist.all_reduce(values, op=op)
+        dist.all_reduce(values, op=op, group=group)
         if op == dist.ReduceOp.SUM:
-            values /= dist.get_world_size()
+            values /= dist.get_world_size(group)
         out.update(zip(names, values.tolist(), strict=True))
     return out
 
 
-def mean_over_ranks(values: dict[str, list[float]], prefix: str, device: torch.device) -> dict[str, float]:
+def mean_over_ranks(values: dict[str, list[float]], prefix: str, device: torch.device,
+                    group: Any = None) -> dict[str, float]:
     """{prefix + key: mean of every rank's values of key}, for keys that only some ranks (or some
-    samples) have, like a reward function's extra outputs. A collective: every rank calls it."""
-    keys: list[list[str]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(keys, sorted(values))
+    samples) have, like a reward function's extra outputs. A collective: every rank of `group` (None: all)
+    calls it."""
+    keys: list[list[str]] = [[] for _ in range(dist.get_world_size(group))]
+    dist.all_gather_object(keys, sorted(values), group=group)
     names = sorted({k for rank_keys in keys for k in rank_keys})
     if not names:
         return {}
     totals = torch.tensor([[sum(values.get(k, [])), len(values.get(k, []))] for k in names], dtype=torch.float64,
                           device=device)  # (keys, 2) sum and count
-    dist.all_reduce(totals)
+    dist.all_reduce(totals, group=group)
     return {prefix + k: (total / count).item() for k, (total, count) in zip(names, totals, strict=True) if count > 0}
 
 

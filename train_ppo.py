@@ -19,7 +19,7 @@ step order -> set-up (`build_run` makes the `Run` whole).
 The step's batch is a dict of tensors, one row per sample this rank trains on (B samples on this
 rank, P = max_prompt_length, R = max_response_length):
     prompts (B, P) left-padded; responses, response_mask, rollout_log_probs (B, R);
-    rollout_versions (B, R): the weight version of each token (colocate_async only)
+    rollout_versions (B, R): the weight version of each token (colocate_async and separate_async only)
     input_ids, attention_mask, position_ids (B, P+R); prompt_index (B,)      <- step 2, generate
     token_level_scores (B, R); reward_baselines (B,) for ReMax               <- step 3, reward
     old_log_probs, ref_log_probs, values (B, R)                              <- step 4
@@ -32,6 +32,10 @@ With Ulysses (actor.ulysses_sequence_parallel_size = sp > 1) the sp ranks of a g
 samples, and sums over the step's batch run over the train dp group, so no sample counts twice.
 Before step 4, trainer.balance_batch deals the step's samples anew over that group, as many tokens on
 each rank (balance_batch): rows are then in no particular order, and everything keys on prompt_index.
+
+With trainer.v1.trainer_mode=separate_async (docs/split_placement.md) ranks [0, T) train and ranks [T, N)
+generate: the pool runs serve_rollouts (weights in, batches scored and handed out), the trainers train_step
+with their batch from the pool (placement.py: the roles' groups, the hand-off, the weights' broadcast).
 
 Scores come from a rule function or, with reward_model.enable, a learned reward model (reward_model.py);
 validation always scores with the rule function, as verl does.
@@ -49,7 +53,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 import eval_metrics
+import placement
 import ppo_core as core
 import reward_remote
 import rollout
@@ -105,6 +110,7 @@ from mesh_utils import (
     write_rank_layout,
 )
 from models import (
+    GATHER_BUCKET_BYTES,
     apply_moves,
     check_model,
     check_sequence_parallel_heads,
@@ -260,7 +266,14 @@ class Run:
     teacher: torch.nn.Module | None = None  # distillation.enabled: the frozen teacher, beside the reference
     teacher_vocab_limit: int | None = None  # the ids its top-k may name: the tokenizer's (models.check_teacher)
     in_flight: InFlight | None = None  # trainer.v1.trainer_mode=colocate_async: the samples carried between steps
+    # trainer.v1.trainer_mode=separate_async: this rank's role and the groups between the roles (placement.py);
+    # a rollout rank holds no model (actor, critic, ... are None) and runs serve_rollouts instead of train
+    pool: placement.Pool | None = None
     consecutive_skips: int = 0
+
+    @property
+    def train_group(self) -> dist.ProcessGroup | None:  # the ranks that train (None: every rank)
+        return self.pool.trainer_group if self.pool is not None else None
 
     def checkpointed(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]]:
         return checkpointed(self)
@@ -303,6 +316,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             functools.partial(rollout_step, run, step, metrics=metrics), algo_cfg.filter_groups,
             train_batch_size=cfg.data.train_batch_size)
         metrics.update(sampling_metrics)
+    elif run.pool is not None:  # separate_async: the rollout pool generated and scored them (serve_rollouts)
+        rows, reward_extras = receive_rollouts(run, metrics)
     else:
         rows, reward_extras = rollout_step(run, step, 0, metrics)
     enter(run, step, "log_prob")  # free_cache_engine: the engine sleeps; param_offload: the shards come back
@@ -312,8 +327,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         batch = ulysses.gather_rows(batch, run.sp_group)
         reward_extras = gather_items(reward_extras, run.sp_group)  # the extras stay beside their rows
     check_generated_layout(batch["prompt_index"], plan.n, run.dp_group)
-    if "rollout_versions" in batch:  # colocate_async: tokens of older weights, within the bound
-        metrics.update(check_versions(batch, step, run.in_flight.threshold, run.old_log_probs_from, run.dp_group))
+    if "rollout_versions" in batch:  # colocate_async, separate_async: tokens of older weights, within the bound
+        metrics.update(check_versions(batch, step, cfg.trainer.v1.sampler.max_off_policy_threshold,
+                                      run.old_log_probs_from, run.dp_group))
     if cfg.trainer.balance_batch:  # verl's: as many tokens on every dp rank, for the forwards and the update
         with timed(metrics, "balance_batch"):
             batch, reward_extras, balance_metrics = balance_batch(batch, reward_extras, run.dp_group)
@@ -393,8 +409,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     metrics["timing_s/step"] = time.perf_counter() - step_start
     metrics.update(step_metrics(run, batch, metrics["timing_s/step"]))
     metrics.setdefault("actor/skipped_steps", 0)
-    metrics = reduce_metrics(metrics, run.env.device)
-    metrics.update(mean_over_ranks(values_by_key(reward_extras), "reward_extra/", run.env.device))
+    metrics = reduce_metrics(metrics, run.env.device, run.train_group)
+    metrics.update(mean_over_ranks(values_by_key(reward_extras), "reward_extra/", run.env.device, run.train_group))
     metrics.update(count_batch(batch["prompt_index"], run.dp_group))
     metrics["batch/ppo_mini_batch_size_per_rank"] = plan.actor_update.mini_batch_size
     metrics["training/epoch"] = run.sampler.epoch
@@ -415,6 +431,9 @@ def train(run: Run) -> None:
     """Validation before training, then every step from the checkpoint on, each followed by validation
     and a checkpoint when they are due (8)."""
     tc = run.cfg.trainer  # build_run placed the models for the first sync
+    if run.pool is not None and not run.pool.is_trainer:  # separate_async: this rank generates for the trainers
+        serve_rollouts(run)
+        return
     if tc.val_before_train and run.val_prompts and run.start_step < run.total_steps:  # on resume, too
         enter(run, run.start_step, "validate")
         sync_weights(run)
@@ -466,7 +485,8 @@ def enter(run: Run, step: int, phase: str, timeout_s: float | None = None) -> No
 
 def move_to(run: Run, phase: str) -> None:
     """Place models, optimizer states and engine for `phase` (offload.placement, from the offload flags)."""
-    place(run, run.offload, run.placement, phase, run.env.device, run.engine.llm)
+    llm = run.engine.llm if run.pool is None else None  # a split job's trainers: their engine sleeps for good
+    place(run, run.offload, run.placement, phase, run.env.device, llm)
     run.placement = phase
 
 
@@ -494,6 +514,13 @@ def sync_weights(run: Run) -> float:
     else:
         weights = iter_full_params(run.actor, dtype=run.param_dtype)
     weights = engine_names(run.actor, weights)  # a MoE's checkpoint names, which the engine loads
+    if run.pool is not None:  # separate_async: trainer 0 broadcasts them to the pool, which checks they landed
+        start = time.perf_counter()
+        run.actor.eval()
+        with torch.no_grad():
+            actor_log_probs = compute_log_probs(run.actor, engine.actor_probe, 1.0, 1).log_probs  # (1, 4)
+        placement.send_weights(run.pool, weights, actor_log_probs.double().cpu(), GATHER_BUCKET_BYTES)
+        return time.perf_counter() - start
     seconds = rollout.sync_weights(engine.llm, weights, partial=bool(run.lora_spec) and engine.synced_once)
     engine.synced_once = True
     run.actor.eval()
@@ -587,7 +614,8 @@ def rollout_step(run: Run, step: int, gen_batch: int,
         rows.update(num_turns=turn_stats.num_turns, tool_calls=turn_stats.tool_calls,
                     tool_failures=turn_stats.tool_failures)
         metrics["timing_s/tool"] = metrics.get("timing_s/tool", 0.0) + turn_stats.tool_seconds
-    with timed(metrics, "reward"), failing_together(RewardError, run.env.device):
+    generators = run.pool.pool_group if run.pool is not None else None  # the ranks that score
+    with timed(metrics, "reward"), failing_together(RewardError, run.env.device, generators):
         # scores: the reward trained on; fn_scores: the function's own (they differ by the overlong penalty)
         rows["scores"], rows["fn_scores"], extras = score(rows, rollout_info=turn_stats and turn_stats.reward_info)
         if baseline_rollout == "greedy":
@@ -636,6 +664,57 @@ def stream_rollout(run: Run, step: int, metrics: dict[str, float]) -> tuple[roll
                     "rollout/carried_groups": len(rollout.groups_of(flight.trajectories)),
                     "training/off_policy/dropped_groups": dropped})
     return rollout.trajectories_batch(selected, sampling)
+
+
+def serve_rollouts(run: Run) -> None:
+    """The rollout pool's loop (separate_async): each step, the weights of version step - 1 from trainer 0
+    (checked as they land), then the step's batch, generated and scored, handed to the trainers. One step off
+    (separate_async.num_warmup_batches=1) the pool then generates step + 1's batch with the same weights while
+    the trainers update on this one: every batch after the first was sampled by the weights one update old."""
+    ahead = run.cfg.trainer.v1.separate_async.num_warmup_batches
+    held = None  # a batch generated ahead: (rows, extras, metrics)
+    for step in range(run.start_step + 1, run.total_steps + 1):
+        run.progress.enter(step, "sync")
+        receive_weights(run)  # version step - 1
+        run.progress.enter(step, "generate")
+        if held is None:  # sequential, or the first step
+            held = pool_batch(run, step, version=step - 1)
+        run.progress.enter(step, "hand_off")
+        placement.hand_off(run.pool, held)
+        held = None
+        if ahead and step < run.total_steps:
+            run.progress.enter(step, "generate_ahead")
+            held = pool_batch(run, step + 1, version=step - 1)
+        if step < run.total_steps and stop_requested(run, step):  # the trainers' call of it (train)
+            break
+
+
+def receive_weights(run: Run) -> None:
+    """A pool rank: trainer 0's broadcast into this rank's engine (placement.receive_weights), then the same
+    check as a collocated sync (rollout.StaleWeightsCheck) against the actor's probe log-probs sent with it."""
+    probe: list[Any] = [None]
+    weights = placement.receive_weights(run.pool, run.env.device, probe)
+    rollout.sync_weights(run.engine.llm, weights)
+    if next(weights, None) is not None:
+        raise RuntimeError("the engine stopped reading the weights trainer 0 broadcast before their end")
+    run.engine.stale_check.check(rollout.engine_fingerprint(run.engine.llm, run.engine.probe), probe[0])
+
+
+def pool_batch(run: Run, step: int, version: int) -> tuple[Batch, list[dict[str, float]], dict[str, float]]:
+    """A pool rank's part of step `step`'s batch (rollout_step: its TP slice of its engine's samples, scored),
+    each response token tagged with the weight version that sampled it (-1 on padding), and the metrics."""
+    metrics: dict[str, float] = {}
+    rows, extras = rollout_step(run, step, 0, metrics)
+    rows["rollout_versions"] = torch.where(rows["response_mask"].bool(), version, -1)  # (B, R)
+    return rows, extras, metrics
+
+
+def receive_rollouts(run: Run, metrics: dict[str, float]) -> tuple[Batch, list[dict[str, float]]]:
+    """A trainer: its slice of the pool's batch (placement.hand_off), as collocated rank r would hold it."""
+    with timed(metrics, "wait_rollout"):  # the time the pool kept the trainers waiting
+        rows, extras, pool_metrics = placement.hand_off(run.pool, None)
+    metrics.update(pool_metrics)
+    return rows, extras
 
 
 def check_same_in_tp_group(trajs: list[rollout.Trajectory], group: dist.ProcessGroup) -> None:
@@ -1414,6 +1493,7 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
             if took_over:
                 print0(took_over)
     meshes = build_meshes(dims, env.device_type, timeout_s=cfg.actor_rollout_ref.nccl_timeout)
+    pool = placement.build_pool(dims, env.rank)  # separate_async: trainers [0, T), the rollout pool [T, N)
     write_rank_layout(out_dir / "layout", env.rank, meshes)
     route_library_logs(out_dir / "logs" / f"rank{env.rank}.log", env.rank)
     print0(f"library logs: {out_dir / 'logs'}/rank<r>.log")
@@ -1430,22 +1510,32 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
     total_steps = epochs_in_steps if steps is None else steps  # null: every epoch; 0: no step (verl)
     param_dtype, _ = default_dtypes(env.device_type)
     teacher_vocab_limit = check_distillation_teacher(cfg, tokenizer)
-    models = load_models(cfg, meshes, env, total_steps)
-    reward_model = load_learned_reward_model(cfg, meshes, env, tokenizer)
-    source, why = old_log_prob_source(models.actor, cfg.algorithm, plan.actor_update, plan.samples_per_rank,
-                                      cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
-    print0(f"old log-probs: {source} ({why})")
     train_files = [cfg.data.train_files] if isinstance(cfg.data.train_files, str) else list(cfg.data.train_files)
     fingerprint = run_dir.fingerprint(cfg, train_files, len(train_prompts))
-    in_flight = InFlight.from_config(cfg)
-    start_step = resume(cfg, out_dir, env.rank, checkpointed(models), sampler, models.kl_ctrl, fingerprint,
-                        (in_flight, meshes.rollout.get_local_rank("dp"), dims.rollout_dp))
-    # placed as for the first weight sync before the engine starts: vLLM sizes its KV cache from the
-    # memory free then, so an offloaded critic must already be on the host
     offload = OffloadFlags.from_config(cfg)
-    place(models, offload, LOADED, "sync", env.device, None)
-    engine = build_engine(cfg, dims, env, meshes, tokenizer, train_prompts[0].token_ids, multi_turn, models,
-                          param_dtype, reuse=engine)
+    if pool is not None:  # a split job: every rank's engine first (vLLM sizes its memory over every rank), no resume
+        engine = build_engine(cfg, dims, env, meshes, tokenizer, train_prompts[0].token_ids, multi_turn, None,
+                              param_dtype, reuse=engine)
+        refuse_split_resume(cfg, out_dir, env.rank)
+        if pool.is_trainer:
+            rollout.sleep(engine.llm, 2)  # for good: the pool generates
+    models = load_models(cfg, meshes, env, total_steps) if pool is None or pool.is_trainer else None
+    reward_model = load_learned_reward_model(cfg, meshes, env, tokenizer)
+    source = why = "the rollout pool trains nothing"
+    if models is not None:
+        source, why = old_log_prob_source(models.actor, cfg.algorithm, plan.actor_update, plan.samples_per_rank,
+                                          cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
+    print0(f"old log-probs: {source} ({why})")
+    in_flight = InFlight.from_config(cfg)
+    start_step = 0
+    if pool is None:
+        start_step = resume(cfg, out_dir, env.rank, checkpointed(models), sampler, models.kl_ctrl, fingerprint,
+                            (in_flight, meshes.rollout.get_local_rank("dp"), dims.rollout_dp))
+    if models is not None:  # placed as for the first weight sync before the engine starts: vLLM sizes its KV
+        place(models, offload, LOADED, "sync", env.device, None)  # cache from the memory free then
+    if pool is None:
+        engine = build_engine(cfg, dims, env, meshes, tokenizer, train_prompts[0].token_ids, multi_turn, models,
+                              param_dtype, reuse=engine)
     tracker = Tracker(out_dir, cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
                       shown(cfg), total_steps, enabled=env.rank == 0)
     if env.rank == 0:
@@ -1453,7 +1543,10 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
     # a rank that stops ends the job within trainer.hang_timeout_s, named, with every rank's stacks
     progress = (watchdog.start(out_dir, env.rank, env.world_size, cfg.trainer.hang_timeout_s) if watch
                 else watchdog.Progress(None))
-    return Run(cfg=cfg, env=env, dims=dims, plan=plan, meshes=meshes, dp_group=train_dp_group(meshes),
+    if models is None:  # a rollout rank: no model of its own
+        models = Models(*[None] * len(fields(Models)))
+    dp_group = pool.trainer_group if pool is not None and meshes.sp is None else train_dp_group(meshes)
+    return Run(cfg=cfg, env=env, dims=dims, plan=plan, meshes=meshes, dp_group=dp_group,
                sp_group=meshes.sp.get_group("sp") if meshes.sp is not None else None, out_dir=out_dir,
                tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts, reward_fn=reward_fn,
                sampler=sampler, total_steps=total_steps, actor_loss=ActorLoss.from_config(cfg),
@@ -1463,7 +1556,18 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
                start_step=start_step, engine=engine, tracker=tracker, progress=progress, placement="sync", lock=lock,
                stop=run_dir.StopRequests(out_dir, install=watch), fingerprint=fingerprint,
                multi_turn=multi_turn, reward_model=reward_model, teacher_vocab_limit=teacher_vocab_limit,
-               in_flight=in_flight, **vars(models))
+               in_flight=in_flight, pool=pool, **vars(models))
+
+
+def refuse_split_resume(cfg: Config, out_dir: Path, rank: int) -> None:
+    """A split job (separate_async) saves no checkpoint yet, so it resumes none: refuse one it would find."""
+    found: list[Any] = [None]
+    if rank == 0:
+        found[0] = find_resume_path(cfg.trainer.resume_mode, out_dir, cfg.trainer.resume_from_path)
+    dist.broadcast_object_list(found, src=0)
+    if found[0] is not None:
+        raise ConfigError(f"trainer.v1.trainer_mode=separate_async does not resume checkpoints yet, and would resume "
+                          f"{found[0]}: set trainer.resume_mode=disable, or another trainer.default_local_dir.")
 
 
 def load_data(cfg: Config, dims: ParallelDims,
@@ -1701,7 +1805,7 @@ def engine_settings(cfg: Config, dims: ParallelDims, device_type: str) -> dict[s
 
 
 def build_engine(cfg: Config, dims: ParallelDims, env: DistEnv, meshes: Meshes, tokenizer: Any, probe: list[int],
-                 multi_turn: MultiTurn | None, models: Models, param_dtype: torch.dtype,
+                 multi_turn: MultiTurn | None, models: Models | None, param_dtype: torch.dtype,
                  reuse: Engine | None = None) -> Engine:
     """One vLLM shard per rank, TP over the rows of the rollout mesh, after the models are placed (or
     `reuse`'s engine, when given); the sampling settings of training and validation; the probes of the
@@ -1710,7 +1814,10 @@ def build_engine(cfg: Config, dims: ParallelDims, env: DistEnv, meshes: Meshes, 
     if reuse is None:
         settings = engine_settings(cfg, dims, env.device_type)
         built = dict(settings)
-        llm = rollout.build_rollout_engine(built.pop("model_path"), meshes.rollout,
+        # a split job: vLLM groups every rank (meshes.engines); a pool engine takes its seed from its dp rank there
+        generates = meshes.engines is None or meshes.rollout.get_coordinate() is not None
+        seed = meshes.rollout.get_local_rank("dp") if generates else 0
+        llm = rollout.build_rollout_engine(built.pop("model_path"), meshes.engines if meshes.engines is not None else meshes.rollout, seed=seed,
                                            **{k: v for k, v in built.items() if k != "tensor_model_parallel_size"})
     else:
         llm, settings = reuse.llm, reuse.settings
@@ -1732,7 +1839,7 @@ def build_engine(cfg: Config, dims: ParallelDims, env: DistEnv, meshes: Meshes, 
     probe_batch = rollout.pad_rollout([probe], [tail], [[0.0] * len(tail)], [0], len(tail), tokenizer.pad_token_id)
     actor_probe = {k: v.to(env.device) for k, v in vars(probe_batch).items()}
     stale_check = rollout.StaleWeightsCheck(rollout.STALE_TOLERANCE[str(param_dtype).removeprefix("torch.")])
-    lora_modules = sync_modules(models.actor, rollout.packed_modules(llm)) if models.lora_spec else None
+    lora_modules = sync_modules(models.actor, rollout.packed_modules(llm)) if models and models.lora_spec else None
     return Engine(llm, settings, train_sampling, val_sampling, probe, actor_probe, stale_check, lora_modules)
 
 

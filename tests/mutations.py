@@ -59,6 +59,16 @@ MUTATIONS = (
         "cut = bool(live) and stop is not None and stop(trajectories) and (not dist.get_rank() % 2 or "
         "getattr(stop, 'late', 0) or setattr(stop, 'late', 1) or False)"),),
         "tests/test_train_ppo_colocate_async.py::test_tp_ranks_cut_alike_and_drop_keeps_the_bound"),
+    # trainer.v1.trainer_mode=separate_async (tests/test_train_ppo_split.py)
+    Mutation("the rollout pool samples a step's batch with the next step's seeds", "train_ppo.py", ((
+        "held = pool_batch(run, step, version=step - 1)", "held = pool_batch(run, step + 1, version=step - 1)"),),
+        "tests/test_train_ppo_split.py::test_one_trainer_and_one_rollout_rank_are_the_collocated_run"),
+    Mutation("trainer 0 never broadcasts the last bucket of weights", "placement.py", ((
+        "    if bucket:\n        _broadcast_bucket(pool, bucket)", "    if False:\n        _broadcast_bucket(pool, bucket)"),),
+        "tests/test_train_ppo_split.py::test_one_trainer_and_one_rollout_rank_are_the_collocated_run"),
+    Mutation("one step off, the batch ahead is tagged with the next weights' version", "train_ppo.py", ((
+        "held = pool_batch(run, step + 1, version=step - 1)", "held = pool_batch(run, step + 1, version=step)"),),
+        "tests/test_train_ppo_split.py::test_one_step_off_trains_each_batch_sampled_by_the_weights_one_update_old"),
     # (dcp.load fills the state dicts in place, and they share storage with the model and the optimizer:
     # the load itself restores them, so the mutations drop what is loaded, not only what is set after)
     Mutation("resume restores the model but not the optimizer", "checkpoint.py", (

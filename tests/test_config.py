@@ -155,7 +155,8 @@ def test_verl_defaults():
 
 
 @pytest.mark.parametrize("override,fragment", [
-    ("actor_rollout_ref.hybrid_engine=false", "hybrid_engine=false"),
+    ("actor_rollout_ref.hybrid_engine=false", "hybrid_engine=false (a rollout pool on ranks of its own) needs "
+                                              "trainer.v1.trainer_mode=separate_async"),
     ("data.val_batch_size=8", "data.val_batch_size=8"),
     ("critic.fsdp_config.fsdp_size=2", "critic.fsdp_config.fsdp_size=2"),
     ("trainer.max_critic_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=2"),
@@ -383,7 +384,7 @@ ASYNC = [DATA, f"{V1}.trainer_mode=colocate_async", f"{V1}.sampler.max_off_polic
     ([f"{V1}.sampler.max_off_policy_threshold=0"], "max_off_policy_threshold=0 must be >= 1"),
     # tokens of older weights without a correction: the clip would be anchored at a policy that never sampled
     (["algorithm.rollout_correction.rollout_is=null"], "rollout_is=token"),
-    ([f"{V1}.trainer_mode=separate_async"], "valid values: sync, colocate_async"),
+    ([f"{V1}.trainer_mode=fully_async"], "valid values: sync, colocate_async, separate_async"),
     ([f"{V1}.sampler.max_off_policy_strategy=keep"], "valid values: drop, wait"),
 ])
 def test_colocate_async_refusals(overrides, message):
@@ -401,6 +402,46 @@ def test_colocate_async_accepts_the_corrected_and_the_degenerate_settings():
     # drop never lets a group pass the threshold, whatever the warm-up
     check_supported(load_config(None, [*ASYNC, f"{V1}.sampler.max_off_policy_strategy=drop",
                                        f"{V1}.colocate_async.num_warmup_batches=3"]))
+
+
+SPLIT = [DATA, "actor_rollout_ref.hybrid_engine=false", f"{V1}.trainer_mode=separate_async",
+         "actor_rollout_ref.rollout.nnodes=1", f"{V1}.separate_async.parameter_sync_step=1",
+         "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "algorithm.adv_estimator=grpo",
+         "actor_rollout_ref.rollout.n=2", "algorithm.rollout_correction.rollout_is=token",
+         "trainer.val_before_train=false"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # the three keys of a separate pool come together (verl 0.9)
+    (["actor_rollout_ref.hybrid_engine=true"], "separate_async with actor_rollout_ref.hybrid_engine=true"),
+    (["actor_rollout_ref.rollout.nnodes=0"], "needs a rollout pool: actor_rollout_ref.rollout.nnodes=0"),
+    ([f"{V1}.trainer_mode=sync", "actor_rollout_ref.hybrid_engine=true"],
+     "actor_rollout_ref.rollout.nnodes=1 n_gpus_per_node=null describe a rollout pool"),
+    ([f"{V1}.trainer_mode=sync"], "hybrid_engine=false (a rollout pool on ranks of its own) needs"),
+    # verl's rule: train_batch_size = parameter_sync_step x ppo_mini_batch_size
+    ([f"{V1}.separate_async.parameter_sync_step=4"], "data.train_batch_size=4 must equal trainer.v1.separate_async."
+                                                       "parameter_sync_step=4 x actor_rollout_ref.actor.ppo_mini_batch_size=4"),
+    ([f"{V1}.separate_async.num_warmup_batches=2"], "0 (sequential) or 1 (one step off)"),
+    ([f"{V1}.sampler.max_off_policy_threshold=1"], "Raise the threshold to 2"),
+    ([f"{V1}.sampler.max_off_policy_strategy=wait"], "Leave it at drop"),
+    # one step off without a correction: the clip anchored at a policy that never sampled the batch
+    (["algorithm.rollout_correction.rollout_is=null"], "num_warmup_batches=0 (sequential)"),
+    (["algorithm.adv_estimator=remax"], "baseline rollout is not implemented on the rollout pool"),
+    (["algorithm.filter_groups.enable=true"], "algorithm.filter_groups.enable is not implemented yet"),
+    (["trainer.val_before_train=true"], "trainer.val_before_train=True is not implemented yet"),
+    (["trainer.save_freq=2"], "set trainer.save_freq=-1"),
+])
+def test_separate_async_refusals(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_supported(load_config(None, [*SPLIT, *overrides]))
+
+
+def test_separate_async_accepts_sequential_and_corrected_one_step_off():
+    check_supported(load_config(None, SPLIT))
+    check_supported(load_config(None, [*SPLIT, "algorithm.rollout_correction.rollout_is=null",
+                                       "algorithm.rollout_correction.bypass_mode=true"]))
+    check_supported(load_config(None, [*SPLIT, "algorithm.rollout_correction.rollout_is=null",
+                                       f"{V1}.separate_async.num_warmup_batches=0"]))
 
 
 # --- verl's own files: whole, hydra-style partial, and the three kinds of key --------------------------
@@ -429,7 +470,7 @@ def test_the_key_table_covers_every_verl_key_with_one_rule_each():
     table = verl_key_table()
     assert [key for key, _, _ in table] == list(fixture["defaults"])
     assert [key for key, kind, _ in table if kind is None] == []
-    assert sum(kind == IMPLEMENTED for _, kind, _ in table) == 189
+    assert sum(kind == IMPLEMENTED for _, kind, _ in table) == 193
     used = {verl_key_rule(key).pattern for key, kind, _ in table if kind != IMPLEMENTED}
     assert [rule.pattern for rule in VERL_KEY_RULES if rule.pattern not in used] == []
 
@@ -454,9 +495,9 @@ def test_verls_generated_config_loads_and_plans(tmp_path):
     assert dims.world_size == 8 and cfg.trainer.total_epochs == 30  # verl's values, not this program's
     assert cfg.actor_rollout_ref.rollout.name == "vllm"  # verl's ??? : this program's default, said at start-up
     assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"  # an interpolation, resolved
-    assert len(verl_keys_without_effect(cfg)) == 898 - 189
+    assert len(verl_keys_without_effect(cfg)) == 898 - 193
     text = describe_verl_keys(cfg)
-    assert "verl keys with no effect here (709" in text and "actor_rollout_ref.rollout.name='???' -> 'vllm'" in text
+    assert "verl keys with no effect here (705" in text and "actor_rollout_ref.rollout.name='???' -> 'vllm'" in text
     with pytest.raises(ConfigError, match=r"'actor_rollout_ref.rollout.name' is 'sglang'; valid values: vllm"):
         check_supported(load_config(path, [*paths, "actor_rollout_ref.rollout.name=sglang"]))
     # not implemented: refused off verl's default, with the key, the value and what to set

@@ -559,3 +559,34 @@ def test_the_device_memory_must_be_a_positive_number(value, capsys):
         mp.main(["--config", "configs/tiny_cpu.yaml", "--gpu-memory-gb", value])
     assert exit_.value.code == 2
     assert "must be the device's memory in GiB, a number > 0" in capsys.readouterr().err
+
+
+def test_a_separate_rollout_pool_plans_each_role(tiny_assets):
+    """hybrid_engine=false: the trainers' phases hold no engine (theirs never wakes), a rollout rank holds the
+    collocated plan's engine (weights and KV cache) and one broadcast bucket; too large an engine names its key."""
+    from config import load_config
+    from mesh_utils import validate
+
+    split = ["actor_rollout_ref.hybrid_engine=false", "trainer.v1.trainer_mode=separate_async",
+             "actor_rollout_ref.rollout.nnodes=1", "trainer.v1.separate_async.parameter_sync_step=2",
+             "trainer.v1.separate_async.num_warmup_batches=0", "trainer.val_before_train=false", "trainer.test_freq=-1",
+             "trainer.save_freq=-1"]
+
+    def plan(*overrides: str, world: int, gpu_gb: float = 80.0) -> dict:
+        cfg = load_config("configs/tiny_cpu.yaml", [f"actor_rollout_ref.model.path={tiny_assets['tiny-qwen2']}",
+                                                    *overrides])
+        dims, batches = validate(cfg, world)
+        return mp.memory_report(cfg, dims, batches, gpu_gb)
+
+    together, apart = plan(world=2), plan(*split, world=4)
+    assert together["rollout_rank"] is None
+    for phase in offload.PHASES:
+        assert apart["per_fsdp_rank"][0][phase]["engine.weights"] == apart["per_fsdp_rank"][0][phase]["engine.kv_cache"] == 0
+        assert apart["per_fsdp_rank"][0][phase]["actor.params"] == together["per_fsdp_rank"][0][phase]["actor.params"]
+    pool = apart["rollout_rank"]
+    assert pool["engine.weights"] == together["per_fsdp_rank"][0]["generate"]["engine.weights"]
+    assert pool["engine.kv_cache"] == together["per_fsdp_rank"][0]["generate"]["engine.kv_cache"]
+    assert pool["sync_bucket"] > 0
+    tight = plan(*split, world=4, gpu_gb=1e-4)  # less than the weights
+    assert not tight["fits"] and "actor_rollout_ref.rollout.gpu_memory_utilization" in tight["verdict"]
+    assert "rollout rank, GiB" in mp.describe_memory(apart)

@@ -294,3 +294,65 @@ def test_every_rollout_group_needs_a_validation_prompt():
     with pytest.raises(ConfigError, match=r"1 validation prompt\(s\) \(data.max_val_samples=1\) .* 2 rollout dp "
                                           r"groups; use at least 2 \(data.max_val_samples >= 2\)"):
         check_validation_share(1, dims, 1)
+
+
+# --- a separate rollout pool (actor_rollout_ref.hybrid_engine=false, trainer.v1.trainer_mode=separate_async) ---
+
+SPLIT = ["actor_rollout_ref.hybrid_engine=false", "trainer.v1.trainer_mode=separate_async",
+         "actor_rollout_ref.rollout.nnodes=1", "trainer.v1.separate_async.parameter_sync_step=1",
+         "trainer.v1.separate_async.num_warmup_batches=0", "trainer.val_before_train=false", "trainer.test_freq=-1",
+         "trainer.save_freq=-1"]
+
+
+def test_seed_split_trainer_node_and_rollout_node():
+    """The seed's job with a second node of rollout: the trainers keep the seed's numbers (6 ranks, 120 samples
+    each), the pool's TP pairs sit on node 1, and the trainers' idle engines pair up on their own ranks."""
+    dims, p = plan(SEED_1, *SPLIT)
+    assert (dims.world_size, dims.rollout_ranks, dims.launched, dims.rollout_dp) == (6, 6, 12, 3)
+    assert p.samples_per_rank == 120 and p.prompts_per_rollout_group == 20
+    dm = plan_device_map(dims)
+    assert dm.fsdp_groups == [[0, 1, 2, 3, 4, 5]]
+    assert dm.rollout_tp_groups == [[6, 7], [8, 9], [10, 11]]
+    assert dm.idle_engine_groups == [[0, 1], [2, 3], [4, 5]]
+    assert dm.node_of_rank == [0] * 6 + [1] * 6
+    hsdp, _ = plan(SEED_1, *SPLIT, "actor_rollout_ref.actor.fsdp_config.fsdp_size=3")
+    assert plan_device_map(hsdp).fsdp_groups == [[0, 1, 2], [3, 4, 5]]  # over the trainers only
+
+
+def test_split_launch_counts_both_pools():
+    dims, _ = plan(SEED_1, *SPLIT, "actor_rollout_ref.rollout.n_gpus_per_node=2", world=8)
+    assert dims.launched == 8 and dims.rollout_dp == 1
+    with pytest.raises(ConfigError, match=re.escape("torchrun launched 6 processes but the trainers (trainer.nnodes x "
+                                                    "trainer.n_gpus_per_node = 1 x 6) and the rollout pool")):
+        plan(SEED_1, *SPLIT, world=6)
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    # a pool that is not a multiple of the TP size / a TP group across the pool's nodes
+    (["actor_rollout_ref.rollout.n_gpus_per_node=3"],
+     ["tensor_model_parallel_size=2 must divide actor_rollout_ref.rollout.n_gpus_per_node=3", "Valid values: 1, 3"]),
+    (["actor_rollout_ref.rollout.nnodes=2", "actor_rollout_ref.rollout.n_gpus_per_node=1",
+      "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+     ["would span two of its nodes", "rollout.n_gpus_per_node=1"]),
+    # vLLM's consecutive TP groups over the whole job: none may hold a trainer and a rollout rank
+    (["trainer.n_gpus_per_node=3", "actor_rollout_ref.rollout.n_gpus_per_node=2", "data.train_batch_size=6",
+      "actor_rollout_ref.actor.ppo_mini_batch_size=6"],
+     ["must divide the 3 trainer ranks", "trainer and rollout ranks at once"]),
+    # a batch that does not divide over the pool's engines, or over the trainers
+    (["actor_rollout_ref.rollout.n_gpus_per_node=16"],
+     ["data.train_batch_size=60 must be a positive multiple of the 8 rollout dp groups (rollout pool 16"]),
+    (["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.n_gpus_per_node=2", "actor_rollout_ref.rollout.n=1",
+      "algorithm.adv_estimator=gae", "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6"],
+     ["6 samples cannot be split evenly over 4 ranks"]),
+], ids=["pool-not-tp-multiple", "tp-across-pool-nodes", "tp-across-roles", "batch-over-engines", "batch-over-trainers"])
+def test_split_pitfalls_are_clear_errors(overrides, fragments):
+    with pytest.raises(ConfigError) as err:
+        plan(SEED_1, *SPLIT, *overrides)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_planner_cli_prints_the_roles():
+    out = planner("--config", str(SEED_1), *SPLIT, "actor_rollout_ref.rollout.n_gpus_per_node=2")
+    assert "rollout pool 1 node(s) x 2 = ranks 6..7" in out.stdout and "     6     1  rollout" in out.stdout
+    assert "hands them to the 6 trainer ranks" in out.stdout
