@@ -335,7 +335,7 @@ def _accumulation_worker(rank: int, init_file: str, model_path: str, out: str) -
                                   accumulate_unsharded_grads=accumulate)
                 held = []
                 loss_fn = functools.partial(train_ppo._actor_micro_batch, actor, loss, spec.loss_agg_mode, False,
-                                            (None, None), torch.Generator().manual_seed(0), None)
+                                            (None, None), torch.Generator().manual_seed(0), None, None)
 
                 def measuring_loss_fn(mb, scale, loss_fn=loss_fn, actor=actor, held=held):  # noqa: ANN001, ANN202
                     held.append(_held_grad_bytes(actor))  # after the previous micro batch's backward
