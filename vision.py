@@ -140,3 +140,59 @@ def expand_image_pads(ids: Sequence[int], counts: Sequence[int], image_token_id:
     for t in ids:
         out.extend([t] * next(counts_left) if t == image_token_id else [t])
     return out
+
+
+# -----------------------------------------------------------------------------
+# The engine's prompts and the trainer's inputs
+
+
+def pad_token_ids(config: Any) -> tuple[int, ...]:
+    """The image and video pad ids of a VLM's config: never sampled (a sampled pad has no image behind it,
+    and the next forward fails on the count of image tokens), so the engine bans them and the trainer's
+    log-probs mask them alike (ban_tokens)."""
+    return tuple(i for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
+                 if i is not None)
+
+
+def ban_tokens(logits: Any, banned: Sequence[int]) -> Any:
+    """logits (..., V) with the banned ids at -inf: the distribution the engine samples from when it bans them."""
+    if not banned:
+        return logits
+    logits = logits.clone()
+    logits[..., list(banned)] = float("-inf")
+    return logits
+
+
+def engine_prompt(token_ids: Sequence[int], images: Sequence[Any], image_token_id: int) -> dict[str, Any]:
+    """vLLM's request for a prompt with images: the ids with each run of image pads collapsed to one (the
+    engine expands it again from the image) and the decoded images."""
+    collapsed = [t for j, t in enumerate(token_ids) if t != image_token_id or j == 0 or token_ids[j - 1] != t]
+    request: dict[str, Any] = {"prompt_token_ids": collapsed}
+    if images:
+        request["multi_modal_data"] = {"image": [decode_image(image) for image in images]}
+    return request
+
+
+def pixel_inputs(images: Sequence[Any], image_processor: Any) -> dict[str, Any]:
+    """{"pixel_values": (patches, C*T*P*P), "image_grid_thw": (num_images, 3)} of one sample's images, as the
+    HF processor makes them (resized and normalised on the host)."""
+    out = image_processor(images=[decode_image(image) for image in images], return_tensors="pt")
+    return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+
+def rope_positions(model: Any, token_ids: Any, image_grid_thw: Any, image_token_id: int) -> Any:
+    """(4, L) positions of one sample, once: the text row 0..L-1 over the model's 3-row mrope positions (t, h,
+    w; image tokens at their patch coordinates). Packed rows need the text row: it marks where each sample
+    starts; with the 3 mrope rows alone, a packed forward is silently wrong."""
+    import torch
+
+    ids = torch.as_tensor(token_ids).reshape(1, -1)
+    types = (ids == image_token_id).int()
+    inner = getattr(model, "model", model)
+    grid = None if image_grid_thw is None or len(image_grid_thw) == 0 else image_grid_thw
+    if grid is None:
+        mrope = torch.arange(ids.shape[1]).expand(3, 1, -1)
+    else:
+        mrope, _ = inner.get_rope_index(input_ids=ids, mm_token_type_ids=types, image_grid_thw=grid)
+    text = torch.arange(ids.shape[1]).reshape(1, 1, -1)
+    return torch.cat([text, mrope.to(text.dtype)], dim=0)[:, 0]  # (4, L)

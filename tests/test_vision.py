@@ -92,6 +92,35 @@ def vision_stand_in_needed() -> bool:
     return importlib.util.find_spec("torchvision") is None
 
 
+def test_training_a_vl_model_is_refused_before_anything_loads(vl_assets):
+    import models
+
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.path=.* is a vision-language model \(qwen2_vl\)"):
+        models.check_model(str(vl_assets["qwen2_vl"]), 128, False, "cpu")
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_the_planner_sizes_a_vl_model_with_its_vision_tower(arch, vl_assets):
+    import math
+
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    import memory_plan
+
+    shape = memory_plan.model_shape(str(vl_assets[arch]))
+    model = AutoModelForImageTextToText.from_pretrained(vl_assets[arch], dtype=torch.float32)
+    text = AutoConfig.from_pretrained(vl_assets[arch]).text_config
+    assert sum(math.prod(s) for s in shape.param_shapes) == sum(p.numel() for p in model.parameters())
+    assert sum(shape.unit_numels) + shape.root_numel == sum(p.numel() for p in model.parameters())
+    tower = sum(p.numel() for p in model.model.visual.blocks.parameters())
+    assert tower > 0 and sum(shape.unit_numels[1:-1]) == tower + sum(
+        p.numel() for p in model.model.language_model.layers.parameters())  # vision blocks are units too
+    assert (shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.vocab) == (
+        text.hidden_size, text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads, 32, 128)
+    with pytest.raises(ConfigError, match="a critic on one is not implemented"):
+        memory_plan.model_shape(str(vl_assets[arch]), value_head=True)
+
+
 # -----------------------------------------------------------------------------
 # Image rows (verl's format) -> prompts
 
@@ -245,3 +274,37 @@ def test_geo3k_rule_scores_as_verls():
     assert rewards.default_compute_score("hiyouga/geometry3k", "<think>a</think> \\boxed{50}", truth) == 0.1
     assert rewards.default_compute_score("hiyouga/geometry3k", "The area is \\boxed{52.5}", truth) == 0.9
     assert rewards.default_compute_score("hiyouga/geometry3k", "52.5", truth) == 0.0
+
+
+# -----------------------------------------------------------------------------
+# The engine: vLLM against the HF forward on image prompts (tests/dist_vl_check.py, one launch per model)
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", pytest.param("qwen2_5_vl", marks=pytest.mark.slow)])
+def engine_check(request, vl_assets, tmp_path_factory) -> dict:
+    import json
+
+    from conftest import torchrun
+
+    out = tmp_path_factory.mktemp(f"vl_engine_{request.param}")
+    torchrun(1, ROOT_TESTS / "dist_vl_check.py", str(out), str(vl_assets[request.param]), "1", timeout=1800,
+             env=vl_env())
+    return json.loads((out / "rank0.json").read_text())
+
+
+ROOT_TESTS = Path(__file__).resolve().parent
+
+
+def test_engine_log_probs_on_image_prompts_equal_the_hf_forward_after_syncs(engine_check):
+    """vLLM's log-probs of its own samples on image prompts (two images of different sizes in one, sizes below
+    and above the pixel bounds) equal the HF forward given pixels, grids and 4-row positions, with the image
+    pads banned on both sides; also after a sync that moved the vision tower, on the same images (served
+    from the encoder cache unless the sync reset it)."""
+    r = engine_check
+    assert r["image_tokens"][:2] == [6, 8 + 9], r  # 56x84: 4x6 patches merged 2x2; 112x56 and 84x84
+    assert r["tokens"] > 0 and r["sampled_banned"] == 0, r
+    assert r["synced"] < 1e-5, r
+    assert r["no_pixels"] > 1e-2 and r["positions_1d"] > 1e-4, r  # the controls: each input matters
+    assert r["tower_tensors_moved"] > 0 and r["tower_synced"] < 1e-5, r
+    assert r["tower_stale"] > 1e-2, r  # the engine serves the moved tower, not the old image embeddings
+    assert "Encoder cache miss" in r["no_reset"], r  # why sync_weights resets the encoder cache
