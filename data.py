@@ -7,6 +7,9 @@ A row (parquet / jsonl / a hub data set) looks like verl's:
      "reward_model": {"style": "rule", "ground_truth": "72"},
      "extra_info": {...}}                                                    # passed to the reward function
 
+A vision-language model's rows also carry images (data.image_key, `<image>` placeholders in the text;
+vision.py): their prompt ids hold each image's tokens, and the images stay encoded until they are sampled from.
+
 Every rank loads the same prompts and draws the same global batch each step (the sampler is a pure
 function of seed, epoch and position), then takes its rollout dp group's share of it. Prompts are
 small, so holding them all on every rank costs little and keeps resume exact: the sampler's state
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import vision
 from config import ConfigError
 
 _FILE_TYPES = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
@@ -37,6 +41,7 @@ class Prompt:
     # the row's chat as given (verl's raw_prompt), for a multi-turn rollout's messages and tools_kwargs
     messages: list[dict[str, Any]] = field(default_factory=list)
     agent_name: str | None = None  # the row's agent_name (verl: tool_agent, single_turn_agent); None: not set
+    images: tuple[Any, ...] = ()  # the row's images as stored (vision.decode_image decodes one), in prompt order
 
 
 def _num_rows(path: Path) -> int:
@@ -65,9 +70,10 @@ def _row_location(files: str | list[str], row: int) -> str:
     return f"{files[0]} row {row}"
 
 
-def load_rows(files: str | list[str], key: str) -> list[dict[str, Any]]:
+def load_rows(files: str | list[str], key: str, image_key: str = "images") -> list[dict[str, Any]]:
     """Rows from local parquet/jsonl files, or from a hub data set given as `name` or `name:split`;
-    `key` is the config key (or flag) that named them, for errors."""
+    `key` is the config key (or flag) that named them, for errors. A column `image_key` of `datasets`
+    images is read undecoded ({bytes, path} per image), so images are decoded only when used."""
     import datasets
 
     files = _as_list(files)
@@ -91,6 +97,10 @@ def load_rows(files: str | list[str], key: str) -> list[dict[str, Any]]:
         ds = datasets.load_dataset(name, split=split or "train")
     else:
         raise ConfigError(f"{key}={files}: give local .parquet/.jsonl files, or one hub name like 'org/name:train'.")
+    feature = ds.features.get(image_key)
+    inner = getattr(feature, "feature", feature[0] if isinstance(feature, list) and feature else None)
+    if isinstance(inner, datasets.Image):
+        ds = ds.cast_column(image_key, datasets.Sequence(datasets.Image(decode=False)))
     return list(ds)
 
 
@@ -105,6 +115,8 @@ def load_prompts(
     truncation: str,
     require_ground_truth: bool = True,
     tools: list[dict] | None = None,
+    image_key: str = "images",
+    processor: Any = None,
 ) -> tuple[list[Prompt], int]:
     """Tokenise every row's prompt; returns (prompts, number dropped or truncated for length).
 
@@ -112,8 +124,11 @@ def load_prompts(
     need; pass False when custom_reward_function.path is set (a custom function may not need one).
     tools: the tool schemas a multi-turn rollout offers, rendered into each prompt by the chat template
     (so data.max_prompt_length counts them).
+    image_key: the column of a row's images (data.image_key); processor: a vision-language model's
+    (vision.load_processor), which rows with images need. An image prompt's ids hold each image's tokens, which
+    data.max_prompt_length counts; such a prompt is never truncated (its image tokens would not match).
     """
-    rows = load_rows(files, key)
+    rows = load_rows(files, key, image_key)
     if not rows:
         raise ConfigError(f"{key}: the data set {files} has no rows.")
     if prompt_key not in rows[0]:
@@ -134,15 +149,31 @@ def load_prompts(
         messages = row[prompt_key]
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
+        images = tuple(row.get(image_key) or ())
+        chat = messages
+        if images:
+            if processor is None:
+                raise ConfigError(f"{key}: {_row_location(files, i)} has {len(images)} image(s) in column "
+                                  f"{image_key!r} (data.image_key), but actor_rollout_ref.model.path is not a "
+                                  f"vision-language model (Qwen2-VL, Qwen2.5-VL); use one, or rows without images.")
+            chat = vision.image_messages(messages, len(images), f"{key}: {_row_location(files, i)}")
         if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=False)
         else:  # a base model: the user turns' text, as written
             text = "\n".join(m["content"] for m in messages)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if images:
+            counts = [vision.image_tokens(vision.image_size(image), processor.image_processor) for image in images]
+            ids = vision.expand_image_pads(ids, counts, processor.image_token_id)
         if len(ids) > max_prompt_length:
             overlong += 1
             if filter_overlong:
                 continue
+            if images:
+                raise ConfigError(
+                    f"{key}: {_row_location(files, i)}: the prompt has {len(ids)} tokens with its images' tokens, "
+                    f"more than data.max_prompt_length={max_prompt_length}, and a prompt with images cannot be "
+                    f"truncated. Raise it, or set data.filter_overlong_prompts=true to drop such rows.")
             if truncation == "error":
                 raise ConfigError(
                     f"{key}: {_row_location(files, i)}: the prompt has {len(ids)} tokens, more than "
@@ -151,7 +182,7 @@ def load_prompts(
                 )
             ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
         prompts.append(Prompt(ids, ground_truth, str(row.get("data_source", "unknown")), text, dict(extra_info),
-                              [dict(m) for m in messages], row.get("agent_name")))
+                              [dict(m) for m in messages], row.get("agent_name"), images))
     if not prompts:
         raise ConfigError(
             f"{key}: all {len(rows)} prompts are longer than data.max_prompt_length={max_prompt_length} and "

@@ -6,6 +6,7 @@
     python make_assets.py --preset 25m --arch llama   # ./assets/llama-25m (bench/peer_trl.py's larger model)
     python make_assets.py --preset tiny --hidden 256 --layers 4 --name my-qwen2
     python make_assets.py --moe                 # also ./assets/tiny-{qwen3-moe,qwen2-moe,mixtral}
+    python make_assets.py --vl                  # also ./assets/tiny-{qwen2-vl,qwen2.5-vl}
 
 The tokenizer is character level: every printable ASCII character and "\\n" is one token, so
 "What is 12+7?" encodes to exactly its 13 characters. Models are randomly initialised from a
@@ -35,8 +36,10 @@ from transformers import (
     MixtralConfig,
     PreTrainedConfig,
     PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
     Qwen2Config,
     Qwen2MoeConfig,
+    Qwen2VLConfig,
     Qwen3MoeConfig,
 )
 
@@ -225,6 +228,111 @@ def build_moe_assets(out: Path, force: bool = False, seed: int = 0) -> dict[str,
     return paths
 
 
+# Tiny vision-language models (Qwen2-VL, Qwen2.5-VL): the text part is the tiny preset with mrope (sections sum to
+# head_dim / 2), the vision part one or two blocks of 64 wide with 14-pixel patches merged 2x2 into one image token.
+# The tokenizer is the ChatML characters plus Qwen-VL's vision tokens; the image processor resizes every image to
+# between 56x56 and 112x112 pixels (4 to 16 image tokens), so prompts stay short.
+VL_ARCHS = ("qwen2_vl", "qwen2_5_vl")
+VL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+               "<|video_pad|>", UNK]
+VL_TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, vision_start_token_id=3, vision_end_token_id=4,
+                    image_token_id=5, video_token_id=6)
+# Qwen-VL's ChatML, written for this repo: a message's content is a string or a list of {"type": "image"} and
+# {"type": "text", "text": ...} items; each image is one <|image_pad|> between the vision tags, which the
+# processor expands to the image's number of tokens.
+VL_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content is string %}{{- message.content }}"
+    "{%- else %}{%- for item in message.content %}"
+    "{%- if item.type == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif item.type == 'text' %}{{- item.text }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def build_vl_tokenizer() -> PreTrainedTokenizerFast:
+    """The character-level tokenizer with Qwen-VL's ChatML and vision special tokens (ids 0-6) and template."""
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    symbols = [byte_level.pre_tokenize_str(c)[0][0] for c in chars]
+    vocab = {tok: i for i, tok in enumerate(VL_SPECIALS + symbols)}
+    assert len(vocab) <= VOCAB_SIZE
+    core = Tokenizer(BPE(vocab=vocab, merges=[], unk_token=UNK))
+    core.pre_tokenizer = byte_level
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token="<|im_start|>",
+        unk_token=UNK, extra_special_tokens=VL_SPECIALS[3:7], padding_side="left",
+    )
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    return tokenizer
+
+
+def vl_config(arch: str) -> PreTrainedConfig:
+    """A transformers config for a tiny Qwen2-VL ('qwen2_vl') or Qwen2.5-VL ('qwen2_5_vl') with this repo's
+    vocabulary; head_dim 32 (vLLM's CPU attention) and mrope sections [4, 6, 6]."""
+    tiny = PRESETS["tiny"]
+    text = dict(vocab_size=VOCAB_SIZE, hidden_size=tiny["hidden"], num_hidden_layers=tiny["layers"],
+                num_attention_heads=tiny["heads"], num_key_value_heads=tiny["kv_heads"],
+                intermediate_size=tiny["intermediate"], max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+                pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if arch == "qwen2_vl":
+        vision = dict(depth=1, embed_dim=64, hidden_size=tiny["hidden"], num_heads=2, mlp_ratio=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        config_cls = Qwen2VLConfig
+    elif arch == "qwen2_5_vl":  # block 1 attends to the whole image, block 0 within 56-pixel windows
+        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=tiny["hidden"],
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                      fullatt_block_indexes=[1])
+        config_cls = Qwen2_5_VLConfig
+    else:
+        raise ValueError(f"unknown vision-language architecture {arch!r}; one of {VL_ARCHS}")
+    return config_cls(text_config=text, vision_config=vision, tie_word_embeddings=False, dtype="float32",
+                      **{k: v for k, v in VL_TOKEN_IDS.items() if k.startswith(("vision", "image", "video"))})
+
+
+def vl_image_processor() -> Any:
+    """Qwen2-VL's PIL image processor (no torchvision): 14-pixel patches, 2x2 merged, 56..112 pixels a side."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112}, patch_size=14,
+                                    merge_size=2, temporal_patch_size=2)
+
+
+def build_vl_model(out_dir: Path, arch: str, seed: int, force: bool = False) -> bool:
+    """Random-init a tiny VLM and save it with its tokenizer, chat template and image processor (each written on
+    its own: saving a whole processor needs torchvision's video processor); False if it existed."""
+    from transformers import AutoModelForImageTextToText
+
+    if (out_dir / "config.json").exists() and not force:
+        return False
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(vl_config(arch), dtype=torch.float32)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer = build_vl_tokenizer()
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "chat_template.jinja").write_text(VL_CHAT_TEMPLATE)
+    vl_image_processor().save_pretrained(out_dir)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"wrote {out_dir} ({type(model).__name__}, {n_params / 1e6:.2f} M parameters)")
+    return True
+
+
+def build_vl_assets(out: Path, force: bool = False, seed: int = 0) -> dict[str, Path]:
+    """tiny-qwen2-vl and tiny-qwen2.5-vl (random weights) under `out`."""
+    paths = {}
+    for i, arch in enumerate(VL_ARCHS):
+        paths[arch] = out / {"qwen2_vl": "tiny-qwen2-vl", "qwen2_5_vl": "tiny-qwen2.5-vl"}[arch]
+        build_vl_model(paths[arch], arch, seed + 20 + i, force)
+    return paths
+
+
 def build_model(out_dir: Path, config: PreTrainedConfig, seed: int, force: bool = False) -> bool:
     """Random-init a causal LM from `config` and save it with the tokenizer; False if it existed."""
     if (out_dir / "config.json").exists() and not force:
@@ -350,11 +458,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="override the preset's number of layers")
     parser.add_argument("--name", help="directory name for --preset (default qwen2-<preset>)")
     parser.add_argument("--moe", action="store_true", help="also build tiny-qwen3-moe, tiny-qwen2-moe, tiny-mixtral")
+    parser.add_argument("--vl", action="store_true", help="also build tiny-qwen2-vl, tiny-qwen2.5-vl")
     args = parser.parse_args()
 
     build_default_assets(args.out, args.force, args.seed)
     if args.moe:
         build_moe_assets(args.out, args.force, args.seed)
+    if args.vl:
+        build_vl_assets(args.out, args.force, args.seed)
     if args.preset is None:
         if args.hidden or args.layers:
             parser.error("--hidden/--layers modify a --preset; add e.g. --preset tiny")

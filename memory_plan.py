@@ -61,23 +61,38 @@ class ModelShape:
 
 def model_shape(path: str, value_head: bool = False, trust_remote_code: bool = False) -> ModelShape:
     """The shapes of the causal LM (or, with value_head, the critic) at `path` (a local directory
-    or a hub id in the HF cache), built on the meta device: exact, no weights read, no memory."""
+    or a hub id in the HF cache), built on the meta device: exact, no weights read, no memory.
+    A vision-language model's parameters include its vision tower (sharded, gathered block by block like
+    the decoder's); its dimensions are its text model's. Its image tokens count in the prompt length
+    (data.max_prompt_length counts them), so the KV cache and the decoder's activations hold them; the
+    tower's own activations and the pixel buffers are not counted yet."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForTokenClassification,
+    )
 
     # the HF cache only: a plan must not wait on (or need) the network
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    vision = getattr(config, "vision_config", None) is not None
+    if value_head and vision:
+        raise ConfigError(f"{path} is a vision-language model ({config.model_type}); a critic on one is not "
+                          f"implemented. Use an estimator without a critic (algorithm.adv_estimator=grpo).")
     if value_head:
         config.num_labels = 1
-    auto_cls = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    auto_cls = (AutoModelForTokenClassification if value_head else AutoModelForImageTextToText if vision
+                else AutoModelForCausalLM)
     with torch.device("meta"):
         model = auto_cls.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     # imported here, as torch is: a plan without a model stays instant
     from models import decoder_layers, fsdp_units
     from moe import active_mlp_width
 
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    text = config.get_text_config()  # the config itself, for a text model
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     blocks = decoder_layers(model)
     units = fsdp_units(model)
     in_units = {id(p) for unit in units for p in unit.parameters()}
@@ -86,9 +101,9 @@ def model_shape(path: str, value_head: bool = False, trust_remote_code: bool = F
         + ([head] if head is not None and any(head is u for u in units) else [])  # the forward's order
     return ModelShape(
         param_shapes=[tuple(p.shape) for p in model.parameters()],  # tied ones once, as FSDP2 holds them
-        hidden=config.hidden_size, layers=config.num_hidden_layers, heads=heads,
-        kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
-        intermediate=active_mlp_width(config), vocab=config.vocab_size,
+        hidden=text.hidden_size, layers=text.num_hidden_layers, heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        intermediate=active_mlp_width(text), vocab=text.vocab_size,
         largest_block_numel=max(sum(p.numel() for p in b.parameters()) for b in blocks),
         largest_unit_numel=max(sum(p.numel() for p in unit.parameters()) for unit in units),
         root_numel=sum(p.numel() for p in model.parameters() if id(p) not in in_units),

@@ -39,6 +39,7 @@ from attention import register_packed_attention
 from collectives import all_gather_single
 from config import ConfigError
 from moe import RouterReplay, check_cpu_engine_expert_width, mlp_widths, routes_from_rows, routes_to_rows
+from vision import is_vision_config
 
 logger = logging.getLogger(__name__)
 
@@ -944,6 +945,12 @@ def check_model(path: str, needed_length: int, trust_remote_code: bool, device_t
     experts. Each failure
     is one ConfigError line."""
     config = read_model_config(path, "actor_rollout_ref.model.path", trust_remote_code)
+    if is_vision_config(config):
+        raise ConfigError(
+            f"actor_rollout_ref.model.path={path!r} is a vision-language model ({config.model_type}); RL on one is "
+            f"not implemented yet: image rows (data.image_key, vision.py) and the engine's image prompts are, the "
+            f"trainer's forward on images is not. Use a text model (its text part alone is not split out here)."
+        )
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and needed_length > limit:
         raise ConfigError(

@@ -4,6 +4,7 @@
     python prepare_data.py math --out ~/data/math       # DigitalLearningGmbH/MATH-lighteval -> train, test
     python prepare_data.py dapo --out ~/data/dapo       # BytedTsinghua-SIA/DAPO-Math-17k -> train (checked, copied)
     python prepare_data.py codecontests --out ~/data/cc # deepmind/code_contests -> train, valid, test
+    python prepare_data.py geo3k --out ~/data/geo3k     # hiyouga/geometry3k (images) -> train, test
 
     # a cluster without internet: download where there is some, copy the folder over, read it there
     huggingface-cli download openai/gsm8k --repo-type dataset --local-dir raw/gsm8k
@@ -33,6 +34,11 @@ ground truth verl's code rows carry: the JSON string {"inputs": [...], "outputs"
 then private, then generated tests (the rule reads the first 10); extra_info {split, index, name}.
 The solutions and test columns are not kept (they are large and the trainer does not read them).
 
+Geometry3k (verl's geo3k example, for vision-language models): data_source "hiyouga/geometry3k", the problem
+(which marks its figure with `<image>`) followed by GEO3K_INSTRUCTION after one space, the figure in the
+`images` column as PNG bytes ({bytes, path}, read undecoded by data.py), the answer as ground truth
+(rewards.geo3k_score), extra_info {split, index, answer, question}.
+
 A row that does not fit is counted, reported with its index and not written: no question or answer,
 no final answer to read (`#### N`, `\\boxed{...}`), or a ground truth that its data_source's reward
 rule does not accept from a response stating exactly that answer. (verl's scripts stop with an
@@ -58,6 +64,9 @@ from config import ConfigError
 # verl's instruction texts, appended to the question after one space
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+GEO3K_INSTRUCTION = (r"You FIRST think about the reasoning process as an internal monologue and then provide the "
+                     r"final answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final "
+                     r"answer MUST BE put in \boxed{}.")
 # this project's text (verl ships no CodeContests script): where the rule looks for the program
 CODE_INSTRUCTION = ("Write a Python 3 program that reads the input from standard input and prints the answer to "
                     "standard output. Put the whole program in one ```python code block.")
@@ -150,6 +159,29 @@ def code_contests_row(raw: dict[str, Any], split: str, index: int) -> dict[str, 
     }
 
 
+def geo3k_row(raw: dict[str, Any], split: str, index: int) -> dict[str, Any]:
+    """hiyouga/geometry3k's {images, problem, answer} -> verl's row with an `images` column; the problem's
+    `<image>` placeholders must match its images, one each."""
+    import vision
+
+    problem, answer, images = raw.get("problem"), raw.get("answer"), list(raw.get("images") or [])
+    if not problem or answer is None or not str(answer).strip():
+        raise SkipRow("no problem or answer")
+    if not images:
+        raise SkipRow("no image")
+    if problem.count(vision.IMAGE_PLACEHOLDER) != len(images):
+        raise SkipRow(f"the number of {vision.IMAGE_PLACEHOLDER} placeholders differs from the number of images")
+    stored = [image if isinstance(image, dict) else vision.encode_image(image) for image in images]
+    return {
+        "data_source": "hiyouga/geometry3k",
+        "prompt": [{"role": "user", "content": problem + " " + GEO3K_INSTRUCTION}],
+        "images": stored,
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(answer)},
+        "extra_info": {"split": split, "index": index, "answer": str(answer), "question": problem},
+    }
+
+
 def checked_row(raw: dict[str, Any], split: str, index: int) -> dict[str, Any]:
     """A row already in verl's format, returned unchanged when the trainer can use it."""
     prompt = raw.get("prompt")
@@ -192,6 +224,8 @@ SOURCES = {
     # The hub has a train split only; verl's DAPO recipe validates on BytedTsinghua-SIA/AIME-2024.
     "dapo": Source("BytedTsinghua-SIA/DAPO-Math-17k", None, ("train",), ("data_source", "prompt", "reward_model"),
                    checked_row, "Answer: {}".format, copy=True),
+    "geo3k": Source("hiyouga/geometry3k", None, ("train", "test"), ("images", "problem", "answer"), geo3k_row,
+                    "<think>...</think> \\boxed{{{}}}".format),
     "codecontests": Source("deepmind/code_contests", None, ("train", "valid", "test"),
                            ("name", "description", "public_tests", "private_tests"), code_contests_row, None),
 }

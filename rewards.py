@@ -14,6 +14,8 @@ implementation of its behaviour, tested against it):
       DigitalLearningGmbH/MATH-lighteval
     math, math_dapo, math_dapo_reasoning, aime*  math_dapo_score   `Answer: ...`, then  {"score": 1.0 / -1.0,
                                                                    `\\boxed{...}`         "acc", "pred"}
+    hiyouga/geometry3k                           geo3k_score       last `\\boxed{...}`   0.9 x correct
+                                                                   and the format       + 0.1 x format
     codecontests, apps, codeforces, taco         code_reward       the program, run     fraction of the
                                                    .code_score     against the tests    first 10 tests passed
 
@@ -214,6 +216,18 @@ def math_score(solution_str: str, ground_truth: Any) -> float:
     return 1.0 if answer is not None and math_equiv(answer, str(ground_truth)) else 0.0
 
 
+_GEO3K_FORMAT = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
+
+
+def geo3k_score(solution_str: str, ground_truth: Any) -> float:
+    """verl's geo3k rule: 0.9 when the last `\\boxed{}` answer equals the ground truth, plus 0.1 when the
+    response is `<think>...</think>` then a `\\boxed{}` answer. Answers compare by math_equiv (the MATH
+    rule's normalisation) where verl calls mathruler's grader, which may accept more equivalent forms."""
+    answer = math_boxed_answer(solution_str)
+    correct = answer is not None and math_equiv(answer, str(ground_truth))
+    return 0.9 * correct + 0.1 * (_GEO3K_FORMAT.fullmatch(solution_str) is not None)
+
+
 # -----------------------------------------------------------------------------
 # DAPO-Math (verl's math_dapo.py, Minerva's normalisation): `Answer: ...` first, then \boxed{}
 
@@ -296,11 +310,14 @@ def _builtin_rule(data_source: str) -> Callable[..., float | dict[str, Any]]:
         return gsm8k_score
     if data_source in _MATH_SOURCES:
         return math_score
+    if data_source == "hiyouga/geometry3k":
+        return geo3k_score
     if data_source in _DAPO_SOURCES or data_source.startswith("aime"):
         return math_dapo_score
     raise ConfigError(
         f"no built-in reward for data_source={data_source!r}. Built in: {', '.join(_GSM8K_SOURCES)} (`#### N`); "
-        f"{', '.join(_MATH_SOURCES)} (\\boxed{{}}); {', '.join(_DAPO_SOURCES)}, aime* (`Answer: ...`); "
+        f"{', '.join(_MATH_SOURCES)} (\\boxed{{}}); hiyouga/geometry3k (\\boxed{{}} after <think>); "
+        f"{', '.join(_DAPO_SOURCES)}, aime* (`Answer: ...`); "
         f"{', '.join(code_reward.CODE_SOURCES)} (a program run against test cases). "
         f"Fix the rows' data_source, or set custom_reward_function.path=<file.py> and "
         f"custom_reward_function.name=<function> (arguments: data_source, solution_str, ground_truth, extra_info)."

@@ -71,7 +71,8 @@ class _DropKnownNoise(logging.Filter):
     stream_generate hands the engine token ids, which need no renderer;
     the CPU worker's threads are bound by VLLM_CPU_OMP_THREADS_BIND, not torch.set_num_threads."""
 
-    MESSAGES = ("RotaryEmbedding: Failed to load weights", "Successfully reset prefix cache",
+    MESSAGES = ("RotaryEmbedding: Failed to load weights", "MRotaryEmbedding: Failed to load weights",
+                "Successfully reset prefix cache",
                 "Chat template warmup failed", "Using None for EOS token id because tokenizer is not initialized",
                 "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it.",
                 "Passing raw prompts to InputProcessor is deprecated and will be removed in the future. You should "
@@ -95,6 +96,17 @@ def _vllm_internals(llm: LLM) -> _Internals:
     packed = getattr(worker.model_runner.get_model(), "packed_modules_mapping", {})
     return _Internals(worker=worker, engine_core=engine.engine_core,
                       packed_modules={k: list(v) for k, v in packed.items()})
+
+
+def _reset_encoder_cache(llm: LLM) -> None:
+    """A vision-language engine's: reload_weights clears the worker's cached image embeddings but not the
+    scheduler's record of them, so the next prompt with an image seen before fails ("Encoder cache miss")."""
+    if llm.llm_engine.model_config.is_multimodal_model:
+        llm.llm_engine.reset_encoder_cache()
+
+
+def _vocab_size(llm: LLM) -> int:
+    return llm.llm_engine.model_config.get_vocab_size()
 
 
 def _add_request(llm: LLM, prompt_token_ids: list[int], params: object) -> str:
@@ -203,11 +215,17 @@ def build_rollout_engine(
     enforce_eager: bool,
     cpu_kv_cache_gib: int = 1,
     seed: int | None = None,
+    images_per_prompt: int = 0,
     **engine_kwargs: object,
 ) -> LLM:
     """One vLLM engine per rank, TP over the rows of rollout_mesh, with random ("dummy") weights
     that the first `sync_weights` replaces. seed: the engine's (None: its dp rank in rollout_mesh).
-    Extra keyword arguments go to `vllm.LLM`."""
+    Extra keyword arguments go to `vllm.LLM`.
+
+    images_per_prompt > 0: a vision-language model's engine, taking up to that many images per prompt
+    (generate's engine_prompts). Its multimodal processor needs the tokenizer, and pixels are normalised by
+    the HF processor on the host: the device-side normalisation's buffers are not checkpoint tensors, so a
+    sync would leave them as the dummy load made them."""
     from vllm import LLM
     from vllm.platforms import current_platform
 
@@ -224,6 +242,9 @@ def build_rollout_engine(
         # seeded generator rewound, which CPU generators cannot do ("CPU Generator does not use offset"):
         # long multi-turn prompts hit it. Unsplit, a prompt that does not fit a step waits for the next.
         engine_kwargs.setdefault("enable_chunked_prefill", False)
+    if images_per_prompt:
+        engine_kwargs.update(limit_mm_per_prompt={"image": images_per_prompt, "video": 0},
+                             mm_device_do_normalize=False, mm_processor_cache_gb=0)
     # vLLM collects and freezes the garbage collector's heap once the engine is up (freeze_gc_heap) and
     # calls gc.collect() six times on the way there (loading, profiling, that freeze), each walking every
     # object the imports made (~640k after torch, transformers and vLLM: ~0.4 s of CPU each). Collected
@@ -235,7 +256,7 @@ def build_rollout_engine(
         tensor_parallel_size=rollout_mesh.size(1),
         distributed_executor_backend="external_launcher",
         load_format="dummy",  # weights come from the actor, not from disk
-        skip_tokenizer_init=True,  # token ids in, token ids out
+        skip_tokenizer_init=not images_per_prompt,  # token ids in, token ids out (a VLM's images need it)
         # TP ranks of one group share a seed so they sample alike; groups differ. Requests carry
         # their own seeds (see sample_seed), so this only matters for unseeded requests.
         seed=rollout_mesh.get_local_rank("dp") if seed is None else seed,
@@ -344,6 +365,7 @@ def sync_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]], pa
         for log in loggers:
             log.removeFilter(quiet)
     _restore_cpu_moe_layout(llm, reloaded_experts)
+    _reset_encoder_cache(llm)  # images embedded by the old vision tower
     # Cached prompt KV blocks were computed with the old weights. vLLM keeps the blocks of requests still in
     # the engine: a stream that left one there would sample on from KV of the old weights.
     held = llm.llm_engine.get_num_unfinished_requests()
@@ -467,6 +489,8 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: no top-k
     seed: int = 0  # with the step, the prompt and the sample, fixes each request's seed (sample_seed)
+    # never sampled: a VLM's image/video pad tokens (the trainer masks its logits alike: vision.ban_tokens)
+    banned_token_ids: tuple[int, ...] = ()
     max_prompt_length: int | None = None  # prompts are left-padded to this (None: the longest given)
 
     def for_batch(self, gen_batch: int) -> Sampling:
@@ -488,18 +512,27 @@ class Turn:
 
 
 def sample_turns(llm: LLM, sampling: Sampling, prompt_token_ids: Sequence[Sequence[int]], seeds: Sequence[int],
-                 max_tokens: int | Sequence[int]) -> list[Turn]:
+                 max_tokens: int | Sequence[int], engine_prompts: Sequence[dict] | None = None) -> list[Turn]:
     """One engine call: a response per prompt (each with its own seed, and max_tokens if a list), under
     sampling's temperature, top-p, top-k and stop ids. All TP ranks of a group must make the same call;
     they get the same turns back. functools.partial(sample_turns, llm, sampling) is the multi-turn loop's
-    sampler (agent_loop.generate_multi_turn)."""
+    sampler (agent_loop.generate_multi_turn). engine_prompts: what vLLM gets instead of the ids, one per
+    prompt (a VLM's: vision.engine_prompt, the ids with each image's pads collapsed, and the images)."""
     from vllm import SamplingParams
 
     limits = [max_tokens] * len(seeds) if isinstance(max_tokens, int) else list(max_tokens)
-    requests = [{"prompt_token_ids": list(prompt)} for prompt in prompt_token_ids]
+    requests = ([{"prompt_token_ids": list(prompt)} for prompt in prompt_token_ids] if engine_prompts is None
+                else list(engine_prompts))
+    if len(requests) != len(seeds):
+        raise ValueError(f"{len(requests)} engine prompts for {len(seeds)} seeds")
+    allowed = None
+    if sampling.banned_token_ids:
+        banned = set(sampling.banned_token_ids)
+        allowed = [t for t in range(_vocab_size(llm)) if t not in banned]
     # With skip_tokenizer_init vLLM knows no EOS id: without stop_token_ids, nothing stops early.
     params = [SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                             max_tokens=limit, stop_token_ids=list(sampling.stop_token_ids), logprobs=0, seed=seed)
+                             max_tokens=limit, stop_token_ids=list(sampling.stop_token_ids), logprobs=0,
+                             allowed_token_ids=allowed, seed=seed)
               for seed, limit in zip(seeds, limits, strict=True)]
     outputs = llm.generate(requests, params, use_tqdm=False)
     turns = []
@@ -511,13 +544,15 @@ def sample_turns(llm: LLM, sampling: Sampling, prompt_token_ids: Sequence[Sequen
 
 
 def generate(llm: LLM, prompt_token_ids: list[list[int]], sampling: Sampling, *, step: int = 0,
-             prompt_indices: Sequence[int] | None = None) -> RolloutBatch:
+             prompt_indices: Sequence[int] | None = None, engine_prompts: Sequence[dict] | None = None
+             ) -> RolloutBatch:
     """Sample sampling.n responses per prompt of this dp group. All TP ranks of the group must call this
     with the same arguments.
 
     prompt_indices are the prompts' global indices in the step's batch (default 0..B-1); with
     sampling.seed and `step` they fix each request's seed, so samples do not depend on the dp/tp layout.
     Prompts are left-padded to sampling.max_prompt_length (None: the longest here).
+    engine_prompts: what vLLM gets for each prompt instead of its ids (sample_turns); the batch keeps the ids.
     """
     n = sampling.n
     prompt_indices = list(range(len(prompt_token_ids))) if prompt_indices is None else list(prompt_indices)
@@ -526,7 +561,8 @@ def generate(llm: LLM, prompt_token_ids: list[list[int]], sampling: Sampling, *,
     sample_prompts = [list(p) for p in prompt_token_ids for _ in range(n)]
     sample_indices = [i for i in prompt_indices for _ in range(n)]
     seeds = [sample_seed(sampling.seed, step, index, sample) for index in prompt_indices for sample in range(n)]
-    turns = sample_turns(llm, sampling, sample_prompts, seeds, sampling.max_tokens)
+    sample_requests = None if engine_prompts is None else [r for r in engine_prompts for _ in range(n)]
+    turns = sample_turns(llm, sampling, sample_prompts, seeds, sampling.max_tokens, sample_requests)
     return pad_rollout(sample_prompts, [t.token_ids for t in turns], [t.log_probs for t in turns], sample_indices,
                        sampling.max_tokens, sampling.pad_token_id, sampling.max_prompt_length)
 

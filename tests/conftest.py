@@ -31,6 +31,30 @@ def tiny_assets(tmp_path_factory) -> dict[str, Path]:
     return make_assets.build_default_assets(tmp_path_factory.mktemp("assets"))
 
 
+# The CPU set-up's stand-in for torchvision (tests/cpu_compat/sitecustomize.py), which Qwen2-VL's processor and
+# vLLM's Qwen2-VL model need: on PYTHONPATH for the processes a VLM test starts, loaded here for in-process checks.
+CPU_COMPAT = ROOT / "tests" / "cpu_compat"
+
+
+def vl_env(**extra: str) -> dict[str, str]:
+    """clean_env with the torchvision stand-in on PYTHONPATH (it steps aside where torchvision is installed)."""
+    env = clean_env(**extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_COMPAT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+@pytest.fixture(scope="session")
+def vl_assets(tmp_path_factory) -> dict[str, Path]:
+    """tiny-qwen2-vl and tiny-qwen2.5-vl (make_assets.build_vl_assets), with the stand-in loaded in this process."""
+    import importlib.util
+
+    import make_assets
+
+    spec = importlib.util.spec_from_file_location("cpu_compat_sitecustomize", CPU_COMPAT / "sitecustomize.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    return make_assets.build_vl_assets(tmp_path_factory.mktemp("vl_assets"))
+
+
 @pytest.fixture(scope="session")
 def sft_model(tiny_assets, tmp_path_factory) -> Path:
     """tiny-qwen2 after the demo's short supervised warm-up: a weak solver RL can improve."""

@@ -108,6 +108,16 @@ MUTATIONS = (
     Mutation("MoE sync leaves the CPU engine's experts as vLLM reloads them (unpacked)", "rollout.py", ((
         "    _restore_cpu_moe_layout(llm, reloaded_experts)\n", ""),),
         "tests/test_moe.py -k qwen3_moe and engine_equals_actor"),
+    # vision-language models (tests/test_vision.py, tests/dist_vl_check.py)
+    Mutation("a VLM sync keeps the engine's encoder cache (image embeddings of the old tower)", "rollout.py", ((
+        "    _reset_encoder_cache(llm)  # images embedded by the old vision tower\n", ""),),
+        "tests/test_vision.py -k engine_log_probs and qwen2_vl and not qwen2_5"),
+    Mutation("the engine samples the image pads the trainer's log-probs mask", "rollout.py", ((
+        "allowed_token_ids=allowed, seed=seed)", "seed=seed)"),),
+        "tests/test_vision.py -k engine_log_probs and qwen2_vl and not qwen2_5"),
+    Mutation("image prompts sent to the engine with their pads expanded", "vision.py", ((
+        "if t != image_token_id or j == 0 or token_ids[j - 1] != t]", "]"),),
+        "tests/test_vision.py -k engine_log_probs and qwen2_vl and not qwen2_5"),
     Mutation("MoE sync sends transformers' names, not the checkpoint's", "moe.py", ((
         "yield from revert_weight_conversion(model, {name: tensor}).items()", "yield name, tensor"),),
         "tests/test_moe.py -k names_are_the_checkpoint"),

@@ -1,0 +1,310 @@
+"""Vision-language models, the CPU-only parts: the tiny Qwen2-VL / Qwen2.5-VL assets, the torchvision stand-in
+(tests/cpu_compat), image rows in verl's format (data.py, vision.py) and geo3k through prepare_data.py.
+
+References are computed another way: the HF processor's own output (ids with the image pads expanded, the
+grids) for what data.py derives from image headers alone."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from conftest import CPU_COMPAT, clean_env, run, vl_env
+from PIL import Image
+
+import rewards
+import vision
+from config import ConfigError
+from data import load_prompts
+
+SIZES = [(56, 84), (120, 90), (30, 200), (300, 300)]  # below, inside and above the processor's pixel bounds
+
+
+def random_image(height: int, width: int, seed: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+@pytest.fixture(scope="module")
+def processors(vl_assets) -> dict:
+    return {arch: vision.load_processor(str(path)) for arch, path in vl_assets.items()}
+
+
+# -----------------------------------------------------------------------------
+# The assets and the torchvision stand-in
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_vl_assets_load_offline_and_run_an_image_prompt(arch, vl_assets, processors):
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    path, proc = vl_assets[arch], processors[arch]
+    config = AutoConfig.from_pretrained(path)
+    assert vision.is_vision_config(config) and config.model_type == arch
+    assert (proc.image_token_id, config.image_token_id, proc.tokenizer.convert_tokens_to_ids("<|video_pad|>")) == (
+        5, 5, config.video_token_id)
+    assert config.text_config.eos_token_id == proc.tokenizer.eos_token_id
+    image = random_image(56, 84, 0)
+    messages = vision.image_messages([{"role": "user", "content": "<image>What colour?"}], 1, "row 0")
+    text = proc.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = proc(text=[text], images=[image], return_tensors="pt")
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 6]]
+    assert (inputs["input_ids"] == 5).sum().item() == 6  # 24 patches, merged 2 x 2
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        with_image = model(**inputs).logits
+        grey = proc(text=[text], images=[Image.new("RGB", (84, 56), (128, 128, 128))], return_tensors="pt")
+        other = model(**grey).logits
+    assert with_image.shape == (1, inputs["input_ids"].shape[1], 128)
+    assert (with_image - other).abs().max() > 1e-3  # the logits see the image
+
+
+def test_the_torchvision_stand_in_steps_aside_when_torchvision_is_installed(tmp_path):
+    """Python loads tests/cpu_compat/sitecustomize.py from PYTHONPATH in every process (vLLM's too); it acts only
+    where torchvision is absent, and patches nothing until transformers' modules are imported."""
+    probe = ("import sys, sitecustomize; print(sitecustomize.ACTIVE, "
+             "any(getattr(f, 'torchvision_stand_in', False) for f in sys.meta_path), 'transformers' in sys.modules)")
+    fake = tmp_path / "torchvision"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    absent = run([sys.executable, "-c", probe], env=vl_env()).stdout.split()
+    present = run([sys.executable, "-c", probe],
+                  env=clean_env(PYTHONPATH=f"{CPU_COMPAT}:{tmp_path}")).stdout.split()
+    assert absent == ["True", "True", "False"]
+    assert present == ["False", "False", "False"]
+
+
+def test_without_the_stand_in_a_vl_processor_does_not_load(vl_assets):
+    """Why the stand-in exists: on the CPU set-up (no torchvision) AutoProcessor fails on a Qwen2-VL folder."""
+    if not vision_stand_in_needed():
+        pytest.skip("torchvision is installed here: the stand-in steps aside")
+    code = f"from transformers import AutoProcessor; AutoProcessor.from_pretrained({str(vl_assets['qwen2_vl'])!r})"
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "orchvision" in proc.stderr, proc.stderr[-2000:]
+
+
+def vision_stand_in_needed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchvision") is None
+
+
+def test_training_a_vl_model_is_refused_before_anything_loads(vl_assets):
+    import models
+
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.path=.* is a vision-language model \(qwen2_vl\)"):
+        models.check_model(str(vl_assets["qwen2_vl"]), 128, False, "cpu")
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_the_planner_sizes_a_vl_model_with_its_vision_tower(arch, vl_assets):
+    import math
+
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    import memory_plan
+
+    shape = memory_plan.model_shape(str(vl_assets[arch]))
+    model = AutoModelForImageTextToText.from_pretrained(vl_assets[arch], dtype=torch.float32)
+    text = AutoConfig.from_pretrained(vl_assets[arch]).text_config
+    assert sum(math.prod(s) for s in shape.param_shapes) == sum(p.numel() for p in model.parameters())
+    assert sum(shape.unit_numels) + shape.root_numel == sum(p.numel() for p in model.parameters())
+    tower = sum(p.numel() for p in model.model.visual.blocks.parameters())
+    assert tower > 0 and sum(shape.unit_numels[1:-1]) == tower + sum(
+        p.numel() for p in model.model.language_model.layers.parameters())  # vision blocks are units too
+    assert (shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.vocab) == (
+        text.hidden_size, text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads, 32, 128)
+    with pytest.raises(ConfigError, match="a critic on one is not implemented"):
+        memory_plan.model_shape(str(vl_assets[arch]), value_head=True)
+
+
+# -----------------------------------------------------------------------------
+# Image rows (verl's format) -> prompts
+
+
+def image_rows(num: int, seed: int = 0, images_per_row=lambda i: 1 + i % 2) -> list[dict]:
+    rows = []
+    for i in range(num):
+        k = images_per_row(i)
+        images = [vision.encode_image(random_image(*SIZES[(i + j) % len(SIZES)], seed + 10 * i + j)) for j in range(k)]
+        rows.append({"data_source": "hiyouga/geometry3k", "images": images,
+                     "prompt": [{"role": "user", "content": "".join(f"Figure {j}: <image>. " for j in range(k))
+                                 + f"Find x{i}."}],
+                     "reward_model": {"style": "rule", "ground_truth": str(i)}})
+    return rows
+
+
+def test_image_tokens_from_the_header_equal_the_processors_grid(processors):
+    proc = processors["qwen2_vl"]
+    for height, width in SIZES + [(14, 14), (1000, 20)]:
+        image = random_image(height, width, 1)
+        grid = proc.image_processor(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist()
+        stored = vision.encode_image(image)
+        assert vision.image_size(stored) == (height, width)
+        assert list(vision.image_grid((height, width), proc.image_processor)) == grid, (height, width)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_image_rows_load_as_the_processors_ids_with_the_images_undecoded(arch, processors, tmp_path):
+    proc = processors[arch]
+    path = tmp_path / "images.parquet"
+    rows = image_rows(4)
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    prompts, dropped = load_prompts(str(path), proc.tokenizer, key="data.train_files", prompt_key="prompt",
+                                    max_prompt_length=512, filter_overlong=False, truncation="error", processor=proc)
+    assert dropped == 0 and len(prompts) == 4
+    for prompt, row in zip(prompts, rows, strict=True):
+        assert [set(image) for image in prompt.images] == [{"bytes", "path"}] * len(row["images"])  # still bytes
+        images = [vision.decode_image(image) for image in prompt.images]
+        expected = proc(text=[prompt.text], images=images, return_tensors="pt")["input_ids"][0].tolist()
+        assert prompt.token_ids == expected
+        assert prompt.messages == row["prompt"]  # the row's own chat, placeholders kept
+
+
+def test_image_rows_written_by_datasets_image_feature_are_read_undecoded(processors, tmp_path):
+    """verl's files store images with datasets' Image feature (decoded to PIL by default): data.py reads them
+    as bytes, and both layouts give the same prompts."""
+    proc = processors["qwen2_vl"]
+    rows = image_rows(3)
+    as_pil = [{**row, "images": [vision.decode_image(i) for i in row["images"]]} for row in rows]
+    feature_path, bytes_path = tmp_path / "feature.parquet", tmp_path / "bytes.parquet"
+    datasets.Dataset.from_list(as_pil).to_parquet(str(feature_path))
+    datasets.Dataset.from_list(rows).to_parquet(str(bytes_path))
+    assert isinstance(datasets.load_dataset("parquet", data_files=str(feature_path), split="train")[0]["images"][0],
+                      Image.Image)
+    kwargs = dict(key="data.train_files", prompt_key="prompt", max_prompt_length=512, filter_overlong=False,
+                  truncation="error", processor=proc)
+    from_feature, _ = load_prompts(str(feature_path), proc.tokenizer, **kwargs)
+    from_bytes, _ = load_prompts(str(bytes_path), proc.tokenizer, **kwargs)
+    assert [p.token_ids for p in from_feature] == [p.token_ids for p in from_bytes]
+    assert all(isinstance(image, dict) and image["bytes"] for p in from_feature for image in p.images)
+
+
+def test_image_row_errors_name_the_row_and_the_key(processors, tmp_path):
+    proc = processors["qwen2_vl"]
+    kwargs = dict(key="data.train_files", prompt_key="prompt", filter_overlong=False, truncation="left")
+    rows = image_rows(2)
+    rows[1]["prompt"] = [{"role": "user", "content": "No placeholder here."}]
+    path = tmp_path / "bad.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    with pytest.raises(ConfigError, match=r"bad.parquet row 1 has 2 image\(s\) .* 0 <image>"):
+        load_prompts(str(path), proc.tokenizer, max_prompt_length=512, processor=proc, **kwargs)
+    good = tmp_path / "good.parquet"
+    datasets.Dataset.from_list(image_rows(2)).to_parquet(str(good))
+    with pytest.raises(ConfigError, match="not a vision-language model"):
+        load_prompts(str(good), proc.tokenizer, max_prompt_length=512, **kwargs)
+    with pytest.raises(ConfigError, match="cannot be truncated"):  # data.truncation=left would cut image tokens
+        load_prompts(str(good), proc.tokenizer, max_prompt_length=20, processor=proc, **kwargs)
+    lengths = [len(p.token_ids) for p in load_prompts(str(good), proc.tokenizer, max_prompt_length=512,
+                                                      processor=proc, **kwargs)[0]]
+    assert lengths[0] < lengths[1]  # 1 image, then 2
+    kept, dropped = load_prompts(str(good), proc.tokenizer, max_prompt_length=lengths[0], processor=proc,
+                                 **{**kwargs, "filter_overlong": True})
+    assert (len(kept), dropped) == (1, 1)
+
+
+def test_text_rows_load_as_before_beside_an_empty_image_column(tiny_assets, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets["tiny-qwen2"])
+    plain = datasets.load_dataset("parquet", data_files=str(tiny_assets["val"]), split="train").to_list()[:8]
+    path = tmp_path / "with_images.parquet"
+    datasets.Dataset.from_list([{**row, "images": []} for row in plain]).to_parquet(str(path))
+    kwargs = dict(key="k", prompt_key="prompt", max_prompt_length=64, filter_overlong=False, truncation="error")
+    before, _ = load_prompts(str(tiny_assets["val"]), tokenizer, **kwargs)
+    after, _ = load_prompts(str(path), tokenizer, **kwargs)
+    assert [p.token_ids for p in after] == [p.token_ids for p in before[:8]]
+    assert all(p.images == () for p in after)
+
+
+# -----------------------------------------------------------------------------
+# geo3k (hiyouga/geometry3k's layout) through prepare_data.py, offline
+
+GEO3K_TRAIN = [("<image>Find x.", "3"), ("<image>Find the area of the figure. Round to the nearest tenth.", "52.5"),
+               ("Find y.", "7"), ("<image><image>Find m \\angle 2.", "34")]
+GEO3K_TEST = [("<image>Find z.", "\\frac{1}{2}")]
+
+
+def write_geo3k(root: Path) -> None:
+    for split, items in (("train", GEO3K_TRAIN), ("test", GEO3K_TEST)):
+        rows = [{"images": [random_image(*SIZES[i % len(SIZES)], i)], "problem": problem, "answer": answer}
+                for i, (problem, answer) in enumerate(items)]
+        (root / "data").mkdir(parents=True, exist_ok=True)
+        datasets.Dataset.from_list(rows).to_parquet(str(root / "data" / f"{split}-00000-of-00001.parquet"))
+
+
+def test_geo3k_converts_offline_to_verls_rows_with_image_bytes(processors, tmp_path):
+    from prepare_data import GEO3K_INSTRUCTION
+
+    write_geo3k(tmp_path / "raw")
+    env = clean_env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+    out = run([sys.executable, "prepare_data.py", "geo3k", "--local-dir", str(tmp_path / "raw"), "--out",
+               str(tmp_path / "geo3k")], env=env, timeout=300).stdout
+    assert "train: 4 rows read" in out and "2 skipped" in out, out
+    assert "the number of <image> placeholders differs from the number of images: rows 2, 3" in out, out
+    train = datasets.load_dataset("parquet", data_files=str(tmp_path / "geo3k" / "train.parquet"), split="train",
+                                  ).cast_column("images", datasets.Sequence(datasets.Image(decode=False)))
+    assert len(train) == 2
+    row = train[1]
+    assert row["data_source"] == "hiyouga/geometry3k" and row["reward_model"]["ground_truth"] == "52.5"
+    assert row["prompt"] == [{"role": "user", "content": GEO3K_TRAIN[1][0] + " " + GEO3K_INSTRUCTION}]
+    assert row["extra_info"] == {"split": "train", "index": 1, "answer": "52.5", "question": GEO3K_TRAIN[1][0]}
+    assert np.array_equal(np.asarray(vision.decode_image(row["images"][0])), np.asarray(random_image(*SIZES[1], 1)))
+    proc = processors["qwen2_5_vl"]
+    prompts, _ = load_prompts(str(tmp_path / "geo3k" / "test.parquet"), proc.tokenizer, key="data.val_files",
+                              prompt_key="prompt", max_prompt_length=512, filter_overlong=False, truncation="error",
+                              processor=proc)
+    assert prompts[0].token_ids.count(proc.image_token_id) == 6  # 56 x 84 -> 4 x 6 patches -> 6 tokens
+
+
+def test_geo3k_without_a_local_copy_or_internet_says_how_to_get_one(tmp_path):
+    env = clean_env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+    proc = run([sys.executable, "prepare_data.py", "geo3k", "--out", str(tmp_path / "out")], env=env, timeout=300,
+               check=False)
+    assert proc.returncode == 1
+    assert "huggingface-cli download hiyouga/geometry3k --repo-type dataset --local-dir" in proc.stderr, proc.stderr
+
+
+def test_geo3k_rule_scores_as_verls():
+    truth = "52.5"
+    assert rewards.default_compute_score("hiyouga/geometry3k", "<think>area</think> so \\boxed{52.5}", truth) == 1.0
+    assert rewards.default_compute_score("hiyouga/geometry3k", "<think>a</think> \\boxed{50}", truth) == 0.1
+    assert rewards.default_compute_score("hiyouga/geometry3k", "The area is \\boxed{52.5}", truth) == 0.9
+    assert rewards.default_compute_score("hiyouga/geometry3k", "52.5", truth) == 0.0
+
+
+# -----------------------------------------------------------------------------
+# The engine: vLLM against the HF forward on image prompts (tests/dist_vl_check.py, one launch per model)
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", pytest.param("qwen2_5_vl", marks=pytest.mark.slow)])
+def engine_check(request, vl_assets, tmp_path_factory) -> dict:
+    import json
+
+    from conftest import torchrun
+
+    out = tmp_path_factory.mktemp(f"vl_engine_{request.param}")
+    torchrun(1, ROOT_TESTS / "dist_vl_check.py", str(out), str(vl_assets[request.param]), "1", timeout=1800,
+             env=vl_env())
+    return json.loads((out / "rank0.json").read_text())
+
+
+ROOT_TESTS = Path(__file__).resolve().parent
+
+
+def test_engine_log_probs_on_image_prompts_equal_the_hf_forward_after_syncs(engine_check):
+    """vLLM's log-probs of its own samples on image prompts (two images of different sizes in one, sizes below
+    and above the pixel bounds) equal the HF forward given pixels, grids and 4-row positions, with the image
+    pads banned on both sides; also after a sync that moved the vision tower, on the same images (served
+    from the encoder cache unless the sync reset it)."""
+    r = engine_check
+    assert r["image_tokens"][:2] == [6, 8 + 9], r  # 56x84: 4x6 patches merged 2x2; 112x56 and 84x84
+    assert r["tokens"] > 0 and r["sampled_banned"] == 0, r
+    assert r["synced"] < 1e-5, r
+    assert r["no_pixels"] > 1e-2 and r["positions_1d"] > 1e-4, r  # the controls: each input matters
+    assert r["tower_tensors_moved"] > 0 and r["tower_synced"] < 1e-5, r
+    assert r["tower_stale"] > 1e-2, r  # the engine serves the moved tower, not the old image embeddings
+    assert "Encoder cache miss" in r["no_reset"], r  # why sync_weights resets the encoder cache

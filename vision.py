@@ -1,0 +1,198 @@
+"""Images in prompts, for vision-language models (Qwen2-VL, Qwen2.5-VL): rows, placeholders, image tokens.
+
+A row is verl's, plus a list of images in the column data.image_key (default `images`), each stored as
+parquet's {"bytes": ..., "path": ...} struct (what `datasets.Image` writes), raw bytes, or a file path. The
+message text marks where each image goes with `<image>`, one per image, in order:
+
+    {"prompt": [{"role": "user", "content": "<image>What colour is the square?"}],
+     "images": [{"bytes": b"\\x89PNG...", "path": None}], ...}
+
+`image_messages` turns such messages into the content lists a VLM's chat template renders
+(`[{"type": "image"}, {"type": "text", "text": "What colour is the square?"}]`); the template writes one
+`<|image_pad|>` per image, and `expand_image_pads` widens each to the image's number of tokens, which
+`image_tokens` reads from the image's size alone: images are decoded (`decode_image`) only when their
+pixels are needed, not when the rows are loaded.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from config import ConfigError
+
+IMAGE_PLACEHOLDER = "<image>"
+
+
+def load_processor(path: str, trust_remote_code: bool = False) -> Any:
+    """A VLM's processor (tokenizer, chat template and image processor): transformers' AutoProcessor."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def is_vision_config(config: Any) -> bool:
+    """Whether a transformers model config is a vision-language model's (it has a vision tower config)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def _image_file(entry: Any) -> Any:
+    """A file-like object or path PIL can open, from one stored image (struct, bytes or path)."""
+    if hasattr(entry, "getexif"):  # already a PIL image (a data set read with its images decoded)
+        return entry
+    if isinstance(entry, dict):
+        if entry.get("bytes"):
+            return io.BytesIO(entry["bytes"])
+        if entry.get("path"):
+            return entry["path"]
+        raise ValueError(f"an image entry has neither bytes nor a path: keys {sorted(entry)}")
+    if isinstance(entry, bytes | bytearray):
+        return io.BytesIO(entry)
+    if isinstance(entry, str | Path):
+        return str(entry)
+    raise ValueError(f"an image must be a {{bytes, path}} mapping, bytes or a path, not {type(entry).__name__}")
+
+
+def image_size(entry: Any) -> tuple[int, int]:
+    """(height, width) of a stored image, from its header only (no pixels decoded)."""
+    from PIL import Image
+
+    source = _image_file(entry)
+    if hasattr(source, "getexif"):
+        width, height = source.size
+        return height, width
+    with Image.open(source) as image:
+        width, height = image.size
+    return height, width
+
+
+def decode_image(entry: Any) -> Any:
+    """A stored image as an RGB PIL image (decoded now)."""
+    from PIL import Image
+
+    source = _image_file(entry)
+    if hasattr(source, "getexif"):
+        return source.convert("RGB")
+    with Image.open(source) as image:
+        return image.convert("RGB")
+
+
+def encode_image(image: Any, fmt: str = "PNG") -> dict[str, Any]:
+    """A PIL image as the {bytes, path} struct rows store (what datasets.Image writes)."""
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return {"bytes": buffer.getvalue(), "path": None}
+
+
+def image_grid(size: tuple[int, int], image_processor: Any) -> tuple[int, int, int]:
+    """(t, h, w) patches the image processor cuts an image of `size` (height, width) into, as
+    `image_grid_thw` reports: the image is resized to multiples of patch_size x merge_size within the
+    processor's pixel bounds (Qwen2-VL's smart_resize), then cut into patch_size squares."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    patch, merge = image_processor.patch_size, image_processor.merge_size
+    bounds = image_processor.size
+    min_pixels = bounds.get("shortest_edge") if hasattr(bounds, "get") else bounds.shortest_edge
+    max_pixels = bounds.get("longest_edge") if hasattr(bounds, "get") else bounds.longest_edge
+    height, width = smart_resize(*size, factor=patch * merge, min_pixels=min_pixels, max_pixels=max_pixels)
+    return 1, height // patch, width // patch
+
+
+def image_tokens(size: tuple[int, int], image_processor: Any) -> int:
+    """How many <|image_pad|> tokens an image of `size` (height, width) takes in the prompt."""
+    t, h, w = image_grid(size, image_processor)
+    return t * h * w // image_processor.merge_size ** 2
+
+
+def image_messages(messages: list[dict[str, Any]], num_images: int, where: str) -> list[dict[str, Any]]:
+    """verl's rule: the messages' text holds one `<image>` per image, in order; each message's content becomes
+    a list of {"type": "image"} and {"type": "text", "text": ...} items. `where` names the row, for errors."""
+    found = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages if isinstance(m.get("content"), str))
+    if found != num_images:
+        raise ConfigError(f"{where} has {num_images} image(s) in data.image_key but {found} {IMAGE_PLACEHOLDER} "
+                          f"placeholder(s) in its prompt; write one {IMAGE_PLACEHOLDER} where each image goes.")
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, str) or IMAGE_PLACEHOLDER not in content:
+            out.append(dict(message))
+            continue
+        items: list[dict[str, Any]] = []
+        for i, piece in enumerate(content.split(IMAGE_PLACEHOLDER)):
+            if i:
+                items.append({"type": "image"})
+            if piece:
+                items.append({"type": "text", "text": piece})
+        out.append({**message, "content": items})
+    return out
+
+
+def expand_image_pads(ids: Sequence[int], counts: Sequence[int], image_token_id: int) -> list[int]:
+    """The prompt ids with the i-th <|image_pad|> repeated counts[i] times (what the processor writes)."""
+    pads = [j for j, t in enumerate(ids) if t == image_token_id]
+    if len(pads) != len(counts):
+        raise ValueError(f"the rendered prompt has {len(pads)} image pad tokens (id {image_token_id}) for "
+                         f"{len(counts)} images: the chat template must write one per image")
+    out: list[int] = []
+    counts_left = iter(counts)
+    for t in ids:
+        out.extend([t] * next(counts_left) if t == image_token_id else [t])
+    return out
+
+
+# -----------------------------------------------------------------------------
+# The engine's prompts and the trainer's inputs
+
+
+def pad_token_ids(config: Any) -> tuple[int, ...]:
+    """The image and video pad ids of a VLM's config: never sampled (a sampled pad has no image behind it,
+    and the next forward fails on the count of image tokens), so the engine bans them and the trainer's
+    log-probs mask them alike (ban_tokens)."""
+    return tuple(i for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
+                 if i is not None)
+
+
+def ban_tokens(logits: Any, banned: Sequence[int]) -> Any:
+    """logits (..., V) with the banned ids at -inf: the distribution the engine samples from when it bans them."""
+    if not banned:
+        return logits
+    logits = logits.clone()
+    logits[..., list(banned)] = float("-inf")
+    return logits
+
+
+def engine_prompt(token_ids: Sequence[int], images: Sequence[Any], image_token_id: int) -> dict[str, Any]:
+    """vLLM's request for a prompt with images: the ids with each run of image pads collapsed to one (the
+    engine expands it again from the image) and the decoded images."""
+    collapsed = [t for j, t in enumerate(token_ids) if t != image_token_id or j == 0 or token_ids[j - 1] != t]
+    request: dict[str, Any] = {"prompt_token_ids": collapsed}
+    if images:
+        request["multi_modal_data"] = {"image": [decode_image(image) for image in images]}
+    return request
+
+
+def pixel_inputs(images: Sequence[Any], image_processor: Any) -> dict[str, Any]:
+    """{"pixel_values": (patches, C*T*P*P), "image_grid_thw": (num_images, 3)} of one sample's images, as the
+    HF processor makes them (resized and normalised on the host)."""
+    out = image_processor(images=[decode_image(image) for image in images], return_tensors="pt")
+    return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+
+def rope_positions(model: Any, token_ids: Any, image_grid_thw: Any, image_token_id: int) -> Any:
+    """(4, L) positions of one sample, once: the text row 0..L-1 over the model's 3-row mrope positions (t, h,
+    w; image tokens at their patch coordinates). Packed rows need the text row: it marks where each sample
+    starts; with the 3 mrope rows alone, a packed forward is silently wrong."""
+    import torch
+
+    ids = torch.as_tensor(token_ids).reshape(1, -1)
+    types = (ids == image_token_id).int()
+    inner = getattr(model, "model", model)
+    grid = None if image_grid_thw is None or len(image_grid_thw) == 0 else image_grid_thw
+    if grid is None:
+        mrope = torch.arange(ids.shape[1]).expand(3, 1, -1)
+    else:
+        mrope, _ = inner.get_rope_index(input_ids=ids, mm_token_type_ids=types, image_grid_thw=grid)
+    text = torch.arange(ids.shape[1]).reshape(1, 1, -1)
+    return torch.cat([text, mrope.to(text.dtype)], dim=0)[:, 0]  # (4, L)
