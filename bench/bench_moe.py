@@ -22,10 +22,10 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench_common import DEFAULT_ASSETS, DEFAULT_OUT, ROOT, torchrun
+
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -37,8 +37,8 @@ from tracking import read_metrics  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--assets", type=Path, default=ROOT / "assets")
-    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "moe")
+    ap.add_argument("--assets", type=Path, default=DEFAULT_ASSETS)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT / "moe")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="rollout tensor_model_parallel_size values")
     ap.add_argument("--steps", type=int, default=60, help="GRPO steps per run")
     ap.add_argument("--warmup-steps", type=int, default=75, help="sft_warmup.py steps (the demo's)")
@@ -57,19 +57,14 @@ def warmed_model(assets: Path, steps: int) -> Path:
 
 
 def grpo(model: Path, tp: int, steps: int, out: Path, assets: Path, overrides: list[str]) -> float:
-    """One 2-rank GRPO run into `out`; its wall seconds."""
+    """One 2-rank GRPO run into `out` (its output in `out`.log); its wall seconds."""
     shutil.rmtree(out, ignore_errors=True)
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                    str(ROOT / "train_ppo.py"), "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
-                    f"actor_rollout_ref.model.path={model}", f"data.train_files={assets / 'data' / 'train.parquet'}",
-                    f"data.val_files={assets / 'data' / 'val.parquet'}",
-                    f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
-                    "actor_rollout_ref.actor.router_replay.mode=R2",
-                    f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}",
-                    f"trainer.default_local_dir={out}", f"trainer.experiment_name=moe_tp{tp}", *overrides],
-                   check=True, cwd=ROOT)
-    return time.perf_counter() - start
+    return torchrun(ROOT / "train_ppo.py", 2, [
+        "--config", ROOT / "configs" / "tiny_cpu.yaml", f"actor_rollout_ref.model.path={model}",
+        f"data.train_files={assets / 'data' / 'train.parquet'}", f"data.val_files={assets / 'data' / 'val.parquet'}",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}", "actor_rollout_ref.actor.router_replay.mode=R2",
+        f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", f"trainer.default_local_dir={out}",
+        f"trainer.experiment_name=moe_tp{tp}", *overrides], out.with_suffix(".log"), timeout=7200)
 
 
 def summary(rows: list[dict], wall_s: float) -> dict:
@@ -78,7 +73,7 @@ def summary(rows: list[dict], wall_s: float) -> dict:
     score = [r["critic/score/mean"] for r in steps]
     rise, se = noise.trend(score)
     val = [r["val/score"] for r in rows if "val/score" in r]
-    return {"steps": len(steps), "score_rise": rise, "score_rise_se": se, "margin_se": rise / se,
+    return {"steps": len(steps), "score_rise": rise, "score_rise_se": se, "margin_se": rise / se if se > 0 else float("nan"),  # a flat score: no noise to measure
             "score_first5": sum(score[:5]) / 5, "score_last5": sum(score[-5:]) / 5,
             "val_score_before": val[0] if val else None, "val_score_after": val[-1] if len(val) > 1 else None,
             "logprob_diff_max": max(r["rollout/logprob_diff_max"] for r in steps),
