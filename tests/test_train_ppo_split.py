@@ -14,18 +14,13 @@ import json
 
 import pytest
 from conftest import torchrun
+from short_runs import TINY
 from test_checkpoint import compared
 from test_train_ppo import step_rows
 
-ONE_RANK = ["trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-            "data.max_prompt_length=16", "data.max_response_length=12", "data.train_batch_size=8",
-            "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
-            "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-            "actor_rollout_ref.rollout.gpu_memory_utilization=0.3", "actor_rollout_ref.rollout.max_num_seqs=256",
-            "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
-            "trainer.save_freq=-1", "trainer.resume_mode=disable"]
+# the short runs' TINY on one rank: the whole batch in one mini batch
+ONE_RANK = [*TINY, "trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "trainer.resume_mode=disable"]
 SPLIT = ["actor_rollout_ref.hybrid_engine=false", "trainer.v1.trainer_mode=separate_async",
          "actor_rollout_ref.rollout.nnodes=1", "trainer.v1.separate_async.parameter_sync_step=1"]
 
