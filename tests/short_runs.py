@@ -175,6 +175,11 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "async_resume": ("configs/tiny_cpu.yaml", [*ASYNC_W1, "trainer.resume_mode=resume_path", "trainer.save_freq=-1",
                                                "trainer.resume_from_path={root}/async_w1/global_step_2",
                                                "trainer.rollout_data_dir={root}/async_resume_rollouts"]),
+    # bypass mode (the engine's log-probs as the old policy: no old-log-prob forward), strategy drop
+    "async_bypass": ("configs/tiny_cpu.yaml", [
+        *TINY, f"{V1}.trainer_mode=colocate_async", f"{V1}.colocate_async.num_warmup_batches=1",
+        f"{V1}.sampler.max_off_policy_threshold=2", f"{V1}.sampler.max_off_policy_strategy=drop",
+        f"{RC}.bypass_mode=true", "trainer.total_training_steps=3"]),
     # --- tests/test_lora.py: the demo task with a rank-8 adapter on every linear layer, the KL loss to the
     # reference (the adapter disabled) and the KL in the reward (which logs the KL of the policy before each
     # update to the reference), LORA_STEPS steps; the engine samples from the merged weights, so it is shared
@@ -214,11 +219,10 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "actor_rollout_ref.actor.shuffle=true", *TWO_STEPS]),
     # tests/test_train_ppo_colocate_async.py: colocate_async on one TP=2 engine (its ranks must cut alike: the
     # ranks compare each engine step's decision, and their carried samples after every cut), strategy drop,
-    # bypass mode
+    # decoupled PPO with its samples dumped (the IS weights recomputed from them, as async_w1's)
     "async_tp2": ("configs/tiny_cpu.yaml", [
-        *TINY, "actor_rollout_ref.rollout.tensor_model_parallel_size=2", f"{V1}.trainer_mode=colocate_async",
-        f"{V1}.colocate_async.num_warmup_batches=1", f"{V1}.sampler.max_off_policy_threshold=2",
-        f"{V1}.sampler.max_off_policy_strategy=drop", f"{RC}.bypass_mode=true", "trainer.total_training_steps=3"]),
+        *ASYNC_W1, "actor_rollout_ref.rollout.tensor_model_parallel_size=2", f"{V1}.sampler.max_off_policy_strategy=drop",
+        "trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.rollout_data_dir={root}/async_tp2_rollouts"]),
     # tests/test_checkpoint.py: rc_decoupled's step-2 checkpoint, written by 4 ranks, resumed on 2 (DCP
     # reshards), validated before a third step
     "resume_smaller": ("configs/tiny_cpu.yaml", [

@@ -10,8 +10,9 @@ real torchrun / gloo ranks, the real vLLM CPU engine, the warmed model (tests/sh
       log-probs and the IS weight applied: the weights recomputed from them are the trainer's.
   async_resume: async_w1 resumed from its step-2 checkpoint (the carried samples with it) repeats its
       steps 3 and 4 exactly, metrics and dumped samples.
-  async_tp2: one TP=2 engine, strategy drop, bypass mode: its ranks cut alike (the trainer compares their
-      carried samples after each cut and raises otherwise).
+  async_tp2: one TP=2 engine, strategy drop, decoupled: its ranks cut alike (the trainer compares their
+      carried samples after each cut and raises otherwise), and its dumps give its IS weights, as async_w1's.
+  async_bypass: bypass mode (the engine's log-probs as the old policy), strategy drop.
 """
 import json
 from pathlib import Path
@@ -61,24 +62,23 @@ def dumped(out: Path, name: str, step: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.short_run("async_w1")
-def test_is_weights_recomputed_from_the_dumps_equal_the_trainers(short_runs):
+def assert_is_weights_recomputed(out: Path, name: str, samples: int) -> None:
     """Decoupled rollout correction, token level, rollout_is_threshold=2 (TIS): w = min(pi_old / pi_engine, 2) on
     every trained token, recomputed here in float64 from the dumped log-probs and compared with the weights the
     trainer applied (dumped beside them) and with its rollout_corr/* metrics of the whole step batch. The fresh
     tokens (version step - 1) have weights of 1 (the sync check); the stale ones do not, so the dumped versions
     tell the two apart."""
-    out, stale_deviation = short_run(short_runs, "async_w1"), []
+    stale_deviation = []
     for m in step_rows(out):
         step = m["step"]
-        records = dumped(out, "async_w1", step)
-        assert len(records) == 32 and {r["step"] for r in records} == {step}
+        records = dumped(out, name, step)
+        assert len(records) == samples and {r["step"] for r in records} == {step}
         # every response token is trained (no tool replies, no rejection): the stale ones too, weighted
         assert all(set(r["mask"]) == {1} for r in records)
         old, engine, applied, versions = (torch.tensor([x for r in records for x in r[key]], dtype=torch.float64)
                                           for key in ("old_log_probs", "rollout_log_probs", "rollout_is_weights",
                                                       "versions"))
-        assert len(old) == sum(len(r["tokens"]) for r in records) == pytest.approx(m["response_length/mean"] * 32)
+        assert len(old) == sum(len(r["tokens"]) for r in records) == pytest.approx(m["response_length/mean"] * samples)
         weights = (old - engine).exp().clamp(max=2.0)
         assert torch.allclose(weights, applied, rtol=1e-5, atol=0), (step, (weights - applied).abs().max())
         assert m[f"{RC}_mean"] == pytest.approx(weights.mean().item(), rel=1e-5)
@@ -93,6 +93,11 @@ def test_is_weights_recomputed_from_the_dumps_equal_the_trainers(short_runs):
     # carried tokens, sampled before the last update: weighted by how far the actor moved since (on some steps
     # only a few confident tokens are stale, and they hardly move)
     assert stale_deviation[0] == 0 and max(stale_deviation) > 1e-3, stale_deviation
+
+
+@pytest.mark.short_run("async_w1")
+def test_is_weights_recomputed_from_the_dumps_equal_the_trainers(short_runs):
+    assert_is_weights_recomputed(short_run(short_runs, "async_w1"), "async_w1", samples=32)
 
 
 @pytest.mark.short_run("async_w1", "async_resume")
@@ -110,10 +115,27 @@ def test_resume_with_carried_samples_repeats_the_run(short_runs):
 @pytest.mark.slow  # the TP=2 launch runs in the full suite only
 @pytest.mark.short_run("async_tp2")
 def test_tp_ranks_cut_alike_and_drop_keeps_the_bound(short_runs):
-    rows = step_rows(short_run(short_runs, "async_tp2"))
+    """One TP=2 engine (one rollout dp group), decoupled PPO: the trainer compares its TP ranks' decisions at each
+    engine step and their carried samples after each cut (and raises otherwise); every trained token within the
+    bound, the fresh ones' sync check as tight as at TP 1, the IS weights recomputed from the dumps."""
+    out = short_run(short_runs, "async_tp2")
+    rows = step_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
-    for r in rows:  # bypass mode: no old-log-prob forward, so no sync check to read
+    for r in rows:
         assert r[f"{OFF}trajectory_staleness_worst/max"] <= 1 and r[f"{OFF}trajectory_spans/max"] <= 2
         assert r["actor/on_policy_shortcut"] == 0
+        assert r["rollout/logprob_diff_max"] < 1e-4, r["step"]  # the fresh tokens
     assert all(r["rollout/carried_groups"] > 0 for r in rows) and rows[-1][f"{OFF}stale_token_fraction"] > 0
+    assert_is_weights_recomputed(out, "async_tp2", samples=32)
 
+
+@pytest.mark.short_run("async_bypass")
+def test_bypass_mode_trains_carried_samples_without_an_old_policy_forward(short_runs):
+    """Bypass mode (the engine's log-probs are the old policy), strategy drop: no old-log-prob forward, no shortcut,
+    carried samples trained within the bound."""
+    rows = step_rows(short_run(short_runs, "async_bypass"))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # no old-log-prob forward: no sync check to read, no phase timed
+        assert r[f"{OFF}trajectory_staleness_worst/max"] <= 1 and r[f"{OFF}trajectory_spans/max"] <= 2
+        assert r["actor/on_policy_shortcut"] == 0 and "timing_s/old_log_prob" not in r
+    assert all(r["rollout/carried_groups"] > 0 for r in rows) and rows[-1][f"{OFF}stale_token_fraction"] > 0
