@@ -4,6 +4,8 @@
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
+# two pytest-xdist workers (tests/conftest.py's worker groups keep the engines that cannot share a node apart)
+PARALLEL ?= -n 2 --dist loadgroup --no-loadscope-reorder
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
 
@@ -74,7 +76,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 test: setup lint chromium
-	$(VENV)/bin/pytest -q --durations=30
+	$(VENV)/bin/pytest -q --durations=30 $(PARALLEL)
 
 # Debian's headless Chromium, which the trace viewer's tests render pages in. Idempotent; installs
 # (root, apt-get) only when missing, refreshing the package lists once if the first try fails.

@@ -1,3 +1,4 @@
+import json
 import os
 import socket
 import subprocess
@@ -7,6 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,12 +25,33 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Any]) -> Any:
+    """build(an empty directory) once per test session: its result (a path, or a dict of paths). Under
+    pytest-xdist (`make test` runs two workers) the workers share one build: the first to ask builds it under a
+    file lock in the session's base directory, the others wait for it and read where it is."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return build(tmp_path_factory.mktemp(name))
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp().parent / "built_once"  # the session's base, above each worker's own
+    root.mkdir(exist_ok=True)
+    record = root / f"{name}.json"
+    with FileLock(str(root / f"{name}.lock")):
+        if not record.exists():
+            (root / name).mkdir()
+            result = build(root / name)
+            record.write_text(json.dumps({k: str(v) for k, v in result.items()} if isinstance(result, dict)
+                                         else str(result)))
+    stored = json.loads(record.read_text())
+    return {k: Path(v) for k, v in stored.items()} if isinstance(stored, dict) else Path(stored)
+
+
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory) -> dict[str, Path]:
     """Tokenizer, tiny models and the demo data set, built once per session into a temp dir."""
     import make_assets
 
-    return make_assets.build_default_assets(tmp_path_factory.mktemp("assets"))
+    return built_once(tmp_path_factory, "assets", make_assets.build_default_assets)
 
 
 # The CPU set-up's stand-in for torchvision (tests/cpu_compat/sitecustomize.py), which Qwen2-VL's processor and
@@ -58,10 +81,12 @@ def vl_assets(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def sft_model(tiny_assets, tmp_path_factory) -> Path:
     """tiny-qwen2 after the demo's short supervised warm-up: a weak solver RL can improve."""
-    out = tmp_path_factory.mktemp("sft") / "tiny-qwen2-sft"
-    run([sys.executable, "sft_warmup.py", "--model", str(tiny_assets["tiny-qwen2"]), "--data", str(tiny_assets["train"]),
-         "--out", str(out), "--steps", "75"], timeout=600)
-    return out
+    def build(where: Path) -> Path:
+        run([sys.executable, "sft_warmup.py", "--model", str(tiny_assets["tiny-qwen2"]), "--data",
+             str(tiny_assets["train"]), "--out", str(where / "tiny-qwen2-sft"), "--steps", "75"], timeout=600)
+        return where / "tiny-qwen2-sft"
+
+    return built_once(tmp_path_factory, "sft", build)
 
 
 @pytest.fixture(scope="session")
@@ -69,10 +94,12 @@ def early_sft_model(tiny_assets, tmp_path_factory) -> Path:
     """tiny-qwen2 after 15 steps of the demo's supervised warm-up: a student that has started on the task,
     as a distilled student usually has (an untrained one puts most of its samples where the warmed
     teacher's log-probs are so low that k3's clamp at 10 stops their gradient)."""
-    out = tmp_path_factory.mktemp("early_sft") / "tiny-qwen2-early"
-    run([sys.executable, "sft_warmup.py", "--model", str(tiny_assets["tiny-qwen2"]), "--data", str(tiny_assets["train"]),
-         "--out", str(out), "--steps", "15"], timeout=600)
-    return out
+    def build(where: Path) -> Path:
+        run([sys.executable, "sft_warmup.py", "--model", str(tiny_assets["tiny-qwen2"]), "--data",
+             str(tiny_assets["train"]), "--out", str(where / "tiny-qwen2-early"), "--steps", "15"], timeout=600)
+        return where / "tiny-qwen2-early"
+
+    return built_once(tmp_path_factory, "early_sft", build)
 
 
 @pytest.fixture(scope="session")
@@ -81,20 +108,30 @@ def demo_reward_model(sft_model, tmp_path_factory) -> Path:
     (tests/demo_reward_model.py): it prefers correct answers."""
     import demo_reward_model
 
-    return demo_reward_model.build(sft_model, tmp_path_factory.mktemp("rm") / "tiny-qwen2-rm")
+    return built_once(tmp_path_factory, "rm", lambda where: demo_reward_model.build(sft_model, where / "tiny-qwen2-rm"))
 
 
-@pytest.fixture(scope="session")
+_SHORT_RUNS: dict[str, Path] = {}
+
+
+@pytest.fixture
 def short_runs(request, tiny_assets, sft_model, tmp_path_factory) -> Path:
     """<dir>/<name>: the runs of tests/short_runs.py that the selected tests name with
-    @pytest.mark.short_run("name", ...), in a few launches (short_runs.LAUNCHES). The reward model is
-    built only when a selected case names `{reward_model}`, the early student only for `{student}`."""
+    @pytest.mark.short_run("name", ...), in a few launches (short_runs.LAUNCHES), once per session for each
+    group of tests (worker_group: the TP 1 launch's tests apart from the others, so that two pytest-xdist workers
+    can run them side by side). The reward model is built only when a selected case names `{reward_model}`,
+    the early student only for `{student}`."""
     import short_runs as cases
 
-    wanted = {name for item in request.session.items for mark in item.iter_markers("short_run") for name in mark.args}
-    return cases.launch(sorted(wanted), tiny_assets, sft_model, tmp_path_factory.mktemp("short_runs"),
-                        reward_model=lambda: request.getfixturevalue("demo_reward_model"),
-                        student=lambda: request.getfixturevalue("early_sft_model"))
+    group = worker_group(request.node)
+    if group not in _SHORT_RUNS:
+        wanted = {name for item in request.session.items if worker_group(item) == group
+                  for mark in item.iter_markers("short_run") for name in mark.args}
+        _SHORT_RUNS[group] = cases.launch(sorted(wanted), tiny_assets, sft_model,
+                                          tmp_path_factory.mktemp(f"short_runs_{group}"),
+                                          reward_model=lambda: request.getfixturevalue("demo_reward_model"),
+                                          student=lambda: request.getfixturevalue("early_sft_model"))
+    return _SHORT_RUNS[group]
 
 
 def short_run(short_runs: Path, name: str) -> Path:
@@ -195,7 +232,48 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "installs SLURM and munge when missing). `make test-slurm` runs them.")
 
 
+# Test modules that start no vLLM engine (in-process checks, gloo process groups, servers of their own).
+# `make test` runs two pytest-xdist workers (--dist loadgroup): these modules' tests go to whichever worker is
+# free, beside the engine tests. Every other test starts engines, some of them of TP > 1, whose shared-memory
+# segments vLLM's CPU backend names alike in every job on a node (rollout.clear_stale_cpu_shm): those run one
+# at a time, in one group ("engines"). The TP 1 launch of the short runs and the tests that read only its runs
+# form a group of their own ("short_runs_tp1"): its engines are TP 1, which use no such segments. A TP 1
+# engine test can join NO_TP_ENGINE too.
+NO_TP_ENGINE = {
+    "test_agent.py", "test_agent_loop.py", "test_attention.py", "test_code_reward.py", "test_config.py", "test_data.py",
+    "test_eval_metrics.py", "test_flops.py", "test_imports.py", "test_memory_plan.py", "test_memory_rehearsal.py",
+    "test_mesh_utils.py", "test_mesh_utils_dist.py", "test_models.py", "test_models_distillation.py",
+    "test_models_full_params.py", "test_models_optim.py", "test_models_packing.py", "test_moe_fsdp.py",
+    "test_ppo_core.py", "test_reward_model.py", "test_rewards.py", "test_rollout_correction.py", "test_run_dir.py",
+    "test_sandbox.py", "test_trace_viewer.py", "test_tracking.py", "test_train_ppo_steps.py", "test_ulysses.py",
+    "test_ulysses_training.py",
+    # TP 1 engines only: the tool-use demo's launch, `vllm serve` for the judge
+    "test_tools_demo.py", "test_reward_remote.py",
+}
+
+
+def worker_group(item: pytest.Item) -> str | None:
+    """The pytest-xdist group a test runs in (NO_TP_ENGINE), None for any worker."""
+    import short_runs as cases
+
+    names = {name for mark in item.iter_markers("short_run") for name in mark.args}
+    if names:
+        needed = names | {need for name in names for need in cases.NEEDS.get(name, ())}
+        return "short_runs_tp1" if all(cases.launch_of(name) == "tp1" for name in needed) else "engines"
+    return None if item.path.name in NO_TP_ENGINE else "engines"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # the two long groups first (make test passes --no-loadscope-reorder: the workers take tests in this order),
+    # the rest after them in their modules' order
+    rank = {"engines": 0, "short_runs_tp1": 1, None: 2}
+    items.sort(key=lambda item: rank[worker_group(item)])
+    for item in items:
+        if (group := worker_group(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        else:  # a module's tests on one worker: its module fixtures are built once
+            item.add_marker(pytest.mark.xdist_group(f"module_{item.path.stem}"))
     if config.getoption("--slurm"):
         return
     skip = pytest.mark.skip(reason="starts a local SLURM cluster: run with --slurm (make test-slurm)")

@@ -278,6 +278,9 @@ LAUNCHES: dict[str, tuple[int, tuple[str, ...]]] = {
     "w4": (4, ("rc_decoupled",)),
     "tp2": (2, ("multi_turn", "grpo_tp2", "ulysses", "resume_smaller", "async_tp2")),
     "moe": (2, ("moe_tp2",)),
+    # TP 1 runs that tests also compare with the TP 2 runs above (every key read): in the launches of the
+    # tests that run beside the TP 1 launch's (conftest.worker_group)
+    "tp1_beside": (2, ("gae_kl", "rc_bypass")),
     "tp1": (2, ()),
 }
 # cases that stop with an error, as their tests expect: each rank's is written to <name>/error.rank<r>.txt
