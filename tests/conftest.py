@@ -247,8 +247,10 @@ NO_TP_ENGINE = {
     "test_ppo_core.py", "test_reward_model.py", "test_rewards.py", "test_rollout_correction.py", "test_run_dir.py",
     "test_sandbox.py", "test_trace_viewer.py", "test_tracking.py", "test_train_ppo_steps.py", "test_ulysses.py",
     "test_ulysses_training.py",
-    # TP 1 engines only: the tool-use demo's launch, `vllm serve` for the judge
-    "test_tools_demo.py", "test_reward_remote.py",
+    # TP 1 engines only (configs/tiny_cpu.yaml, the LoRA recipe on 1 GPU, `vllm serve` for the judge); their
+    # tests that read a TP 2 short run go with the engines (worker_group)
+    "test_tools_demo.py", "test_reward_remote.py", "test_faults.py", "test_checkpoint.py", "test_prepare_data.py",
+    "test_lora.py",
 }
 
 
