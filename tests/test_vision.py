@@ -308,3 +308,108 @@ def test_engine_log_probs_on_image_prompts_equal_the_hf_forward_after_syncs(engi
     assert r["tower_tensors_moved"] > 0 and r["tower_synced"] < 1e-5, r
     assert r["tower_stale"] > 1e-2, r  # the engine serves the moved tower, not the old image embeddings
     assert "Encoder cache miss" in r["no_reset"], r  # why sync_weights resets the encoder cache
+
+
+# -----------------------------------------------------------------------------
+# The trainer's multimodal forward (models.compute_log_probs on a VLM's rows)
+
+# (question, image sizes) per row: two images of different sizes in one row, a text-only row, one image each
+TRAIN_ROWS = [("Left <image>, right <image>. Same?", [(56, 84), (112, 56)]), ("No image here: 2+3?", []),
+              ("<image>Colour?", [(84, 84)]), ("<image>Count.", [(30, 200)])]
+RESPONSE_LENS = [5, 3, 6, 1]
+
+
+def vl_training_batch(proc, model, seed: int = 0) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """TRAIN_ROWS as the trainer's batch: prompts left-padded, random responses (no pad ids) right-padded,
+    4-row positions and the rows' pixels; and each row's pixel_inputs, for a reference."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, pixels = [], []
+    for q, (text, sizes) in enumerate(TRAIN_ROWS):
+        images = [vision.encode_image(random_image(h, w, 10 * q + j)) for j, (h, w) in enumerate(sizes)]
+        messages = vision.image_messages([{"role": "user", "content": text}], len(images), f"row {q}")
+        rendered = proc.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = proc.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        counts = [vision.image_tokens(vision.image_size(im), proc.image_processor) for im in images]
+        prompts.append(vision.expand_image_pads(ids, counts, proc.image_token_id))
+        pixels.append(vision.pixel_inputs(images, proc.image_processor) if images else {})
+    P, R = max(map(len, prompts)), max(RESPONSE_LENS)
+    pad = proc.tokenizer.pad_token_id
+    ids = torch.full((len(prompts), P + R), pad)
+    mask = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(zip(prompts, RESPONSE_LENS, strict=True)):
+        ids[i, P - len(p):P] = torch.tensor(p)
+        ids[i, P:P + r] = torch.randint(7, model.config.text_config.vocab_size, (r,), generator=g)
+        mask[i, P - len(p):P + r] = 1
+    patch_dim = next(p["pixel_values"].shape[1] for p in pixels if p)
+    rows = vision.pixel_rows(pixels, patch_dim)
+    positions = vision.sample_positions(model, ids, mask, rows["image_grid_thw"], proc.image_token_id)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "responses": ids[:, P:], **rows}, pixels
+
+
+def hf_reference(model, batch, pixels, banned, image_token_id, text_positions: bool = False,
+                 with_pixels: bool = True) -> torch.Tensor:
+    """(B, R) log-probs of each row alone, unpadded, the HF model computing its own mrope positions (from
+    mm_token_type_ids); text_positions: plain 0..L-1 positions instead (a control)."""
+    R = batch["responses"].shape[1]
+    out = torch.zeros(batch["responses"].shape)
+    for i in range(len(pixels)):
+        keep = batch["attention_mask"][i].bool()
+        ids = batch["input_ids"][i][keep][None]
+        kwargs = dict(pixels[i]) if with_pixels else {}
+        if text_positions:
+            kwargs["position_ids"] = torch.arange(ids.shape[1])[None]
+        elif pixels[i]:
+            kwargs["mm_token_type_ids"] = (ids == image_token_id).int()
+        with torch.no_grad():
+            logits = vision.ban_tokens(model(input_ids=ids, **kwargs).logits[0].float(), banned)  # (L, V)
+        num = int(keep[-R:].sum())
+        lp = torch.log_softmax(logits[-num - 1:-1], dim=-1)
+        out[i, :num] = lp.gather(-1, ids[0, -num:, None])[:, 0]
+    return out
+
+
+def test_packed_and_padded_vl_forwards_equal_hf_per_sample(vl_assets, processors):
+    """models.compute_log_probs on a tiny Qwen2-VL (FSDP2, one rank), padded and packed, in fixed and token-budget
+    micro batches (a text-only micro batch among them, which runs the dummy image), equals the HF model run on
+    each row alone with its own mrope positions, to 1e-5, with the image pads banned; a row holds two images
+    of different sizes. Controls: without pixels, or with plain text positions, the reference is far off; and
+    a batch with 1-D or 3-row positions or without pixels is refused."""
+    from conftest import one_rank_process_group
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForImageTextToText
+
+    import models
+
+    path, proc = str(vl_assets["qwen2_vl"]), processors["qwen2_vl"]
+    hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    banned = vision.pad_token_ids(hf.config)
+    batch, pixels = vl_training_batch(proc, hf)
+    assert batch["image_grid_thw"][0].tolist() == [[1, 4, 6], [1, 8, 4]] and not pixels[1]
+    mask = (torch.arange(batch["responses"].shape[1])[None] < torch.tensor(RESPONSE_LENS)[:, None])
+    reference = hf_reference(hf, batch, pixels, banned, proc.image_token_id)
+    with one_rank_process_group():
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+        actor = models.load_causal_lm(path, mesh, device=torch.device("cpu"), param_dtype=torch.float32,
+                                      reduce_dtype=torch.float32).eval()
+        assert type(actor).__name__.endswith("Qwen2VLForConditionalGeneration")
+        runs = {"padded": dict(micro_batch_size=3), "padded_one_row": dict(micro_batch_size=1),
+                "packed": dict(micro_batch_size=4, use_remove_padding=True),
+                "packed_budget": dict(micro_batch_size=1, use_remove_padding=True, max_token_len=80)}
+        gaps = {}
+        with torch.no_grad():
+            for name, options in runs.items():
+                ours = models.compute_log_probs(actor, batch, 1.0, banned_token_ids=banned, **options).log_probs
+                gaps[name] = (ours - reference).abs()[mask].max().item()
+            refusals = {"positions_1d": {**batch, "position_ids": batch["position_ids"][:, 0]},
+                        "positions_3_rows": {**batch, "position_ids": batch["position_ids"][:, 1:]},
+                        "no_pixels": {k: v for k, v in batch.items() if k != "pixel_values"}}
+            for bad in refusals.values():
+                with pytest.raises(ValueError, match="vision-language model"):
+                    models.compute_log_probs(actor, bad, 1.0, micro_batch_size=4, use_remove_padding=True)
+    assert max(gaps.values()) < 1e-5, gaps
+    controls = {"no_pixels": hf_reference(hf, batch, pixels, banned, proc.image_token_id, with_pixels=False),
+                "text_positions": hf_reference(hf, batch, pixels, banned, proc.image_token_id, text_positions=True)}
+    image_rows = mask.clone()
+    image_rows[1] = False
+    for name, control in controls.items():
+        assert (control - reference).abs()[image_rows].max().item() > 1e-3, name
