@@ -41,6 +41,9 @@ MUTATIONS = (
         "pixels = torch.cat([pixel_values[i, :n] for i, n in enumerate(patches)])",
         "pixels = torch.cat([pixel_values[i, :n] for i, n in reversed(list(enumerate(patches)))])"),),
         "tests/test_vision.py::test_packed_and_padded_vl_forwards_equal_hf_per_sample"),
+    Mutation("a VLM micro batch without an image skips the tower (no dummy image)", "models.py", ((
+        "    if tower is None or _pixel_inputs(inputs):", "    if True:"),),
+        "tests/test_vision.py::test_a_rank_without_images_runs_the_tower_on_a_dummy_image"),
     Mutation("the trainer's log-probs keep the image pads the engine bans", "models.py", ((
         "        if banned_token_ids:  # never sampled", "        if False:  # never sampled"),),
         "tests/test_vision.py::test_packed_and_padded_vl_forwards_equal_hf_per_sample"),

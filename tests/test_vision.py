@@ -413,3 +413,45 @@ def test_packed_and_padded_vl_forwards_equal_hf_per_sample(vl_assets, processors
     image_rows[1] = False
     for name, control in controls.items():
         assert (control - reference).abs()[image_rows].max().item() > 1e-3, name
+
+
+def _mixed_ranks_worker(rank: int, path: str, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForImageTextToText
+
+    import models
+
+    sys.path.insert(0, str(CPU_COMPAT))
+    import sitecustomize  # noqa: F401  the torchvision stand-in, for the processor (a spawned process)
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        proc = vision.load_processor(path)
+        hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+        batch, _ = vl_training_batch(proc, hf)
+        rows = torch.tensor([0, 2, 3] if rank == 0 else [1])  # rank 1: a micro batch without an image
+        batch = {key: value[rows] for key, value in batch.items()}
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
+        actor = models.load_causal_lm(path, mesh, device=torch.device("cpu"), param_dtype=torch.float32,
+                                      reduce_dtype=torch.float32)
+        log_probs = models.compute_log_probs(actor, batch, 1.0, micro_batch_size=4, use_remove_padding=True).log_probs
+        log_probs.sum().backward()  # the tower's reduce-scatters run on both ranks
+        tower = vision.vision_tower(actor)
+        grads = [p.grad.full_tensor().abs().sum().item() for p in tower.parameters()]
+        if rank == 0:
+            Path(out).write_text(f"{min(grads)} {len(grads)}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_without_images_runs_the_tower_on_a_dummy_image(vl_assets, tmp_path):
+    """Two FSDP ranks, one whose micro batch has images and one whose has none: the forward and backward
+    finish (without the dummy image the text-only rank skips the tower's all-gathers and gloo aborts on the
+    mismatched collective), and every tower parameter gets its gradient from the images."""
+    from conftest import run_gloo
+
+    out = tmp_path / "grads.txt"
+    run_gloo(_mixed_ranks_worker, 2, str(vl_assets["qwen2_vl"]), str(tmp_path / "init"), str(out), timeout_s=120)
+    smallest, count = out.read_text().split()
+    assert int(count) > 10 and float(smallest) > 0, (smallest, count)
