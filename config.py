@@ -124,6 +124,7 @@ SCHEMA: dict[str, Any] = {
         "actor": {
             "strategy": (str, "fsdp2"),
             "router_replay": {"mode": (str, "disabled")},  # MoE: disabled | R2 | R3 (R3 refused: docs/moe.md)
+            "freeze_vision_tower": (bool, False),  # a VLM: no gradient nor optimizer state for the vision tower
             "ppo_mini_batch_size": (int, 256),  # in prompts, as in verl; x rollout.n / dp per rank
             "ppo_micro_batch_size_per_gpu": (_INT_OR_NONE, None),  # null: the whole mini batch
             # micro batches cut by token count (at most ppo_max_token_len_per_gpu valid tokens each)
@@ -782,7 +783,7 @@ VERL_KEY_RULES: tuple[VerlKeyRule, ...] = (
     *_rules(NOT_IMPLEMENTED, "the loss is scaled as verl's default; other scales are not implemented",
             "*.loss_scale_factor"),
     *_rules(NOT_IMPLEMENTED, "not implemented here", "actor_rollout_ref.actor.calculate_entropy",
-            "actor_rollout_ref.actor.freeze_vision_tower", "actor_rollout_ref.actor.use_prefix_grouper",
+            "actor_rollout_ref.actor.use_prefix_grouper",
             "algorithm.use_pf_ppo", "algorithm.pf_ppo.*",
             "algorithm.filter_groups.max_inflight_gen_batches"),
     *_rules(NOT_IMPLEMENTED, "the rollout's mesh ('dp','infer_tp') is set by rollout.tensor_model_parallel_size, "

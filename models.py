@@ -979,6 +979,18 @@ def set_optimizer_config(optimizer: torch.optim.Optimizer, scheduler: torch.opti
     return list(dict.fromkeys(changed))
 
 
+def freeze_vision_tower(model: nn.Module) -> int:
+    """actor.freeze_vision_tower: the VLM's vision tower (its patch embedding, blocks and merger) takes no
+    gradient and, left out of make_optimizer, holds no optimizer state; the language model trains. Returns
+    how many tensors were frozen. The tower still runs forward on every micro batch (the dummy image)."""
+    tower = vision_tower(model)
+    if tower is None:
+        raise ConfigError(f"actor_rollout_ref.actor.freeze_vision_tower=true, but {type(model).__name__} has no "
+                          f"vision tower (not a vision-language model); set it to false.")
+    tower.requires_grad_(False)
+    return sum(1 for _ in tower.parameters())
+
+
 def make_optimizer(model: nn.Module, optim_cfg: Mapping[str, Any],
                    total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the model's trainable (sharded) parameters and its lr schedule, from an `optim` config

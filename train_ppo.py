@@ -118,6 +118,7 @@ from models import (
     compute_log_probs,
     compute_values,
     default_dtypes,
+    freeze_vision_tower,
     iter_full_params,
     load_causal_lm,
     load_frozen_model,
@@ -1691,6 +1692,8 @@ def load_models(cfg: Config, meshes: Meshes, env: DistEnv, total_steps: int) -> 
                            activation_checkpointing=model_cfg.enable_gradient_checkpointing,
                            wrap=lora_spec.add_adapter if lora_spec else None, **fsdp_kwargs)
     check_router_replay(actor, actor_cfg.router_replay.mode)  # R2 needs a MoE's routers
+    if actor_cfg.freeze_vision_tower:  # before the optimizer: the tower gets no state
+        freeze_vision_tower(actor)
     actor_optim, actor_sched = make_optimizer(actor, actor_cfg.optim, total_steps)
     ref, reference_mode = None, contextlib.nullcontext
     if (actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward) and lora_spec:

@@ -44,6 +44,9 @@ MUTATIONS = (
     Mutation("a VLM micro batch without an image skips the tower (no dummy image)", "models.py", ((
         "    if tower is None or _pixel_inputs(inputs):", "    if True:"),),
         "tests/test_vision.py::test_a_rank_without_images_runs_the_tower_on_a_dummy_image"),
+    Mutation("freeze_vision_tower leaves the tower trainable", "models.py", ((
+        "    tower.requires_grad_(False)\n", "    tower.requires_grad_(True)\n"),),
+        "tests/test_vision.py::test_a_frozen_vision_tower_takes_no_gradient_and_no_optimizer_state"),
     Mutation("the trainer's log-probs keep the image pads the engine bans", "models.py", ((
         "        if banned_token_ids:  # never sampled", "        if False:  # never sampled"),),
         "tests/test_vision.py::test_packed_and_padded_vl_forwards_equal_hf_per_sample"),

@@ -495,9 +495,9 @@ def test_verls_generated_config_loads_and_plans(tmp_path):
     assert dims.world_size == 8 and cfg.trainer.total_epochs == 30  # verl's values, not this program's
     assert cfg.actor_rollout_ref.rollout.name == "vllm"  # verl's ??? : this program's default, said at start-up
     assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"  # an interpolation, resolved
-    assert len(verl_keys_without_effect(cfg)) == 898 - 193
+    assert len(verl_keys_without_effect(cfg)) == 898 - 194
     text = describe_verl_keys(cfg)
-    assert "verl keys with no effect here (705" in text and "actor_rollout_ref.rollout.name='???' -> 'vllm'" in text
+    assert "verl keys with no effect here (704" in text and "actor_rollout_ref.rollout.name='???' -> 'vllm'" in text
     with pytest.raises(ConfigError, match=r"'actor_rollout_ref.rollout.name' is 'sglang'; valid values: vllm"):
         check_supported(load_config(path, [*paths, "actor_rollout_ref.rollout.name=sglang"]))
     # not implemented: refused off verl's default, with the key, the value and what to set

@@ -455,3 +455,38 @@ def test_a_rank_without_images_runs_the_tower_on_a_dummy_image(vl_assets, tmp_pa
     run_gloo(_mixed_ranks_worker, 2, str(vl_assets["qwen2_vl"]), str(tmp_path / "init"), str(out), timeout_s=120)
     smallest, count = out.read_text().split()
     assert int(count) > 10 and float(smallest) > 0, (smallest, count)
+
+
+def test_a_frozen_vision_tower_takes_no_gradient_and_no_optimizer_state(vl_assets, processors, tiny_assets):
+    """actor.freeze_vision_tower: after an update on image rows the tower's tensors are unchanged, without
+    gradients or AdamW state, while the language model's moved; on a text model the key is refused."""
+    from conftest import one_rank_process_group
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import models
+
+    path, proc = str(vl_assets["qwen2_vl"]), processors["qwen2_vl"]
+    optim = {"lr": 1e-2, "betas": [0.9, 0.999], "weight_decay": 0.0, "total_training_steps": -1,
+             "lr_warmup_steps": -1, "lr_warmup_steps_ratio": 0.0, "warmup_style": None,
+             "lr_scheduler_type": "constant", "min_lr_ratio": 0.0}
+    with one_rank_process_group():
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+        kwargs = dict(device=torch.device("cpu"), param_dtype=torch.float32, reduce_dtype=torch.float32)
+        actor = models.load_causal_lm(path, mesh, **kwargs)
+        frozen = models.freeze_vision_tower(actor)
+        optimizer, _ = models.make_optimizer(actor, optim, total_steps=1)
+        tower = list(vision.vision_tower(actor).parameters())
+        before = {id(p): p.full_tensor().clone() for p in actor.parameters()}
+        batch, _ = vl_training_batch(proc, actor)
+        models.compute_log_probs(actor, batch, 1.0, micro_batch_size=4, use_remove_padding=True).log_probs.sum().backward()
+        optimizer.step()
+        in_tower = {id(p) for p in tower}
+        moved = {id(p): not torch.equal(p.full_tensor(), before[id(p)]) for p in actor.parameters()}
+        state = {id(p) for p in optimizer.state}
+        text = models.load_causal_lm(str(tiny_assets["tiny-qwen2"]), mesh, **kwargs)
+        with pytest.raises(ConfigError, match="freeze_vision_tower=true.*not a vision-language model"):
+            models.freeze_vision_tower(text)
+    assert frozen == len(tower) > 10
+    assert all(p.grad is None for p in tower) and not state & in_tower
+    assert not any(moved[i] for i in in_tower)
+    assert all(moved[i] for i in moved if i not in in_tower) and len(state) == len(moved) - len(in_tower)
