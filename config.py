@@ -1388,6 +1388,34 @@ def sampling_truncates(rollout: Config) -> bool:
     return rollout.top_k > 0 or rollout.top_p < 1.0
 
 
+def check_vision_run(cfg: Config, model_type: str) -> None:
+    """What a run on a vision-language model (actor_rollout_ref.model.path) supports: GRPO-style single-turn
+    rollouts on the collocated engine, packed or padded, fixed or token-budget micro batches, a frozen or
+    trained vision tower, a KL reference. Refused, naming the key: what no test has run on images yet."""
+    arr, model = cfg.actor_rollout_ref, f"actor_rollout_ref.model.path={cfg.actor_rollout_ref.model.path!r}"
+    sp, v1_mode = arr.actor.ulysses_sequence_parallel_size, cfg.trainer.v1.trainer_mode
+    refused = {  # key: (its value, refused?, what to set instead)
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size": (
+            sp, sp > 1, "set it to 1 (the image tokens are not split over ranks)"),
+        "actor_rollout_ref.model.lora_rank": (
+            arr.model.lora_rank, arr.model.lora_rank > 0,
+            "set it to 0 (full fine-tuning; actor.freeze_vision_tower=true trains the language model alone)"),
+        "algorithm.adv_estimator": (cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator == "gae",
+                                    "use grpo, rloo or another estimator without a critic (a critic takes no images)"),
+        "actor_rollout_ref.rollout.multi_turn.enable": (
+            arr.rollout.multi_turn.enable, arr.rollout.multi_turn.enable,
+            "set it to false (multi-turn rollouts with images, or tools returning images, are not supported)"),
+        "trainer.v1.trainer_mode": (v1_mode, v1_mode != "sync", "use sync"),
+        "distillation.enabled": (cfg.distillation.enabled, cfg.distillation.enabled, "set it to false"),
+        "reward_model.enable": (cfg.reward_model.enable, cfg.reward_model.enable,
+                                "score with a rule function or a remote reward instead"),
+    }
+    for key, (value, on, alternative) in refused.items():
+        if on:
+            raise ConfigError(f"{key}={value!r} is not supported with a vision-language model ({model}, "
+                              f"{model_type}); {alternative}.")
+
+
 def check_router_replay(cfg: Config) -> None:
     """verl's router replay keys for MoE models (docs/moe.md): R2 (routes recorded in the old-log-prob forward,
     replayed in the update's); R3 and the engine's routes are refused: the CPU engine cannot return them."""

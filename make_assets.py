@@ -333,6 +333,43 @@ def build_vl_assets(out: Path, force: bool = False, seed: int = 0) -> dict[str, 
     return paths
 
 
+def shape_rows(num: int, seed: int, max_count: int = 3, size: int = 56) -> list[dict[str, Any]]:
+    """`num` rows of a task a VLM must look to answer: an image of 1..max_count white squares on black (PIL),
+    "<image>How many squares?", answered `#### N` (the arithmetic rule scores it); images stored as PNG bytes."""
+    from PIL import Image, ImageDraw
+
+    from vision import encode_image
+
+    rng = random.Random(seed)
+    cell = size // max_count
+    rows = []
+    for i in range(num):
+        count = rng.randint(1, max_count)
+        image = Image.new("RGB", (size, size))
+        draw = ImageDraw.Draw(image)
+        for c in rng.sample(range(max_count * max_count), count):  # distinct cells of a max_count x max_count grid
+            x, y = (c % max_count) * cell, (c // max_count) * cell
+            draw.rectangle([x + 2, y + 2, x + cell - 3, y + cell - 3], fill=(255, 255, 255))
+        rows.append({"data_source": "arithmetic", "prompt": [{"role": "user", "content": "<image>How many?"}],
+                     "images": [encode_image(image)], "ability": "vision",
+                     "reward_model": {"style": "rule", "ground_truth": str(count)}, "extra_info": {"index": i}})
+    return rows
+
+
+def write_shapes_dataset(out_dir: str | Path, num_train: int = 512, num_val: int = 64, seed: int = 0) -> dict:
+    """Write train/val parquet files of the counting task (disjoint seeds); skip if present."""
+    import datasets
+
+    out = Path(out_dir)
+    paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
+    if all(p.is_file() for p in paths.values()):
+        return paths
+    out.mkdir(parents=True, exist_ok=True)
+    for split, num, split_seed in (("train", num_train, seed), ("val", num_val, seed + 1)):
+        datasets.Dataset.from_list(shape_rows(num, split_seed)).to_parquet(str(paths[split]))
+    return paths
+
+
 def build_model(out_dir: Path, config: PreTrainedConfig, seed: int, force: bool = False) -> bool:
     """Random-init a causal LM from `config` and save it with the tokenizer; False if it existed."""
     if (out_dir / "config.json").exists() and not force:

@@ -45,7 +45,7 @@ from attention import register_packed_attention
 from collectives import all_gather_single
 from config import ConfigError
 from moe import RouterReplay, check_cpu_engine_expert_width, mlp_widths, routes_from_rows, routes_to_rows
-from vision import dummy_image, is_vision_config, micro_batch_pixels, vision_tower
+from vision import dummy_image, is_vision_config, micro_batch_pixels, pad_token_ids, vision_tower
 
 logger = logging.getLogger(__name__)
 
@@ -635,7 +635,6 @@ def compute_log_probs(
     topk_ids: torch.Tensor | None = None,
     router_replay: RouterReplay | None = None,
     routed_experts: torch.Tensor | None = None,
-    banned_token_ids: Sequence[int] = (),
 ) -> ForwardOut:
     """Log-probs (B, R) of the response tokens under logits / temperature, and what else is asked for,
     from the same forward (ForwardOut): their entropies; with truncation=(top_k, top_p) the log-probs
@@ -670,12 +669,13 @@ def compute_log_probs(
     image_grid_thw (B, images, 3) (vision.pixel_rows), and position_ids (B, 4, P+R), each sample's computed
     once (vision.sample_positions); each micro batch takes its rows' images in row order, and one without an
     image runs a zero-weighted dummy image through the tower (_dummy_image_without_images).
-    banned_token_ids (a VLM's image/video pads, which the engine never samples: vision.pad_token_ids) get
-    probability 0 in every output, as in the engine's distribution.
+    A VLM's image and video pad ids, which its engine never samples (vision.pad_token_ids), get probability 0
+    in every output, as in the engine's distribution.
     """
     response_len = _response_len(batch)
     _check_sp_packed(sp_group, use_remove_padding)
     _check_vision_inputs(model, batch)
+    banned_token_ids = pad_token_ids(model.config) if vision_tower(model) is not None else ()
     if sp_group is not None and (topk is not None or topk_ids is not None):
         raise NotImplementedError("compute_log_probs: top-k log-probs under Ulysses (config refuses forward_kl_topk "
                                   "with ulysses_sequence_parallel_size > 1)")
@@ -1043,12 +1043,8 @@ def check_model(path: str, needed_length: int, trust_remote_code: bool, device_t
     experts. Each failure
     is one ConfigError line."""
     config = read_model_config(path, "actor_rollout_ref.model.path", trust_remote_code)
-    if is_vision_config(config):
-        raise ConfigError(
-            f"actor_rollout_ref.model.path={path!r} is a vision-language model ({config.model_type}); RL on one is "
-            f"not implemented yet: image rows (data.image_key, vision.py) and the engine's image prompts are, the "
-            f"trainer's forward on images is not. Use a text model (its text part alone is not split out here)."
-        )
+    if is_vision_config(config):  # a VLM: its language model's sizes (train_ppo.load_data checks the run's keys)
+        config = config.get_text_config()
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and needed_length > limit:
         raise ConfigError(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -265,3 +266,40 @@ def vision_tower(model: Any) -> Any:
     """The vision tower of a transformers VLM (Qwen2-VL's model.model.visual), or None for a text model."""
     inner = getattr(model, "model", None)
     return getattr(inner, "visual", None)
+
+
+@dataclass(frozen=True)
+class VisionRun:
+    """What a run on a vision-language model needs beside the text path: the processor (its image processor
+    makes the trainer's pixels, as the engine's does), the image pad id, and the ids neither side samples."""
+
+    processor: Any
+    image_token_id: int
+    banned_token_ids: tuple[int, ...]
+
+    @classmethod
+    def load(cls, path: str, model_config: Any, trust_remote_code: bool = False) -> VisionRun:
+        processor = load_processor(path, trust_remote_code)
+        return cls(processor, processor.image_token_id, pad_token_ids(model_config))
+
+    def engine_prompts(self, prompts: Sequence[Any]) -> list[dict[str, Any]] | None:
+        """vLLM's requests for data.Prompt-s (engine_prompt), or None when none has an image (plain ids)."""
+        if not any(p.images for p in prompts):
+            return None
+        return [engine_prompt(p.token_ids, p.images, self.image_token_id) for p in prompts]
+
+    def batch_columns(self, model: Any, batch: Mapping[str, Any], prompts: Sequence[Any]) -> dict[str, Any]:
+        """The trainer's columns for a batch's rows (their prompts: prompts[prompt_index]): pixel_values and
+        image_grid_thw (pixel_rows; each prompt's images decoded and processed once) and (B, 4, P+R)
+        position_ids (sample_positions), on the batch's device."""
+        device = batch["input_ids"].device
+        index = batch["prompt_index"].tolist()
+        per_prompt = {i: pixel_inputs(prompts[i].images, self.processor.image_processor) if prompts[i].images else {}
+                      for i in set(index)}
+        image_processor = self.processor.image_processor
+        patch_dim = 3 * image_processor.temporal_patch_size * image_processor.patch_size ** 2
+        rows = pixel_rows([per_prompt[i] for i in index], patch_dim)
+        positions = sample_positions(model, batch["input_ids"].cpu(), batch["attention_mask"].cpu(),
+                                     rows["image_grid_thw"], self.image_token_id)
+        return {"pixel_values": rows["pixel_values"].to(device), "image_grid_thw": rows["image_grid_thw"].to(device),
+                "position_ids": positions.to(device)}

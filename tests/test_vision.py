@@ -92,11 +92,22 @@ def vision_stand_in_needed() -> bool:
     return importlib.util.find_spec("torchvision") is None
 
 
-def test_training_a_vl_model_is_refused_before_anything_loads(vl_assets):
+@pytest.mark.parametrize("override", [
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.lora_rank=8",
+    "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.multi_turn.enable=true",
+    "trainer.v1.trainer_mode=colocate_async", "reward_model.enable=true"])
+def test_what_a_vl_run_does_not_support_is_refused_by_key(override, vl_assets):
+    """check_model passes a VLM (its language model's sizes); each feature not run on images is one ConfigError
+    naming its key and the value to use."""
     import models
+    from config import check_vision_run, load_config
 
-    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.path=.* is a vision-language model \(qwen2_vl\)"):
-        models.check_model(str(vl_assets["qwen2_vl"]), 128, False, "cpu")
+    models.check_model(str(vl_assets["qwen2_vl"]), 128, False, "cpu")
+    base = ["data.train_files=t.parquet", "algorithm.adv_estimator=grpo"]
+    check_vision_run(load_config(None, base), "qwen2_vl")  # GRPO with the other defaults runs
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key}=.*not supported with a vision-language model .*qwen2_vl"):
+        check_vision_run(load_config(None, [*base, override]), "qwen2_vl")
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
@@ -398,7 +409,7 @@ def test_packed_and_padded_vl_forwards_equal_hf_per_sample(vl_assets, processors
         gaps = {}
         with torch.no_grad():
             for name, options in runs.items():
-                ours = models.compute_log_probs(actor, batch, 1.0, banned_token_ids=banned, **options).log_probs
+                ours = models.compute_log_probs(actor, batch, 1.0, **options).log_probs
                 gaps[name] = (ours - reference).abs()[mask].max().item()
             refusals = {"positions_1d": {**batch, "position_ids": batch["position_ids"][:, 0]},
                         "positions_3_rows": {**batch, "position_ids": batch["position_ids"][:, 1:]},
