@@ -501,3 +501,36 @@ def test_a_frozen_vision_tower_takes_no_gradient_and_no_optimizer_state(vl_asset
     assert all(p.grad is None for p in tower) and not state & in_tower
     assert not any(moved[i] for i in in_tower)
     assert all(moved[i] for i in moved if i not in in_tower) and len(state) == len(moved) - len(in_tower)
+
+
+VL_RUN = ["algorithm.adv_estimator=grpo", "trainer.n_gpus_per_node=2", "data.max_prompt_length=64",
+          "data.max_response_length=8", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
+          "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16", "actor_rollout_ref.actor.optim.lr=1e-2",
+          "actor_rollout_ref.rollout.gpu_memory_utilization=0.3", "trainer.total_training_steps=3",
+          "trainer.val_before_train=false", "trainer.test_freq=3", "data.max_val_samples=8", "trainer.save_freq=-1"]
+
+
+@pytest.mark.slow
+def test_grpo_on_image_rows_at_tp2_keeps_the_engine_and_trainer_equal(vl_assets, tmp_path):
+    """Two ranks, the engine at TP 2, GRPO on image rows (make_assets.shape_rows) for 3 steps with a dense
+    reward (tests/vl_reward.py), so every update moves the vision tower: after each sync the trainer's old
+    log-probs equal the engine's on the step's image samples (< 1e-5, float32), and validation runs."""
+    import json
+
+    from conftest import torchrun
+
+    import make_assets
+
+    data = make_assets.write_shapes_dataset(tmp_path / "data", num_train=64, num_val=8)
+    out = tmp_path / "run"
+    torchrun(2, ROOT_TESTS.parent / "train_ppo.py", "--config", "configs/tiny_cpu.yaml", *VL_RUN,
+             f"actor_rollout_ref.model.path={vl_assets['qwen2_vl']}", f"data.train_files={data['train']}",
+             f"data.val_files={data['val']}", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+             f"custom_reward_function.path={ROOT_TESTS / 'vl_reward.py'}", "custom_reward_function.name=digit_share",
+             f"trainer.default_local_dir={out}", timeout=600, env=vl_env())
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(s["rollout/logprob_diff_max"] < 1e-5 for s in steps), [s["rollout/logprob_diff_max"] for s in steps]
+    assert all(s["actor/grad_norm"] > 0 for s in steps), [s["actor/grad_norm"] for s in steps]
+    assert "val-core/arithmetic/reward/mean@1" in steps[-1] or any(k.startswith("val") for k in steps[-1])
