@@ -333,31 +333,35 @@ def build_vl_assets(out: Path, force: bool = False, seed: int = 0) -> dict[str, 
     return paths
 
 
-def shape_rows(num: int, seed: int, max_count: int = 3, size: int = 56) -> list[dict[str, Any]]:
-    """`num` rows of a task a VLM must look to answer: an image of 1..max_count white squares on black (PIL),
-    "<image>How many squares?", answered `#### N` (the arithmetic rule scores it); images stored as PNG bytes."""
+COLOURS = {"1": (220, 40, 40), "2": (40, 200, 40), "3": (40, 40, 220)}  # the answer's digit: red, green, blue
+
+
+def shape_rows(num: int, seed: int, size: int = 56) -> list[dict[str, Any]]:
+    """`num` rows of a task a VLM must look to answer: a square in one of three colours drawn with PIL on a
+    grey image, at a random place and size, and the same question in every row, "<image>Colour? 1 red 2
+    green 3 blue", answered `#### N` (the arithmetic rule scores it; a blind model gets 1/3). Images are
+    stored as PNG bytes."""
     from PIL import Image, ImageDraw
 
     from vision import encode_image
 
     rng = random.Random(seed)
-    cell = size // max_count
     rows = []
     for i in range(num):
-        count = rng.randint(1, max_count)
-        image = Image.new("RGB", (size, size))
-        draw = ImageDraw.Draw(image)
-        for c in rng.sample(range(max_count * max_count), count):  # distinct cells of a max_count x max_count grid
-            x, y = (c % max_count) * cell, (c // max_count) * cell
-            draw.rectangle([x + 2, y + 2, x + cell - 3, y + cell - 3], fill=(255, 255, 255))
-        rows.append({"data_source": "arithmetic", "prompt": [{"role": "user", "content": "<image>How many?"}],
+        answer = rng.choice(sorted(COLOURS))
+        image = Image.new("RGB", (size, size), (128, 128, 128))
+        side = rng.randint(size // 2, size - 4)
+        x, y = rng.randint(0, size - side), rng.randint(0, size - side)
+        ImageDraw.Draw(image).rectangle([x, y, x + side - 1, y + side - 1], fill=COLOURS[answer])
+        rows.append({"data_source": "arithmetic",
+                     "prompt": [{"role": "user", "content": "<image>Colour? 1 red 2 green 3 blue"}],
                      "images": [encode_image(image)], "ability": "vision",
-                     "reward_model": {"style": "rule", "ground_truth": str(count)}, "extra_info": {"index": i}})
+                     "reward_model": {"style": "rule", "ground_truth": answer}, "extra_info": {"index": i}})
     return rows
 
 
 def write_shapes_dataset(out_dir: str | Path, num_train: int = 512, num_val: int = 64, seed: int = 0) -> dict:
-    """Write train/val parquet files of the counting task (disjoint seeds); skip if present."""
+    """Write train/val parquet files of the colour task (shape_rows; disjoint seeds); skip if present."""
     import datasets
 
     out = Path(out_dir)

@@ -3,10 +3,11 @@
     python bench/bench_vl.py                      # warm-up, then GRPO; writes outputs/bench/vl/result.json
     python bench/bench_vl.py --steps 20 --tp 2    # shorter, the engine at TP 2
 
-The task (make_assets.shape_rows): a 56x56 image of 1 to 3 white squares, "<image>How many?", answered
-`#### N` and scored by the demo's rule; the text is the same in every row, so a model must look to answer
-(a blind one gets 1/3). The tiny Qwen2-VL (make_assets.py --vl) gets a short supervised warm-up here (the
-response teacher-forced on the image rows, a few steps: it learns the format and starts to count), then
+The task (make_assets.shape_rows): a 56x56 grey image with a red, green or blue square, "<image>Colour? 1 red
+2 green 3 blue", answered `#### N` and scored by the demo's rule; the text is the same in every row, so a
+model must look to answer (a blind one gets 1/3). The tiny Qwen2-VL (make_assets.py --vl) gets a short
+supervised warm-up here (the response teacher-forced on the image rows, a few steps: it learns the format
+and barely the colours; 60 steps would learn them all), then
 GRPO with the real vLLM CPU engine. From the run's metrics.jsonl: the training score's rise by its
 least-squares trend over the steps and the trend's standard error from its residuals (tests/noise.py: the
 steps are the units), the margin in standard errors, the greedy validation score before and after, the
@@ -42,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT / "vl")
     ap.add_argument("--tp", type=int, default=1, help="rollout tensor_model_parallel_size")
     ap.add_argument("--steps", type=int, default=60, help="GRPO steps")
-    ap.add_argument("--warmup-steps", type=int, default=60, help="supervised warm-up steps")
+    ap.add_argument("--warmup-steps", type=int, default=30, help="supervised warm-up steps")
     ap.add_argument("overrides", nargs="*", help="more train_ppo overrides, key=value")
     return ap.parse_args(argv)
 
@@ -56,10 +57,11 @@ def use_cpu_compat() -> None:
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
-def warm_up(model_dir: Path, train: Path, out: Path, steps: int, batch: int = 16, lr: float = 3e-3,
+def warm_up(model_dir: Path, train: Path, out: Path, steps: int, batch: int = 32, lr: float = 3e-3,
             seed: int = 0) -> dict:
-    """Teacher-force `#### N<|im_end|>` after each image prompt (HF model, one process) for `steps` steps;
-    saves the model with the asset's tokenizer and processor files into `out`. Returns the losses."""
+    """Teacher-force `#### N<|im_end|>` after each image prompt (HF model, one process, batches of `batch`
+    rows of one length: the task's prompts are alike) for `steps` steps; saves the model with the asset's
+    tokenizer and processor files into `out`. Returns the first and last losses."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -71,21 +73,22 @@ def warm_up(model_dir: Path, train: Path, out: Path, steps: int, batch: int = 16
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     prompts, _ = load_prompts(str(train), proc.tokenizer, key="train", prompt_key="prompt", max_prompt_length=128,
                               filter_overlong=False, truncation="error", processor=proc)
+    end = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = torch.tensor([p.token_ids + proc.tokenizer(f"#### {p.ground_truth}", add_special_tokens=False)["input_ids"]
+                        + [end] for p in prompts])  # (N, L): one length, or torch.tensor fails
+    pixels = [vision.pixel_inputs(p.images, proc.image_processor) for p in prompts]
+    positions = torch.stack([vision.rope_positions(model, ids[i], pixels[i]["image_grid_thw"], proc.image_token_id)
+                             for i in range(len(prompts))], dim=1)  # (4, N, L)
+    start = len(prompts[0].token_ids)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
-    end = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
     losses = []
     for _ in range(steps):
-        picked = [prompts[i] for i in torch.randint(len(prompts), (batch,), generator=g).tolist()]
-        loss = 0.0
-        for p in picked:
-            answer = proc.tokenizer(f"#### {p.ground_truth}", add_special_tokens=False)["input_ids"] + [end]
-            ids = torch.tensor([p.token_ids + answer])
-            inputs = vision.pixel_inputs(p.images, proc.image_processor)
-            positions = vision.rope_positions(model, ids[0], inputs["image_grid_thw"], proc.image_token_id)
-            logits = model(input_ids=ids, position_ids=positions[:, None], **inputs).logits[0]
-            start = len(p.token_ids)
-            loss = loss + torch.nn.functional.cross_entropy(logits[start - 1:-1], ids[0, start:]) / batch
+        rows = torch.randint(len(prompts), (batch,), generator=g).tolist()
+        logits = model(input_ids=ids[rows], position_ids=positions[:, rows],
+                       pixel_values=torch.cat([pixels[i]["pixel_values"] for i in rows]),
+                       image_grid_thw=torch.cat([pixels[i]["image_grid_thw"] for i in rows])).logits  # (b, L, V)
+        loss = torch.nn.functional.cross_entropy(logits[:, start - 1:-1].flatten(0, 1), ids[rows, start:].flatten())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     wall = torchrun(ROOT / "train_ppo.py", 2, [
         "--config", ROOT / "configs" / "tiny_cpu.yaml", f"actor_rollout_ref.model.path={model}",
         f"data.train_files={data['train']}", f"data.val_files={data['val']}", "algorithm.adv_estimator=grpo",
-        "data.max_prompt_length=48", "data.max_response_length=8",
+        "data.max_prompt_length=64", "data.max_response_length=8",
         f"actor_rollout_ref.rollout.tensor_model_parallel_size={args.tp}",
         f"trainer.total_training_steps={args.steps}", f"trainer.test_freq={args.steps}",
         f"trainer.default_local_dir={run_dir}", "trainer.experiment_name=vl", *args.overrides],
