@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     wall = torchrun(ROOT / "train_ppo.py", 2, [
         "--config", ROOT / "configs" / "tiny_cpu.yaml", f"actor_rollout_ref.model.path={model}",
         f"data.train_files={data['train']}", f"data.val_files={data['val']}", "algorithm.adv_estimator=grpo",
-        "data.max_prompt_length=64", "data.max_response_length=8",
+        "data.max_prompt_length=64", "data.max_response_length=8", "data.train_batch_size=16",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.optim.lr=1e-3",
         f"actor_rollout_ref.rollout.tensor_model_parallel_size={args.tp}",
         f"trainer.total_training_steps={args.steps}", f"trainer.test_freq={args.steps}",
         f"trainer.default_local_dir={run_dir}", "trainer.experiment_name=vl", *args.overrides],
