@@ -1,5 +1,7 @@
-"""Vision-language models, the CPU-only parts: the tiny Qwen2-VL / Qwen2.5-VL assets, the torchvision stand-in
-(tests/cpu_compat), image rows in verl's format (data.py, vision.py) and geo3k through prepare_data.py.
+"""Vision-language models: the tiny Qwen2-VL / Qwen2.5-VL assets, the torchvision stand-in (tests/cpu_compat),
+image rows in verl's format (data.py, vision.py), geo3k through prepare_data.py, the engine on image prompts,
+the trainer's forward on image rows (packed == padded == HF per sample), the dummy image on 2 FSDP ranks,
+freeze_vision_tower, the refusals of check_vision_run, and a GRPO run at TP 2 (slow).
 
 References are computed another way: the HF processor's own output (ids with the image pads expanded, the
 grids) for what data.py derives from image headers alone."""
