@@ -9,7 +9,7 @@ PARALLEL ?= -n 2 --dist loadgroup --no-loadscope-reorder
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: setup setup-gpu demo demo-tools demo-moe test test-slurm lint plan clean chromium traces learning-caps
+.PHONY: setup setup-gpu demo demo-tools demo-moe demo-vl test test-slurm lint plan clean chromium traces learning-caps
 
 # Idempotent: reinstalls only when requirements-cpu.txt changes (seconds when done).
 $(STAMP): requirements-cpu.txt
@@ -66,6 +66,14 @@ demo-tools: setup
 MOE_STEPS ?= 60
 demo-moe: setup
 	$(PY) bench/bench_moe.py --assets assets --steps $(MOE_STEPS) $(ARGS)
+
+# A vision-language model learns from images: the tiny Qwen2-VL (make_assets.py --vl) counts 1-3 squares drawn
+# with PIL (make_assets.shape_rows; the question is the same in every row, so it must look), after a short
+# supervised warm-up, then GRPO on 2 ranks (bench/bench_vl.py). The numbers (the score's rise in standard
+# errors of its noise, val/score before and after, the sync check, s/step) go to outputs/bench/vl/result.json.
+VL_STEPS ?= 50
+demo-vl: setup
+	$(PY) bench/bench_vl.py --assets assets --steps $(VL_STEPS) $(ARGS)
 
 # The whole plan of a config, with no GPU: device map, batch flow, memory per rank and phase
 # (CONFIG=configs/X.yaml, ARGS="key=value ... --gpu-memory-gb 40").

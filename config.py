@@ -124,6 +124,7 @@ SCHEMA: dict[str, Any] = {
         "actor": {
             "strategy": (str, "fsdp2"),
             "router_replay": {"mode": (str, "disabled")},  # MoE: disabled | R2 | R3 (R3 refused: docs/moe.md)
+            "freeze_vision_tower": (bool, False),  # a VLM: no gradient nor optimizer state for the vision tower
             "ppo_mini_batch_size": (int, 256),  # in prompts, as in verl; x rollout.n / dp per rank
             "ppo_micro_batch_size_per_gpu": (_INT_OR_NONE, None),  # null: the whole mini batch
             # micro batches cut by token count (at most ppo_max_token_len_per_gpu valid tokens each)
@@ -782,7 +783,7 @@ VERL_KEY_RULES: tuple[VerlKeyRule, ...] = (
     *_rules(NOT_IMPLEMENTED, "the loss is scaled as verl's default; other scales are not implemented",
             "*.loss_scale_factor"),
     *_rules(NOT_IMPLEMENTED, "not implemented here", "actor_rollout_ref.actor.calculate_entropy",
-            "actor_rollout_ref.actor.freeze_vision_tower", "actor_rollout_ref.actor.use_prefix_grouper",
+            "actor_rollout_ref.actor.use_prefix_grouper",
             "algorithm.use_pf_ppo", "algorithm.pf_ppo.*",
             "algorithm.filter_groups.max_inflight_gen_batches"),
     *_rules(NOT_IMPLEMENTED, "the rollout's mesh ('dp','infer_tp') is set by rollout.tensor_model_parallel_size, "
@@ -1385,6 +1386,34 @@ def parse_rs_thresholds(options: str, spec: float | str | None) -> dict[str, tup
 def sampling_truncates(rollout: Config) -> bool:
     """Whether the engine samples from a truncated distribution (top_k > 0 or top_p < 1)."""
     return rollout.top_k > 0 or rollout.top_p < 1.0
+
+
+def check_vision_run(cfg: Config, model_type: str) -> None:
+    """What a run on a vision-language model (actor_rollout_ref.model.path) supports: GRPO-style single-turn
+    rollouts on the collocated engine, packed or padded, fixed or token-budget micro batches, a frozen or
+    trained vision tower, a KL reference. Refused, naming the key: what no test has run on images yet."""
+    arr, model = cfg.actor_rollout_ref, f"actor_rollout_ref.model.path={cfg.actor_rollout_ref.model.path!r}"
+    sp, v1_mode = arr.actor.ulysses_sequence_parallel_size, cfg.trainer.v1.trainer_mode
+    refused = {  # key: (its value, refused?, what to set instead)
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size": (
+            sp, sp > 1, "set it to 1 (the image tokens are not split over ranks)"),
+        "actor_rollout_ref.model.lora_rank": (
+            arr.model.lora_rank, arr.model.lora_rank > 0,
+            "set it to 0 (full fine-tuning; actor.freeze_vision_tower=true trains the language model alone)"),
+        "algorithm.adv_estimator": (cfg.algorithm.adv_estimator, cfg.algorithm.adv_estimator == "gae",
+                                    "use grpo, rloo or another estimator without a critic (a critic takes no images)"),
+        "actor_rollout_ref.rollout.multi_turn.enable": (
+            arr.rollout.multi_turn.enable, arr.rollout.multi_turn.enable,
+            "set it to false (multi-turn rollouts with images, or tools returning images, are not supported)"),
+        "trainer.v1.trainer_mode": (v1_mode, v1_mode != "sync", "use sync"),
+        "distillation.enabled": (cfg.distillation.enabled, cfg.distillation.enabled, "set it to false"),
+        "reward_model.enable": (cfg.reward_model.enable, cfg.reward_model.enable,
+                                "score with a rule function or a remote reward instead"),
+    }
+    for key, (value, on, alternative) in refused.items():
+        if on:
+            raise ConfigError(f"{key}={value!r} is not supported with a vision-language model ({model}, "
+                              f"{model_type}); {alternative}.")
 
 
 def check_router_replay(cfg: Config) -> None:

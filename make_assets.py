@@ -333,6 +333,47 @@ def build_vl_assets(out: Path, force: bool = False, seed: int = 0) -> dict[str, 
     return paths
 
 
+COLOURS = {"1": (220, 40, 40), "2": (40, 200, 40), "3": (40, 40, 220)}  # the answer's digit: red, green, blue
+
+
+def shape_rows(num: int, seed: int, size: int = 56) -> list[dict[str, Any]]:
+    """`num` rows of a task a VLM must look to answer: a square in one of three colours drawn with PIL on a
+    grey image, at a random place and size, and the same question in every row, "<image>Colour? 1 red 2
+    green 3 blue", answered `#### N` (the arithmetic rule scores it; a blind model gets 1/3). Images are
+    stored as PNG bytes."""
+    from PIL import Image, ImageDraw
+
+    from vision import encode_image
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(num):
+        answer = rng.choice(sorted(COLOURS))
+        image = Image.new("RGB", (size, size), (128, 128, 128))
+        side = rng.randint(size // 2, size - 4)
+        x, y = rng.randint(0, size - side), rng.randint(0, size - side)
+        ImageDraw.Draw(image).rectangle([x, y, x + side - 1, y + side - 1], fill=COLOURS[answer])
+        rows.append({"data_source": "arithmetic",
+                     "prompt": [{"role": "user", "content": "<image>Colour? 1 red 2 green 3 blue"}],
+                     "images": [encode_image(image)], "ability": "vision",
+                     "reward_model": {"style": "rule", "ground_truth": answer}, "extra_info": {"index": i}})
+    return rows
+
+
+def write_shapes_dataset(out_dir: str | Path, num_train: int = 512, num_val: int = 64, seed: int = 0) -> dict:
+    """Write train/val parquet files of the colour task (shape_rows; disjoint seeds); skip if present."""
+    import datasets
+
+    out = Path(out_dir)
+    paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
+    if all(p.is_file() for p in paths.values()):
+        return paths
+    out.mkdir(parents=True, exist_ok=True)
+    for split, num, split_seed in (("train", num_train, seed), ("val", num_val, seed + 1)):
+        datasets.Dataset.from_list(shape_rows(num, split_seed)).to_parquet(str(paths[split]))
+    return paths
+
+
 def build_model(out_dir: Path, config: PreTrainedConfig, seed: int, force: bool = False) -> bool:
     """Random-init a causal LM from `config` and save it with the tokenizer; False if it existed."""
     if (out_dir / "config.json").exists() and not force:

@@ -15,6 +15,7 @@ it, and only rank 0 reads the checkpoint and broadcasts it tensor by tensor into
 weights stay float32; MixedPrecisionPolicy casts for compute.
 """
 
+import contextlib
 import functools
 import logging
 import math
@@ -31,7 +32,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForTokenClassification,
+)
 
 import ppo_core as core
 import ulysses
@@ -39,7 +45,7 @@ from attention import register_packed_attention
 from collectives import all_gather_single
 from config import ConfigError
 from moe import RouterReplay, check_cpu_engine_expert_width, mlp_widths, routes_from_rows, routes_to_rows
-from vision import is_vision_config
+from vision import dummy_image, is_vision_config, micro_batch_pixels, pad_token_ids, vision_tower
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +221,8 @@ def _load_sharded(
     # (transformers 5 ignores classifier_dropout=0.0 there, leaving the critic head's dropout at 0.1).
     for key, value in (config_overrides or {}).items():
         setattr(config, key, value)
+    if auto_cls is AutoModelForCausalLM and is_vision_config(config):
+        auto_cls = AutoModelForImageTextToText  # a VLM: its vision tower, projector and language model
     model = build_sharded(auto_cls, config, fsdp_mesh, device=device, param_dtype=param_dtype,
                           reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
                           cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
@@ -235,11 +243,12 @@ def build_sharded(auto_cls: type, config: Any, fsdp_mesh: DeviceMesh, *, device:
     load_causal_lm fills the shards from the checkpoint; bench/memory_rehearsal.py fills them at random."""
     # Parameters on the meta device; buffers real, as the constructor computes them: it is the only
     # source of the non-persistent ones (rotary inv_freq, ...), which no checkpoint holds.
+    attention: str | dict[str, str] = attn_implementation or register_packed_attention()
+    if is_vision_config(config):  # the language model packs; the vision tower runs plain sdpa over its patches
+        attention = {"text_config": attention, "vision_config": "sdpa", "": "sdpa"}
     with init_empty_weights(include_buffers=False):
-        model = auto_cls.from_config(
-            config, dtype=torch.float32, attn_implementation=attn_implementation or register_packed_attention(),
-            trust_remote_code=trust_remote_code,
-        )
+        model = auto_cls.from_config(config, dtype=torch.float32, attn_implementation=attention,
+                                     trust_remote_code=trust_remote_code)
     model.tie_weights()  # init_empty_weights re-creates every parameter it moves, which unties them
     if activation_checkpointing:
         apply_activation_checkpointing(model)
@@ -389,6 +398,8 @@ def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device
 
 
 _FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+_SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")  # (B, P+R); a VLM's position_ids (B, 4, P+R)
+_PIXEL_KEYS = ("pixel_values", "image_grid_thw")  # a VLM's rows' images (vision.pixel_rows)
 
 
 def _response_len(batch: Mapping[str, torch.Tensor]) -> int:
@@ -433,8 +444,9 @@ def _micro_batches(batch: Mapping[str, torch.Tensor], micro_batch_size: int,
                       for s in range(0, num_rows, micro_batch_size)]
     else:
         row_groups = token_budget_micro_batches(batch["attention_mask"], max_token_len)
+    keys = [key for key in (*_SEQUENCE_KEYS, *_PIXEL_KEYS) if key in batch]
     for rows in row_groups:
-        yield rows, {key: batch[key][rows] for key in ("input_ids", "attention_mask", "position_ids")}
+        yield rows, {key: batch[key][rows] for key in keys}
 
 
 def _in_batch_order(pieces: list[torch.Tensor], row_groups: list[torch.Tensor]) -> torch.Tensor:
@@ -461,8 +473,21 @@ def _pack(inputs: Mapping[str, torch.Tensor], response_len: int) -> tuple[dict[s
     response_valid = valid[:, -response_len:]  # (b, R)
     # response token j sits at column P+j and is predicted from column P+j-1 (the last prompt token for j=0)
     predictors = packed_index[:, -response_len - 1:-1][response_valid]  # (K,)
-    model_inputs = {"input_ids": inputs["input_ids"][valid][None], "position_ids": inputs["position_ids"][valid][None]}
+    positions = inputs["position_ids"]
+    if positions.dim() == 3:  # a VLM's (b, 4, P+R) -> (4, 1, N): the text row restarts at each sequence
+        packed_positions = positions.transpose(0, 1)[:, valid][:, None]
+    else:
+        packed_positions = positions[valid][None]  # (1, N)
+    model_inputs = {"input_ids": inputs["input_ids"][valid][None], "position_ids": packed_positions,
+                    **_pixel_inputs(inputs)}
     return model_inputs, predictors, response_valid
+
+
+def _pixel_inputs(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A VLM micro batch's pixel_values and image_grid_thw, its rows' images in row order ({} for none)."""
+    if "image_grid_thw" not in inputs:
+        return {}
+    return micro_batch_pixels(inputs["pixel_values"], inputs["image_grid_thw"])
 
 
 def _trim(inputs: Mapping[str, torch.Tensor], response_len: int) -> tuple[dict[str, torch.Tensor], int]:
@@ -472,7 +497,10 @@ def _trim(inputs: Mapping[str, torch.Tensor], response_len: int) -> tuple[dict[s
     real token's output is the same. Returns the inputs and the response columns kept, r <= R."""
     first, end = _trimmed_columns(inputs["attention_mask"], response_len)
     prompt_len = inputs["attention_mask"].shape[1] - response_len
-    return {key: value[:, first:end] for key, value in inputs.items()}, end - prompt_len
+    trimmed = {key: inputs[key][..., first:end] for key in _SEQUENCE_KEYS}
+    if trimmed["position_ids"].dim() == 3:  # a VLM's (b, 4, r) -> (4, b, r), as transformers takes them
+        trimmed["position_ids"] = trimmed["position_ids"].transpose(0, 1)
+    return {**trimmed, **_pixel_inputs(inputs)}, end - prompt_len
 
 
 def _trimmed_columns(attention_mask: torch.Tensor, response_len: int) -> tuple[int, int]:
@@ -636,9 +664,18 @@ def compute_log_probs(
     "record", ForwardOut.routed_experts holds each row's experts (B, P+R, layers, k), -1 where no forward
     ran the position; in "replay", routed_experts (B, P+R, layers, k), recorded so in any layout or cut,
     are forced on the same rows' tokens (moe.routes_from_rows), whatever this call's layout and cut.
+
+    A vision-language model's batch also holds its rows' images, pixel_values (B, patches, D) and
+    image_grid_thw (B, images, 3) (vision.pixel_rows), and position_ids (B, 4, P+R), each sample's computed
+    once (vision.sample_positions); each micro batch takes its rows' images in row order, and one without an
+    image runs a zero-weighted dummy image through the tower (_dummy_image_without_images).
+    A VLM's image and video pad ids, which its engine never samples (vision.pad_token_ids), get probability 0
+    in every output, as in the engine's distribution.
     """
     response_len = _response_len(batch)
     _check_sp_packed(sp_group, use_remove_padding)
+    _check_vision_inputs(model, batch)
+    banned_token_ids = pad_token_ids(model.config) if vision_tower(model) is not None else ()
     if sp_group is not None and (topk is not None or topk_ids is not None):
         raise NotImplementedError("compute_log_probs: top-k log-probs under Ulysses (config refuses forward_kl_topk "
                                   "with ulysses_sequence_parallel_size > 1)")
@@ -654,12 +691,15 @@ def compute_log_probs(
                                                                     use_remove_padding)  # (b, P+R)
         if routed_experts is not None:  # the recorded experts of this forward's tokens, in its order
             router_replay.force(routes_from_rows(routed_experts[rows], ran))
-        if sp_group is not None:
-            layout = _sequence_parallel_layout(model, inputs, response_len, temperature, sp_group)
-        elif use_remove_padding:
-            layout = _packed_layout(model, inputs, response_len, temperature)
-        else:
-            layout = _padded_layout(model, inputs, response_len, temperature)
+        with _dummy_image_without_images(model, inputs):
+            if sp_group is not None:
+                layout = _sequence_parallel_layout(model, inputs, response_len, temperature, sp_group)
+            elif use_remove_padding:
+                layout = _packed_layout(model, inputs, response_len, temperature)
+            else:
+                layout = _padded_layout(model, inputs, response_len, temperature)
+        if banned_token_ids:  # never sampled: the engine's distribution has them at probability 0
+            layout.logits[..., list(banned_token_ids)] = torch.finfo(layout.logits.dtype).min
         heads = _heads(layout, calc_entropy, truncation, topk, None if topk_ids is None else topk_ids[rows],
                        calc_sum_pi_squared)
         if router_replay is not None and router_replay.mode == "record":
@@ -669,6 +709,52 @@ def compute_log_probs(
         layout = None  # released now: held, the logits would sit beside the next micro batch's whole forward
         row_groups.append(rows)
     return ForwardOut(**{name: _in_batch_order(parts, row_groups) for name, parts in pieces.items()})
+
+
+def _check_vision_inputs(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> None:
+    """A VLM's batch holds (B, 4, P+R) positions (vision.sample_positions) and its rows' pixels: with 1-D or
+    3-row positions its forward is silently wrong (image tokens at text positions; packed rows attending
+    across samples), and without pixels its image tokens embed as text."""
+    if vision_tower(model) is None:
+        return
+    positions = batch["position_ids"]
+    if positions.dim() != 3 or positions.shape[1] != 4:
+        raise ValueError(f"a vision-language model's position_ids must be (B, 4, P+R) (the text row, then the 3 "
+                         f"mrope rows: vision.sample_positions), not {tuple(positions.shape)}")
+    missing = [key for key in _PIXEL_KEYS if key not in batch]
+    if missing:
+        raise ValueError(f"a vision-language model's batch needs {list(_PIXEL_KEYS)} (vision.pixel_rows); it has no "
+                         f"{missing}")
+
+
+@contextlib.contextmanager
+def _dummy_image_without_images(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """A VLM micro batch without an image still runs its vision tower, on a zero image whose output enters the
+    embeddings times 0 (verl's dummy image): each tower block is an FSDP unit, so a rank that skipped the tower
+    would all-gather the next unit while the others gather the tower's, a collective mismatch (a hang on
+    GPUs, an abort with gloo), and its backward would miss the tower's reduce-scatters. The tower runs inside
+    the root module's forward (a pre-hook on the language model), where the root unit's parameters (the patch
+    embedding, the merger) are gathered."""
+    tower = vision_tower(model)
+    if tower is None or _pixel_inputs(inputs):
+        yield
+        return
+    cfg = model.config.vision_config
+    patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+    merge = cfg.spatial_merge_size
+    dummy = dummy_image(patch_dim, merge, inputs["input_ids"].device)
+
+    def add_zero_image(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        embeds = kwargs["inputs_embeds"]  # (b, L, H)
+        out = tower(dummy["pixel_values"].to(embeds.dtype), grid_thw=dummy["image_grid_thw"])
+        kwargs["inputs_embeds"] = embeds + 0.0 * out.pooler_output.mean()
+        return args, kwargs
+
+    handle = model.model.language_model.register_forward_pre_hook(add_zero_image, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def compute_values(critic: nn.Module, batch: Mapping[str, torch.Tensor], micro_batch_size: int, *,
@@ -893,6 +979,18 @@ def set_optimizer_config(optimizer: torch.optim.Optimizer, scheduler: torch.opti
     return list(dict.fromkeys(changed))
 
 
+def freeze_vision_tower(model: nn.Module) -> int:
+    """actor.freeze_vision_tower: the VLM's vision tower (its patch embedding, blocks and merger) takes no
+    gradient and, left out of make_optimizer, holds no optimizer state; the language model trains. Returns
+    how many tensors were frozen. The tower still runs forward on every micro batch (the dummy image)."""
+    tower = vision_tower(model)
+    if tower is None:
+        raise ConfigError(f"actor_rollout_ref.actor.freeze_vision_tower=true, but {type(model).__name__} has no "
+                          f"vision tower (not a vision-language model); set it to false.")
+    tower.requires_grad_(False)
+    return sum(1 for _ in tower.parameters())
+
+
 def make_optimizer(model: nn.Module, optim_cfg: Mapping[str, Any],
                    total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the model's trainable (sharded) parameters and its lr schedule, from an `optim` config
@@ -945,12 +1043,8 @@ def check_model(path: str, needed_length: int, trust_remote_code: bool, device_t
     experts. Each failure
     is one ConfigError line."""
     config = read_model_config(path, "actor_rollout_ref.model.path", trust_remote_code)
-    if is_vision_config(config):
-        raise ConfigError(
-            f"actor_rollout_ref.model.path={path!r} is a vision-language model ({config.model_type}); RL on one is "
-            f"not implemented yet: image rows (data.image_key, vision.py) and the engine's image prompts are, the "
-            f"trainer's forward on images is not. Use a text model (its text part alone is not split out here)."
-        )
+    if is_vision_config(config):  # a VLM: its language model's sizes (train_ppo.load_data checks the run's keys)
+        config = config.get_text_config()
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and needed_length > limit:
         raise ConfigError(

@@ -68,6 +68,7 @@ import rollout
 import rollout_correction
 import run_dir
 import ulysses
+import vision
 import watchdog
 from agent_loop import MultiTurnStats, TurnLimits, generate_multi_turn
 from checkpoint import (
@@ -84,6 +85,7 @@ from config import (
     Config,
     ConfigError,
     check_supported,
+    check_vision_run,
     load_config,
     non_defaults,
     policy_loss_key,
@@ -118,6 +120,7 @@ from models import (
     compute_log_probs,
     compute_values,
     default_dtypes,
+    freeze_vision_tower,
     iter_full_params,
     load_causal_lm,
     load_frozen_model,
@@ -269,6 +272,7 @@ class Run:
     # trainer.v1.trainer_mode=separate_async: this rank's role and the groups between the roles (placement.py);
     # a rollout rank holds no model (actor, critic, ... are None) and runs serve_rollouts instead of train
     pool: placement.Pool | None = None
+    vision: vision.VisionRun | None = None  # a vision-language model: its processor and the ids never sampled
     consecutive_skips: int = 0
 
     @property
@@ -335,6 +339,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             batch, reward_extras, balance_metrics = balance_batch(batch, reward_extras, run.dp_group)
         metrics.update(balance_metrics)
     batch["token_level_scores"] = place_scores(batch.pop("scores"), batch["response_mask"])  # (B, R)
+    if run.vision is not None:  # a VLM: each row's pixels and grids, and its 4-row positions (once per sample)
+        batch.update(run.vision.batch_columns(run.actor, batch, run.train_prompts))
 
     # 4. old log-probs (run.old_log_probs_from), reference log-probs, values: no-grad forwards
     old = None
@@ -736,8 +742,9 @@ def generate(run: Run, prompts: list[Prompt], prompt_indices: list[int], step: i
     sampling.n responses each, prompt-major; every rank of the TP group makes the same call. With
     multi_turn.enable the policy and its tools take turns (agent_loop.py), and per-sample stats come too."""
     if run.multi_turn is None:
+        engine_prompts = run.vision.engine_prompts(prompts) if run.vision is not None else None  # + their images
         return rollout.generate(run.engine.llm, [p.token_ids for p in prompts], sampling, step=step,
-                                prompt_indices=prompt_indices), None
+                                prompt_indices=prompt_indices, engine_prompts=engine_prompts), None
     return generate_multi_turn(functools.partial(rollout.sample_turns, run.engine.llm, sampling), prompts, prompt_indices,
                                sampling, run.multi_turn.limits, step=step, make_env=run.multi_turn.environment,
                                renderer=run.multi_turn.renderer,
@@ -1500,7 +1507,7 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
     random.seed(cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
 
-    tokenizer, train_prompts, val_prompts, reward_fn, multi_turn = load_data(cfg, dims, env)
+    tokenizer, train_prompts, val_prompts, reward_fn, multi_turn, vision_run = load_data(cfg, dims, env)
     # a step draws data.train_batch_size prompts; under dynamic sampling, generation batches of data.gen_batch_size
     size_key = "data.train_batch_size" if cfg.data.gen_batch_size is None else "data.gen_batch_size"
     sampler = PromptSampler(len(train_prompts), cfg.data.gen_batch_size or cfg.data.train_batch_size, cfg.data.seed,
@@ -1515,7 +1522,8 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
     offload = OffloadFlags.from_config(cfg)
     if pool is not None:  # a split job: every rank's engine first (vLLM sizes its memory over every rank), no resume
         engine = build_engine(cfg, dims, env, meshes, tokenizer, train_prompts[0].token_ids, multi_turn, None,
-                              param_dtype, reuse=engine)
+                              param_dtype, reuse=engine, vision_run=vision_run,
+                              images_per_prompt=max_images(train_prompts + val_prompts))
         refuse_split_resume(cfg, out_dir, env.rank)
         if pool.is_trainer:
             rollout.sleep(engine.llm, 2)  # for good: the pool generates
@@ -1535,7 +1543,8 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
         place(models, offload, LOADED, "sync", env.device, None)  # cache from the memory free then
     if pool is None:
         engine = build_engine(cfg, dims, env, meshes, tokenizer, train_prompts[0].token_ids, multi_turn, models,
-                              param_dtype, reuse=engine)
+                              param_dtype, reuse=engine, vision_run=vision_run,
+                              images_per_prompt=max_images(train_prompts + val_prompts))
     tracker = Tracker(out_dir, cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
                       shown(cfg), total_steps, enabled=env.rank == 0)
     if env.rank == 0:
@@ -1556,7 +1565,7 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
                start_step=start_step, engine=engine, tracker=tracker, progress=progress, placement="sync", lock=lock,
                stop=run_dir.StopRequests(out_dir, install=watch), fingerprint=fingerprint,
                multi_turn=multi_turn, reward_model=reward_model, teacher_vocab_limit=teacher_vocab_limit,
-               in_flight=in_flight, pool=pool, **vars(models))
+               in_flight=in_flight, pool=pool, vision=vision_run, **vars(models))
 
 
 def refuse_split_resume(cfg: Config, out_dir: Path, rank: int) -> None:
@@ -1570,10 +1579,10 @@ def refuse_split_resume(cfg: Config, out_dir: Path, rank: int) -> None:
                           f"{found[0]}: set trainer.resume_mode=disable, or another trainer.default_local_dir.")
 
 
-def load_data(cfg: Config, dims: ParallelDims,
-              env: DistEnv) -> tuple[Any, list[Prompt], list[Prompt], RewardFn, MultiTurn | None]:
+def load_data(cfg: Config, dims: ParallelDims, env: DistEnv
+              ) -> tuple[Any, list[Prompt], list[Prompt], RewardFn, MultiTurn | None, vision.VisionRun | None]:
     """The tokenizer, the training and validation prompts, the reward function (checked against the data),
-    and with multi-turn rollouts their tools."""
+    with multi-turn rollouts their tools, and for a vision-language model its processor (VisionRun)."""
     from transformers import AutoTokenizer
 
     data_cfg, model_cfg = cfg.data, cfg.actor_rollout_ref.model
@@ -1589,8 +1598,16 @@ def load_data(cfg: Config, dims: ParallelDims,
                              ("reward_model.model.path", reward_path, cfg.reward_model.model.trust_remote_code)):
         if path is not None:
             read_model_config(path, key, trust)
-    tokenizer = AutoTokenizer.from_pretrained(data_cfg.tokenizer or model_cfg.path,
-                                              trust_remote_code=model_cfg.trust_remote_code)
+    model_config = read_model_config(model_cfg.path, "actor_rollout_ref.model.path", model_cfg.trust_remote_code)
+    vision_run = None
+    if vision.is_vision_config(model_config):  # what this program runs on a VLM, or one error naming the key
+        check_vision_run(cfg, model_config.model_type)
+        vision_run = vision.VisionRun.load(model_cfg.path, model_config, model_cfg.trust_remote_code)
+    if vision_run is not None and data_cfg.tokenizer is None:
+        tokenizer = vision_run.processor.tokenizer  # with the processor's chat template (image items)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(data_cfg.tokenizer or model_cfg.path,
+                                                  trust_remote_code=model_cfg.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     multi_turn = load_multi_turn(cfg, tokenizer)
@@ -1598,7 +1615,8 @@ def load_data(cfg: Config, dims: ParallelDims,
     rule_reward = cfg.custom_reward_function.path is None and http_scorer is None  # rules need each row's ground truth
     load_kwargs = dict(prompt_key=data_cfg.prompt_key, max_prompt_length=data_cfg.max_prompt_length,
                        filter_overlong=data_cfg.filter_overlong_prompts, truncation=data_cfg.truncation,
-                       require_ground_truth=rule_reward, tools=multi_turn.schemas if multi_turn else None)
+                       require_ground_truth=rule_reward, tools=multi_turn.schemas if multi_turn else None,
+                       processor=vision_run.processor if vision_run is not None else None)
     train_prompts, overlong = load_prompts(data_cfg.train_files, tokenizer, key="data.train_files", **load_kwargs)
     print0(f"data: {len(train_prompts)} training prompts ({overlong} over data.max_prompt_length="
            f"{data_cfg.max_prompt_length}, {'dropped' if data_cfg.filter_overlong_prompts else 'truncated'})")
@@ -1611,7 +1629,12 @@ def load_data(cfg: Config, dims: ParallelDims,
                                               cfg.reward_model.sandbox_fusion)
     if rule_reward:  # a data source without a rule fails now, not at the first rollout
         check_data_sources(p.data_source for p in train_prompts + val_prompts)
-    return tokenizer, train_prompts, val_prompts, reward_fn, multi_turn
+    return tokenizer, train_prompts, val_prompts, reward_fn, multi_turn, vision_run
+
+
+def max_images(prompts: list[Prompt]) -> int:
+    """The most images a prompt holds: what a VLM's engine is built to take (0: a text run)."""
+    return max((len(p.images) for p in prompts), default=0)
 
 
 @dataclass
@@ -1691,6 +1714,8 @@ def load_models(cfg: Config, meshes: Meshes, env: DistEnv, total_steps: int) -> 
                            activation_checkpointing=model_cfg.enable_gradient_checkpointing,
                            wrap=lora_spec.add_adapter if lora_spec else None, **fsdp_kwargs)
     check_router_replay(actor, actor_cfg.router_replay.mode)  # R2 needs a MoE's routers
+    if actor_cfg.freeze_vision_tower:  # before the optimizer: the tower gets no state
+        freeze_vision_tower(actor)
     actor_optim, actor_sched = make_optimizer(actor, actor_cfg.optim, total_steps)
     ref, reference_mode = None, contextlib.nullcontext
     if (actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward) and lora_spec:
@@ -1806,14 +1831,19 @@ def engine_settings(cfg: Config, dims: ParallelDims, device_type: str) -> dict[s
 
 def build_engine(cfg: Config, dims: ParallelDims, env: DistEnv, meshes: Meshes, tokenizer: Any, probe: list[int],
                  multi_turn: MultiTurn | None, models: Models | None, param_dtype: torch.dtype,
-                 reuse: Engine | None = None) -> Engine:
+                 reuse: Engine | None = None, vision_run: vision.VisionRun | None = None,
+                 images_per_prompt: int = 0) -> Engine:
     """One vLLM shard per rank, TP over the rows of the rollout mesh, after the models are placed (or
     `reuse`'s engine, when given); the sampling settings of training and validation; the probes of the
-    stale-weights check (`probe`: a training prompt's ids)."""
+    stale-weights check (`probe`: a training prompt's ids; a VLM's without its image pads, text alone).
+    A vision-language model's engine takes up to images_per_prompt images per prompt (at least 1), and
+    neither sampling samples its image/video pads (VisionRun.banned_token_ids)."""
     data_cfg, rollout_cfg = cfg.data, cfg.actor_rollout_ref.rollout
     if reuse is None:
         settings = engine_settings(cfg, dims, env.device_type)
         built = dict(settings)
+        if vision_run is not None:
+            built["images_per_prompt"] = max(images_per_prompt, 1)
         # a split job: vLLM groups every rank (meshes.engines); a pool engine takes its seed from its dp rank there
         generates = meshes.engines is None or meshes.rollout.get_coordinate() is not None
         seed = meshes.rollout.get_local_rank("dp") if generates else 0
@@ -1824,7 +1854,8 @@ def build_engine(cfg: Config, dims: ParallelDims, env: DistEnv, meshes: Meshes, 
     # a response ends at the EOS id; a multi-turn assistant turn at the chat template's end of turn
     stop = multi_turn.stop_token_ids if multi_turn is not None else [tokenizer.eos_token_id]
     limits = dict(max_tokens=data_cfg.max_response_length, max_prompt_length=data_cfg.max_prompt_length,
-                  stop_token_ids=tuple(stop), pad_token_id=tokenizer.pad_token_id)
+                  stop_token_ids=tuple(stop), pad_token_id=tokenizer.pad_token_id,
+                  banned_token_ids=vision_run.banned_token_ids if vision_run is not None else ())
     seed = cfg.trainer.seed
     train_sampling = rollout.Sampling(n=rollout_cfg.n, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
                                       top_k=rollout_cfg.top_k, seed=seed, **limits)
@@ -1835,9 +1866,14 @@ def build_engine(cfg: Config, dims: ParallelDims, env: DistEnv, meshes: Meshes, 
                                     **limits)
     # A fixed prompt whose greedy log-probs fingerprint the engine's weights, and a fixed sequence (the
     # prompt's first tokens and its last few) whose log-probs under the actor say whether the actor moved.
+    if vision_run is not None:  # no image goes with the probe
+        probe = [t for t in probe if t not in vision_run.banned_token_ids]
     tail = list(probe[-4:])
     probe_batch = rollout.pad_rollout([probe], [tail], [[0.0] * len(tail)], [0], len(tail), tokenizer.pad_token_id)
     actor_probe = {k: v.to(env.device) for k, v in vars(probe_batch).items()}
+    if vision_run is not None and models is not None:  # a VLM's forward takes 4-row positions and (no) pixels
+        actor_probe["prompt_index"] = torch.zeros(1, dtype=torch.long, device=env.device)
+        actor_probe.update(vision_run.batch_columns(models.actor, actor_probe, [Prompt(probe, None, "probe", "")]))
     stale_check = rollout.StaleWeightsCheck(rollout.STALE_TOLERANCE[str(param_dtype).removeprefix("torch.")])
     lora_modules = sync_modules(models.actor, rollout.packed_modules(llm)) if models and models.lora_spec else None
     return Engine(llm, settings, train_sampling, val_sampling, probe, actor_probe, stale_check, lora_modules)

@@ -17,7 +17,8 @@ pixels are needed, not when the rows are loaded.
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -196,3 +197,109 @@ def rope_positions(model: Any, token_ids: Any, image_grid_thw: Any, image_token_
         mrope, _ = inner.get_rope_index(input_ids=ids, mm_token_type_ids=types, image_grid_thw=grid)
     text = torch.arange(ids.shape[1]).reshape(1, 1, -1)
     return torch.cat([text, mrope.to(text.dtype)], dim=0)[:, 0]  # (4, L)
+
+
+# -----------------------------------------------------------------------------
+# The trainer's batch: each row's pixels and grids, padded to the batch's widest row, and 4-row positions
+#
+# A VLM's rows carry two more columns: pixel_values (B, patches, C*T*P*P), each row's images' patches one
+# after the other, zero after its last; image_grid_thw (B, images, 3), each row's grids in prompt order,
+# (0, 0, 0) after its last. As tensors, they follow the rows wherever the batch's other columns go (micro
+# batches, shuffled mini batches, the balance between ranks); micro_batch_pixels unpads a micro batch's
+# rows into the model's inputs. position_ids are (B, 4, P+R): the text row, then the 3 mrope rows.
+
+
+def pixel_rows(samples: Sequence[Mapping[str, Any]], patch_dim: int) -> dict[str, Any]:
+    """{"pixel_values": (B, patches, D), "image_grid_thw": (B, images, 3)} from each sample's pixel_inputs
+    ({} for a sample without images), zero-padded to the widest row."""
+    import torch
+
+    grids = [s["image_grid_thw"] if s else torch.zeros(0, 3, dtype=torch.long) for s in samples]
+    pixels = [s["pixel_values"] if s else torch.zeros(0, patch_dim) for s in samples]
+    width, count = max([len(p) for p in pixels] + [1]), max([len(g) for g in grids] + [1])
+    pixel_values = torch.zeros(len(samples), width, patch_dim)
+    image_grid_thw = torch.zeros(len(samples), count, 3, dtype=torch.long)
+    for i, (p, g) in enumerate(zip(pixels, grids, strict=True)):
+        pixel_values[i, :len(p)] = p
+        image_grid_thw[i, :len(g)] = g
+    return {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+
+
+def micro_batch_pixels(pixel_values: Any, image_grid_thw: Any) -> dict[str, Any]:
+    """The model's pixel inputs of these rows, in row order (the order of their image tokens, padded or
+    packed): {"pixel_values": (patches, D), "image_grid_thw": (images, 3)}, or {} when no row has an image."""
+    import torch
+
+    real = image_grid_thw.prod(-1) > 0  # (b, images)
+    if not bool(real.any()):
+        return {}
+    patches = image_grid_thw.prod(-1).sum(-1).tolist()  # (b,) patches per row
+    pixels = torch.cat([pixel_values[i, :n] for i, n in enumerate(patches)])
+    return {"pixel_values": pixels, "image_grid_thw": image_grid_thw[real]}
+
+
+def sample_positions(model: Any, input_ids: Any, attention_mask: Any, image_grid_thw: Any | None,
+                     image_token_id: int) -> Any:
+    """(B, 4, T) positions of each row's real tokens (rope_positions, once per sample), 0 on padding."""
+    import torch
+
+    out = torch.zeros(input_ids.shape[0], 4, input_ids.shape[1], dtype=torch.long, device=input_ids.device)
+    for i in range(input_ids.shape[0]):
+        keep = attention_mask[i].bool()
+        grid = None
+        if image_grid_thw is not None:
+            grid = image_grid_thw[i][image_grid_thw[i].prod(-1) > 0]
+        out[i][:, keep] = rope_positions(model, input_ids[i][keep], grid, image_token_id).to(out.device)
+    return out
+
+
+def dummy_image(patch_dim: int, merge_size: int, device: Any) -> dict[str, Any]:
+    """A zero image of merge_size x merge_size x 4 patches (the smallest grid a tower merges: 4 tokens)."""
+    import torch
+
+    side = 2 * merge_size
+    return {"pixel_values": torch.zeros(side * side, patch_dim, device=device),
+            "image_grid_thw": torch.tensor([[1, side, side]], device=device)}
+
+
+def vision_tower(model: Any) -> Any:
+    """The vision tower of a transformers VLM (Qwen2-VL's model.model.visual), or None for a text model."""
+    inner = getattr(model, "model", None)
+    return getattr(inner, "visual", None)
+
+
+@dataclass(frozen=True)
+class VisionRun:
+    """What a run on a vision-language model needs beside the text path: the processor (its image processor
+    makes the trainer's pixels, as the engine's does), the image pad id, and the ids neither side samples."""
+
+    processor: Any
+    image_token_id: int
+    banned_token_ids: tuple[int, ...]
+
+    @classmethod
+    def load(cls, path: str, model_config: Any, trust_remote_code: bool = False) -> VisionRun:
+        processor = load_processor(path, trust_remote_code)
+        return cls(processor, processor.image_token_id, pad_token_ids(model_config))
+
+    def engine_prompts(self, prompts: Sequence[Any]) -> list[dict[str, Any]] | None:
+        """vLLM's requests for data.Prompt-s (engine_prompt), or None when none has an image (plain ids)."""
+        if not any(p.images for p in prompts):
+            return None
+        return [engine_prompt(p.token_ids, p.images, self.image_token_id) for p in prompts]
+
+    def batch_columns(self, model: Any, batch: Mapping[str, Any], prompts: Sequence[Any]) -> dict[str, Any]:
+        """The trainer's columns for a batch's rows (their prompts: prompts[prompt_index]): pixel_values and
+        image_grid_thw (pixel_rows; each prompt's images decoded and processed once) and (B, 4, P+R)
+        position_ids (sample_positions), on the batch's device."""
+        device = batch["input_ids"].device
+        index = batch["prompt_index"].tolist()
+        per_prompt = {i: pixel_inputs(prompts[i].images, self.processor.image_processor) if prompts[i].images else {}
+                      for i in set(index)}
+        image_processor = self.processor.image_processor
+        patch_dim = 3 * image_processor.temporal_patch_size * image_processor.patch_size ** 2
+        rows = pixel_rows([per_prompt[i] for i in index], patch_dim)
+        positions = sample_positions(model, batch["input_ids"].cpu(), batch["attention_mask"].cpu(),
+                                     rows["image_grid_thw"], self.image_token_id)
+        return {"pixel_values": rows["pixel_values"].to(device), "image_grid_thw": rows["image_grid_thw"].to(device),
+                "position_ids": positions.to(device)}

@@ -32,6 +32,24 @@ class Mutation:
 
 
 MUTATIONS = (
+    # vision-language models' training forward (tests/test_vision.py)
+    Mutation("a VLM's packed row loses the text position row (3-row mrope positions only)", "models.py", ((
+        "packed_positions = positions.transpose(0, 1)[:, valid][:, None]",
+        "packed_positions = positions.transpose(0, 1)[1:, valid][:, None]"),),
+        "tests/test_vision.py::test_packed_and_padded_vl_forwards_equal_hf_per_sample"),
+    Mutation("a VLM micro batch's images taken in reverse row order", "vision.py", ((
+        "pixels = torch.cat([pixel_values[i, :n] for i, n in enumerate(patches)])",
+        "pixels = torch.cat([pixel_values[i, :n] for i, n in reversed(list(enumerate(patches)))])"),),
+        "tests/test_vision.py::test_packed_and_padded_vl_forwards_equal_hf_per_sample"),
+    Mutation("a VLM micro batch without an image skips the tower (no dummy image)", "models.py", ((
+        "    if tower is None or _pixel_inputs(inputs):", "    if True:"),),
+        "tests/test_vision.py::test_a_rank_without_images_runs_the_tower_on_a_dummy_image"),
+    Mutation("freeze_vision_tower leaves the tower trainable", "models.py", ((
+        "    tower.requires_grad_(False)\n", "    tower.requires_grad_(True)\n"),),
+        "tests/test_vision.py::test_a_frozen_vision_tower_takes_no_gradient_and_no_optimizer_state"),
+    Mutation("the trainer's log-probs keep the image pads the engine bans", "models.py", ((
+        "        if banned_token_ids:  # never sampled", "        if False:  # never sampled"),),
+        "tests/test_vision.py::test_packed_and_padded_vl_forwards_equal_hf_per_sample"),
     # trainer.v1.trainer_mode=colocate_async (tests/test_train_ppo_colocate_async.py, tests/test_config.py)
     Mutation("colocate_async allows the on-policy shortcut on tokens of older weights", "config.py", ((
         "if warmup > 0 and not (rc.bypass_mode or rc.rollout_is is not None):", "if False:"),),
@@ -175,8 +193,8 @@ MUTATIONS = (
         'token_level_rewards[:, t] + gamma * running, running)', 'token_level_rewards[:, t] + gamma * running, 0.0)'),),
         "tests/test_ppo_core.py::test_reinforce_plus_plus_carries_the_return_through_tool_replies"),
     Mutation("packed forward lets attention cross sequences (one position run over the row)", "models.py", ((
-        '"position_ids": inputs["position_ids"][valid][None]}',
-        '"position_ids": torch.arange(int(valid.sum()), device=valid.device)[None]}'),),
+        'packed_positions = positions[valid][None]  # (1, N)',
+        'packed_positions = torch.arange(int(valid.sum()), device=valid.device)[None]'),),
         "tests/test_models_packing.py -k packed-tiny-qwen2"),
     Mutation("packed attention runs the whole row as one sequence", "attention.py", ((
         'bounds = sequence_bounds(position_ids.reshape(-1)[-length:])', 'bounds = [0, length]'),),

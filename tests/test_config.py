@@ -470,7 +470,7 @@ def test_the_key_table_covers_every_verl_key_with_one_rule_each():
     table = verl_key_table()
     assert [key for key, _, _ in table] == list(fixture["defaults"])
     assert [key for key, kind, _ in table if kind is None] == []
-    assert sum(kind == IMPLEMENTED for _, kind, _ in table) == 193
+    assert sum(kind == IMPLEMENTED for _, kind, _ in table) == 194
     used = {verl_key_rule(key).pattern for key, kind, _ in table if kind != IMPLEMENTED}
     assert [rule.pattern for rule in VERL_KEY_RULES if rule.pattern not in used] == []
 
@@ -495,9 +495,9 @@ def test_verls_generated_config_loads_and_plans(tmp_path):
     assert dims.world_size == 8 and cfg.trainer.total_epochs == 30  # verl's values, not this program's
     assert cfg.actor_rollout_ref.rollout.name == "vllm"  # verl's ??? : this program's default, said at start-up
     assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"  # an interpolation, resolved
-    assert len(verl_keys_without_effect(cfg)) == 898 - 193
+    assert len(verl_keys_without_effect(cfg)) == 898 - 194
     text = describe_verl_keys(cfg)
-    assert "verl keys with no effect here (705" in text and "actor_rollout_ref.rollout.name='???' -> 'vllm'" in text
+    assert "verl keys with no effect here (704" in text and "actor_rollout_ref.rollout.name='???' -> 'vllm'" in text
     with pytest.raises(ConfigError, match=r"'actor_rollout_ref.rollout.name' is 'sglang'; valid values: vllm"):
         check_supported(load_config(path, [*paths, "actor_rollout_ref.rollout.name=sglang"]))
     # not implemented: refused off verl's default, with the key, the value and what to set

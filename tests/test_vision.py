@@ -1,5 +1,7 @@
-"""Vision-language models, the CPU-only parts: the tiny Qwen2-VL / Qwen2.5-VL assets, the torchvision stand-in
-(tests/cpu_compat), image rows in verl's format (data.py, vision.py) and geo3k through prepare_data.py.
+"""Vision-language models: the tiny Qwen2-VL / Qwen2.5-VL assets, the torchvision stand-in (tests/cpu_compat),
+image rows in verl's format (data.py, vision.py), geo3k through prepare_data.py, the engine on image prompts,
+the trainer's forward on image rows (packed == padded == HF per sample), the dummy image on 2 FSDP ranks,
+freeze_vision_tower, the refusals of check_vision_run, and a GRPO run at TP 2 (slow).
 
 References are computed another way: the HF processor's own output (ids with the image pads expanded, the
 grids) for what data.py derives from image headers alone."""
@@ -92,11 +94,22 @@ def vision_stand_in_needed() -> bool:
     return importlib.util.find_spec("torchvision") is None
 
 
-def test_training_a_vl_model_is_refused_before_anything_loads(vl_assets):
+@pytest.mark.parametrize("override", [
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.lora_rank=8",
+    "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.multi_turn.enable=true",
+    "trainer.v1.trainer_mode=colocate_async", "reward_model.enable=true"])
+def test_what_a_vl_run_does_not_support_is_refused_by_key(override, vl_assets):
+    """check_model passes a VLM (its language model's sizes); each feature not run on images is one ConfigError
+    naming its key and the value to use."""
     import models
+    from config import check_vision_run, load_config
 
-    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.path=.* is a vision-language model \(qwen2_vl\)"):
-        models.check_model(str(vl_assets["qwen2_vl"]), 128, False, "cpu")
+    models.check_model(str(vl_assets["qwen2_vl"]), 128, False, "cpu")
+    base = ["data.train_files=t.parquet", "algorithm.adv_estimator=grpo"]
+    check_vision_run(load_config(None, base), "qwen2_vl")  # GRPO with the other defaults runs
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key}=.*not supported with a vision-language model .*qwen2_vl"):
+        check_vision_run(load_config(None, [*base, override]), "qwen2_vl")
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
@@ -308,3 +321,218 @@ def test_engine_log_probs_on_image_prompts_equal_the_hf_forward_after_syncs(engi
     assert r["tower_tensors_moved"] > 0 and r["tower_synced"] < 1e-5, r
     assert r["tower_stale"] > 1e-2, r  # the engine serves the moved tower, not the old image embeddings
     assert "Encoder cache miss" in r["no_reset"], r  # why sync_weights resets the encoder cache
+
+
+# -----------------------------------------------------------------------------
+# The trainer's multimodal forward (models.compute_log_probs on a VLM's rows)
+
+# (question, image sizes) per row: two images of different sizes in one row, a text-only row, one image each
+TRAIN_ROWS = [("Left <image>, right <image>. Same?", [(56, 84), (112, 56)]), ("No image here: 2+3?", []),
+              ("<image>Colour?", [(84, 84)]), ("<image>Count.", [(30, 200)])]
+RESPONSE_LENS = [5, 3, 6, 1]
+
+
+def vl_training_batch(proc, model, seed: int = 0) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """TRAIN_ROWS as the trainer's batch: prompts left-padded, random responses (no pad ids) right-padded,
+    4-row positions and the rows' pixels; and each row's pixel_inputs, for a reference."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, pixels = [], []
+    for q, (text, sizes) in enumerate(TRAIN_ROWS):
+        images = [vision.encode_image(random_image(h, w, 10 * q + j)) for j, (h, w) in enumerate(sizes)]
+        messages = vision.image_messages([{"role": "user", "content": text}], len(images), f"row {q}")
+        rendered = proc.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = proc.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        counts = [vision.image_tokens(vision.image_size(im), proc.image_processor) for im in images]
+        prompts.append(vision.expand_image_pads(ids, counts, proc.image_token_id))
+        pixels.append(vision.pixel_inputs(images, proc.image_processor) if images else {})
+    P, R = max(map(len, prompts)), max(RESPONSE_LENS)
+    pad = proc.tokenizer.pad_token_id
+    ids = torch.full((len(prompts), P + R), pad)
+    mask = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(zip(prompts, RESPONSE_LENS, strict=True)):
+        ids[i, P - len(p):P] = torch.tensor(p)
+        ids[i, P:P + r] = torch.randint(7, model.config.text_config.vocab_size, (r,), generator=g)
+        mask[i, P - len(p):P + r] = 1
+    patch_dim = next(p["pixel_values"].shape[1] for p in pixels if p)
+    rows = vision.pixel_rows(pixels, patch_dim)
+    positions = vision.sample_positions(model, ids, mask, rows["image_grid_thw"], proc.image_token_id)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "responses": ids[:, P:], **rows}, pixels
+
+
+def hf_reference(model, batch, pixels, banned, image_token_id, text_positions: bool = False,
+                 with_pixels: bool = True) -> torch.Tensor:
+    """(B, R) log-probs of each row alone, unpadded, the HF model computing its own mrope positions (from
+    mm_token_type_ids); text_positions: plain 0..L-1 positions instead (a control)."""
+    R = batch["responses"].shape[1]
+    out = torch.zeros(batch["responses"].shape)
+    for i in range(len(pixels)):
+        keep = batch["attention_mask"][i].bool()
+        ids = batch["input_ids"][i][keep][None]
+        kwargs = dict(pixels[i]) if with_pixels else {}
+        if text_positions:
+            kwargs["position_ids"] = torch.arange(ids.shape[1])[None]
+        elif pixels[i]:
+            kwargs["mm_token_type_ids"] = (ids == image_token_id).int()
+        with torch.no_grad():
+            logits = vision.ban_tokens(model(input_ids=ids, **kwargs).logits[0].float(), banned)  # (L, V)
+        num = int(keep[-R:].sum())
+        lp = torch.log_softmax(logits[-num - 1:-1], dim=-1)
+        out[i, :num] = lp.gather(-1, ids[0, -num:, None])[:, 0]
+    return out
+
+
+def test_packed_and_padded_vl_forwards_equal_hf_per_sample(vl_assets, processors):
+    """models.compute_log_probs on a tiny Qwen2-VL (FSDP2, one rank), padded and packed, in fixed and token-budget
+    micro batches (a text-only micro batch among them, which runs the dummy image), equals the HF model run on
+    each row alone with its own mrope positions, to 1e-5, with the image pads banned; a row holds two images
+    of different sizes. Controls: without pixels, or with plain text positions, the reference is far off; and
+    a batch with 1-D or 3-row positions or without pixels is refused."""
+    from conftest import one_rank_process_group
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForImageTextToText
+
+    import models
+
+    path, proc = str(vl_assets["qwen2_vl"]), processors["qwen2_vl"]
+    hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    banned = vision.pad_token_ids(hf.config)
+    batch, pixels = vl_training_batch(proc, hf)
+    assert batch["image_grid_thw"][0].tolist() == [[1, 4, 6], [1, 8, 4]] and not pixels[1]
+    mask = (torch.arange(batch["responses"].shape[1])[None] < torch.tensor(RESPONSE_LENS)[:, None])
+    reference = hf_reference(hf, batch, pixels, banned, proc.image_token_id)
+    with one_rank_process_group():
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+        actor = models.load_causal_lm(path, mesh, device=torch.device("cpu"), param_dtype=torch.float32,
+                                      reduce_dtype=torch.float32).eval()
+        assert type(actor).__name__.endswith("Qwen2VLForConditionalGeneration")
+        runs = {"padded": dict(micro_batch_size=3), "padded_one_row": dict(micro_batch_size=1),
+                "packed": dict(micro_batch_size=4, use_remove_padding=True),
+                "packed_budget": dict(micro_batch_size=1, use_remove_padding=True, max_token_len=80)}
+        gaps = {}
+        with torch.no_grad():
+            for name, options in runs.items():
+                ours = models.compute_log_probs(actor, batch, 1.0, **options).log_probs
+                gaps[name] = (ours - reference).abs()[mask].max().item()
+            refusals = {"positions_1d": {**batch, "position_ids": batch["position_ids"][:, 0]},
+                        "positions_3_rows": {**batch, "position_ids": batch["position_ids"][:, 1:]},
+                        "no_pixels": {k: v for k, v in batch.items() if k != "pixel_values"}}
+            for bad in refusals.values():
+                with pytest.raises(ValueError, match="vision-language model"):
+                    models.compute_log_probs(actor, bad, 1.0, micro_batch_size=4, use_remove_padding=True)
+    assert max(gaps.values()) < 1e-5, gaps
+    controls = {"no_pixels": hf_reference(hf, batch, pixels, banned, proc.image_token_id, with_pixels=False),
+                "text_positions": hf_reference(hf, batch, pixels, banned, proc.image_token_id, text_positions=True)}
+    image_rows = mask.clone()
+    image_rows[1] = False
+    for name, control in controls.items():
+        assert (control - reference).abs()[image_rows].max().item() > 1e-3, name
+
+
+def _mixed_ranks_worker(rank: int, path: str, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForImageTextToText
+
+    import models
+
+    sys.path.insert(0, str(CPU_COMPAT))
+    import sitecustomize  # noqa: F401  the torchvision stand-in, for the processor (a spawned process)
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        proc = vision.load_processor(path)
+        hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+        batch, _ = vl_training_batch(proc, hf)
+        rows = torch.tensor([0, 2, 3] if rank == 0 else [1])  # rank 1: a micro batch without an image
+        batch = {key: value[rows] for key, value in batch.items()}
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
+        actor = models.load_causal_lm(path, mesh, device=torch.device("cpu"), param_dtype=torch.float32,
+                                      reduce_dtype=torch.float32)
+        log_probs = models.compute_log_probs(actor, batch, 1.0, micro_batch_size=4, use_remove_padding=True).log_probs
+        log_probs.sum().backward()  # the tower's reduce-scatters run on both ranks
+        tower = vision.vision_tower(actor)
+        grads = [p.grad.full_tensor().abs().sum().item() for p in tower.parameters()]
+        if rank == 0:
+            Path(out).write_text(f"{min(grads)} {len(grads)}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_without_images_runs_the_tower_on_a_dummy_image(vl_assets, tmp_path):
+    """Two FSDP ranks, one whose micro batch has images and one whose has none: the forward and backward
+    finish (without the dummy image the text-only rank skips the tower's all-gathers and gloo aborts on the
+    mismatched collective), and every tower parameter gets its gradient from the images."""
+    from conftest import run_gloo
+
+    out = tmp_path / "grads.txt"
+    run_gloo(_mixed_ranks_worker, 2, str(vl_assets["qwen2_vl"]), str(tmp_path / "init"), str(out), timeout_s=120)
+    smallest, count = out.read_text().split()
+    assert int(count) > 10 and float(smallest) > 0, (smallest, count)
+
+
+def test_a_frozen_vision_tower_takes_no_gradient_and_no_optimizer_state(vl_assets, processors, tiny_assets):
+    """actor.freeze_vision_tower: after an update on image rows the tower's tensors are unchanged, without
+    gradients or AdamW state, while the language model's moved; on a text model the key is refused."""
+    from conftest import one_rank_process_group
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import models
+
+    path, proc = str(vl_assets["qwen2_vl"]), processors["qwen2_vl"]
+    optim = {"lr": 1e-2, "betas": [0.9, 0.999], "weight_decay": 0.0, "total_training_steps": -1,
+             "lr_warmup_steps": -1, "lr_warmup_steps_ratio": 0.0, "warmup_style": None,
+             "lr_scheduler_type": "constant", "min_lr_ratio": 0.0}
+    with one_rank_process_group():
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+        kwargs = dict(device=torch.device("cpu"), param_dtype=torch.float32, reduce_dtype=torch.float32)
+        actor = models.load_causal_lm(path, mesh, **kwargs)
+        frozen = models.freeze_vision_tower(actor)
+        optimizer, _ = models.make_optimizer(actor, optim, total_steps=1)
+        tower = list(vision.vision_tower(actor).parameters())
+        before = {id(p): p.full_tensor().clone() for p in actor.parameters()}
+        batch, _ = vl_training_batch(proc, actor)
+        models.compute_log_probs(actor, batch, 1.0, micro_batch_size=4, use_remove_padding=True).log_probs.sum().backward()
+        optimizer.step()
+        in_tower = {id(p) for p in tower}
+        moved = {id(p): not torch.equal(p.full_tensor(), before[id(p)]) for p in actor.parameters()}
+        state = {id(p) for p in optimizer.state}
+        text = models.load_causal_lm(str(tiny_assets["tiny-qwen2"]), mesh, **kwargs)
+        with pytest.raises(ConfigError, match="freeze_vision_tower=true.*not a vision-language model"):
+            models.freeze_vision_tower(text)
+    assert frozen == len(tower) > 10
+    assert all(p.grad is None for p in tower) and not state & in_tower
+    assert not any(moved[i] for i in in_tower)
+    assert all(moved[i] for i in moved if i not in in_tower) and len(state) == len(moved) - len(in_tower)
+
+
+VL_RUN = ["algorithm.adv_estimator=grpo", "trainer.n_gpus_per_node=2", "data.max_prompt_length=64",
+          "data.max_response_length=8", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
+          "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16", "actor_rollout_ref.actor.optim.lr=1e-2",
+          "actor_rollout_ref.rollout.gpu_memory_utilization=0.3", "trainer.total_training_steps=3",
+          "trainer.val_before_train=false", "trainer.test_freq=3", "data.max_val_samples=8", "trainer.save_freq=-1"]
+
+
+@pytest.mark.slow
+def test_grpo_on_image_rows_at_tp2_keeps_the_engine_and_trainer_equal(vl_assets, tmp_path):
+    """Two ranks, the engine at TP 2, GRPO on image rows (make_assets.shape_rows) for 3 steps with a dense
+    reward (tests/vl_reward.py), so every update moves the vision tower: after each sync the trainer's old
+    log-probs equal the engine's on the step's image samples (< 1e-5, float32), and validation runs."""
+    import json
+
+    from conftest import torchrun
+
+    import make_assets
+
+    data = make_assets.write_shapes_dataset(tmp_path / "data", num_train=64, num_val=8)
+    out = tmp_path / "run"
+    torchrun(2, ROOT_TESTS.parent / "train_ppo.py", "--config", "configs/tiny_cpu.yaml", *VL_RUN,
+             f"actor_rollout_ref.model.path={vl_assets['qwen2_vl']}", f"data.train_files={data['train']}",
+             f"data.val_files={data['val']}", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+             f"custom_reward_function.path={ROOT_TESTS / 'vl_reward.py'}", "custom_reward_function.name=digit_share",
+             f"trainer.default_local_dir={out}", timeout=600, env=vl_env())
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(s["rollout/logprob_diff_max"] < 1e-5 for s in steps), [s["rollout/logprob_diff_max"] for s in steps]
+    assert all(s["actor/grad_norm"] > 0 for s in steps), [s["actor/grad_norm"] for s in steps]
+    assert "val-core/arithmetic/reward/mean@1" in steps[-1] or any(k.startswith("val") for k in steps[-1])

@@ -8,8 +8,8 @@ Qwen2-VL model class (its qwen2_vl.py imports `smart_resize` from a transformers
 torchvision). Images need none of it: the PIL image processor resizes and normalises them. Videos stay
 unsupported here.
 
-How: the VLM tests (tests/conftest.py `vl_env`; a VLM run on a CPU install, later) put this directory on
-PYTHONPATH, so Python imports this file as `sitecustomize` in every process they start, vLLM's subprocesses included. It
+How: the VLM tests (tests/conftest.py `vl_env`) and `make demo-vl` (bench/bench_vl.py) put this directory on
+PYTHONPATH (a VLM run of train_ppo.py on a CPU install needs it there too), so Python imports this file as `sitecustomize` in every process they start, vLLM's subprocesses included. It
 steps aside when torchvision is installed (GPU installs have it); otherwise it patches the two transformers
 modules only when something imports them, so other processes start as fast as before. Nothing in the
 toolkit imports it.
