@@ -1694,8 +1694,7 @@ def check_separate_async(cfg: Config) -> None:
                               f"actor_rollout_ref.hybrid_engine=true for it.")
     tc = cfg.trainer
     later = {"trainer.val_before_train": (tc.val_before_train, "false", "validation on the pool"),
-             "trainer.test_freq": (tc.test_freq > 0, "-1", "validation on the pool"),
-             "trainer.save_freq": (tc.save_freq > 0, "-1", "checkpoints with the batch generated ahead")}
+             "trainer.test_freq": (tc.test_freq > 0, "-1", "validation on the pool")}
     for key, (on, off, what) in later.items():
         if on:
             raise ConfigError(f"{mode} with {key}={tc[key.split('.')[1]]} is not implemented yet ({what}); set "
