@@ -26,6 +26,17 @@ Batch = dict[str, torch.Tensor]
 Part = tuple[Batch, list[dict[str, float]], dict[str, float]]  # scored rows, their reward extras, metrics
 
 
+# Each role's phases (watchdog.Progress's order) and their places in a step: the roles enter different phases,
+# so the watchdog compares (step, place), and a rank that waits for the other role stands ahead of the one it
+# waits for: the pool's sync (the broadcast from trainer 0) after the trainers' (the weights gathered); the
+# trainers' generate (waiting for the hand-off) after the pool's; the pool's wait for the trainers' step end
+# (the stop check) after their update; the save together.
+PHASE_ORDER = {
+    "trainer": {"sync": 0, "generate": 3, "log_prob": 4, "update": 5, "validate": 6, "save": 8},
+    "rollout": {"sync": 1, "generate": 2, "hand_off": 3, "generate_ahead": 4, "wait_trainers": 7, "save": 8},
+}
+
+
 @dataclass(frozen=True)
 class Pool:
     """This rank's place in a split job, and the groups between the roles (build_pool)."""

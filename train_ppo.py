@@ -691,6 +691,7 @@ def serve_rollouts(run: Run) -> None:
         if ahead and step < run.total_steps:
             run.progress.enter(step, "generate_ahead")
             held = pool_batch(run, step + 1, version=step - 1)
+        run.progress.enter(step, "wait_trainers")  # for the end of their step: the stop check, a save
         stopping = step < run.total_steps and stop_requested(run, step)  # the trainers' call of it (train)
         if save_due(run, step) or stopping:  # the pool's sampler and its batch generated ahead join the checkpoint
             run.progress.enter(step, "save")
@@ -1562,7 +1563,9 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
     if env.rank == 0:
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
     # a rank that stops ends the job within trainer.hang_timeout_s, named, with every rank's stacks
-    progress = (watchdog.start(out_dir, env.rank, env.world_size, cfg.trainer.hang_timeout_s) if watch
+    role = pool.role(env.rank) if pool is not None else None  # a split job's ranks enter their role's phases
+    progress = (watchdog.start(out_dir, env.rank, env.world_size, cfg.trainer.hang_timeout_s, role=role,
+                               order=placement.PHASE_ORDER[role] if role else None) if watch
                 else watchdog.Progress(None))
     if models is None:  # a rollout rank: no model of its own
         models = Models(*[None] * len(fields(Models)))

@@ -11,7 +11,8 @@ computes the log-probs of that batch's response tokens: those of the version one
 (t-2; the first batch: version 0) must equal the engine's (float32), and those of the step's own version must not
 (or the check could not tell them apart). Then a second run (the same engines, new process groups) resumes from
 <trainer.default_local_dir>/global_step_RESUME_STEP into <trainer.default_local_dir>-resumed: the batch the pool
-had generated ahead and its sampler come from the checkpoint. Writes the gaps and whether the two runs' final
+had generated ahead and its sampler come from the checkpoint. The first run has the watchdog on (its logs/ show
+each role's phases). Writes the gaps and whether the two runs' final
 weights are equal to OUT_JSON; the test compares the two runs' metrics.jsonl.
 """
 
@@ -49,7 +50,7 @@ def main() -> None:
     cfg = load_config("configs/tiny_cpu.yaml", overrides)
     check_supported(cfg)
     env = init_distributed()
-    run = train_ppo.build_run(cfg, env)
+    run = train_ppo.build_run(cfg, env, watch=True)  # with the watchdog: each role's phases in logs/
     seen: dict[int, dict[str, torch.Tensor]] = {}
     kept: dict[int, dict[str, torch.Tensor]] = {}
     receive, train_step = train_ppo.receive_rollouts, train_ppo.train_step
@@ -66,6 +67,7 @@ def main() -> None:
     train_ppo.receive_rollouts, train_ppo.train_step = recording, keeping
     train_ppo.train(run)
     train_ppo.receive_rollouts, train_ppo.train_step = receive, train_step
+    run.progress.stop()
     train_ppo.finish(run)
     result = {}
     if run.pool.is_trainer:

@@ -220,6 +220,10 @@ MUTATIONS = (
     Mutation("fault: the watchdog sees the hang but never ends the job", "watchdog.py", ((
         'if why is not None and self._state != "done":', 'if False:'),),
         "tests/test_faults.py -k stopped_rank and generate"),
+    Mutation("fault: a split job's watchdog compares phase counts, not places in the step", "watchdog.py", ((
+        "        if self.order is None:\n            return self.current.seq + 1",
+        "        if True:\n            return self.current.seq + 1"),),
+        "tests/test_faults.py -k split_jobs_watchdog"),
     Mutation("fault: a checkpoint is visible before it is complete (written in place, any dir counts)",
              "checkpoint.py", (
         ('final, tmp = root / f"global_step_{step}", root / f"global_step_{step}.tmp"',

@@ -23,6 +23,7 @@ from test_checkpoint import compared
 from test_train_ppo import step_rows
 
 import placement
+import watchdog
 from config import ConfigError, load_config
 from train_ppo import load_generated_ahead
 
@@ -80,6 +81,15 @@ def test_one_step_off_trains_each_batch_sampled_by_the_weights_one_update_old_an
     rows = step_rows(run)
     staleness = [r["training/off_policy/trajectory_staleness/mean"] for r in rows]
     assert staleness == [0, 1, 1, 1], staleness
+    # the watchdog's record: each role's phases, placed in the step (placement.PHASE_ORDER), in order
+    for rank, role in enumerate(("trainer", "rollout")):
+        lines = (run / "logs" / f"rank{rank}.progress").read_text().splitlines()
+        assert f" role={role} " in lines[0] and lines[-1].startswith("# stop"), lines
+        phases = [watchdog.parse_progress_line(line) for line in lines[1:-1]]
+        order = placement.PHASE_ORDER[role]
+        assert all(p.seq == (p.step + 1) * (max(order.values()) + 1) + order[p.name] for p in phases)
+        assert [p.seq for p in phases] == sorted({p.seq for p in phases}), lines  # strictly increasing
+        assert {p.name for p in phases} == set(order) - {"validate"}, lines
     # the resumed run repeats steps 3 and 4
     resumed = step_rows(tmp_path / "run-resumed")
     assert [r["step"] for r in resumed] == [3, 4]
