@@ -105,7 +105,8 @@ def save_checkpoint(
                 item.save_pretrained(tmp / "hf")
             files = {k: v for part in every_rank for k, v in part.items()}
             files.update(_digests(tmp, "hf", None) if (tmp / "hf").is_dir() else {})
-            state = dict(trainer_state, step=step, world_size=dist.get_world_size(group), files=dict(sorted(files.items())),
+            state = dict(trainer_state, step=step, world_size=dist.get_world_size(group),  # the ranks with models
+                         files=dict(sorted(files.items())),
                          schedulers={name: s.state_dict() for name, (_, _, s) in models.items()})
             with open(tmp / STATE_FILE, "w") as f:  # the completion marker, written last, on disk before the rename
                 f.write(json.dumps(state, indent=1))

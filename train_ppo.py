@@ -1583,7 +1583,8 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
                in_flight=in_flight, pool=pool, generated_ahead=generated_ahead, **vars(models))
 
 
-def load_generated_ahead(cfg: Config, pool: placement.Pool | None, state: dict[str, Any] | None) -> placement.Part | None:
+def load_generated_ahead(cfg: Config, pool: placement.Pool | None,
+                         state: dict[str, Any] | None) -> placement.Part | None:
     """The batch a split job's pool had generated ahead when the checkpoint was written (separate_async one step
     off), whole on the pool's first rank and a part with no rows on the others (placement.gather_batch), so that
     a pool of any size hands it on. A run that would not train it next refuses the checkpoint."""
@@ -1596,8 +1597,8 @@ def load_generated_ahead(cfg: Config, pool: placement.Pool | None, state: dict[s
                     else "trainer.v1.separate_async.num_warmup_batches=0")
         raise ConfigError(
             f"the checkpoint of step {state['step']} holds step {state['step'] + 1}'s batch, generated ahead by the "
-            f"rollout pool (trainer.v1.trainer_mode=separate_async, trainer.v1.separate_async.num_warmup_batches=1), and this "
-            f"run ({this_run}) would not train it. Resume it with trainer_mode=separate_async, "
+            f"rollout pool (trainer.v1.trainer_mode=separate_async, trainer.v1.separate_async.num_warmup_batches=1), "
+            f"and this run ({this_run}) would not train it. Resume it with trainer_mode=separate_async, "
             f"actor_rollout_ref.hybrid_engine=false and num_warmup_batches=1 (any split), or from a checkpoint "
             f"without one (trainer.resume_mode=resume_path, trainer.resume_from_path=<the last step's checkpoint>).")
     if pool.is_trainer:

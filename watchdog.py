@@ -275,7 +275,8 @@ class Watchdog:
         with self._write_lock:
             self._beat += 1
             p = self.progress.current
-            record = {"beat": self._beat, "state": self._state, "pid": os.getpid(), "host": _HOST, "role": self.progress.role,
+            record = {"beat": self._beat, "state": self._state, "pid": os.getpid(), "host": _HOST,
+                      "role": self.progress.role,
                       "seq": p.seq, "step": p.step, "phase": p.name, "t": p.t, "timeout_s": p.timeout_s}
             path = self.log_dir / f"rank{self.rank}.heartbeat"
             tmp = path.with_name(path.name + ".tmp")
