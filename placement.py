@@ -30,10 +30,12 @@ Part = tuple[Batch, list[dict[str, float]], dict[str, float]]  # scored rows, th
 # so the watchdog compares (step, place), and a rank that waits for the other role stands ahead of the one it
 # waits for: the pool's sync (the broadcast from trainer 0) after the trainers' (the weights gathered); the
 # trainers' generate (waiting for the hand-off) after the pool's; the pool's wait for the trainers' step end
-# (the stop check) after their update; the save together.
+# (the stop check) after their update; its validation (the weights, then the held-out set) after the trainers'
+# update and before their wait for its metrics; the save together.
 PHASE_ORDER = {
-    "trainer": {"sync": 0, "generate": 3, "log_prob": 4, "update": 5, "validate": 6, "save": 8},
-    "rollout": {"sync": 1, "generate": 2, "hand_off": 3, "generate_ahead": 4, "wait_trainers": 7, "save": 8},
+    "trainer": {"sync": 0, "generate": 3, "log_prob": 4, "update": 5, "validate": 7, "save": 9},
+    "rollout": {"sync": 1, "generate": 2, "hand_off": 3, "generate_ahead": 4, "validate": 6, "wait_trainers": 8,
+                "save": 9},
 }
 
 

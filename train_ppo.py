@@ -437,18 +437,16 @@ def train(run: Run) -> None:
         return
     if tc.val_before_train and run.val_prompts and run.start_step < run.total_steps:  # on resume, too
         enter(run, run.start_step, "validate")
-        sync_weights(run)
-        val_metrics = run_validation(run, run.start_step)
+        val_metrics = validate_on_engine(run, run.start_step)
         print0(f"validation before training: val/score {val_metrics['val/score']:.3f}")
         run.tracker.log(run.start_step, val_metrics)
     for step in range(run.start_step + 1, run.total_steps + 1):
         metrics = train_step(run, step)
         last = step == run.total_steps
-        if run.val_prompts and tc.test_freq > 0 and (step % tc.test_freq == 0 or last):
+        if validation_due(run, step):
             enter(run, step, "validate")
-            sync_weights(run)  # validate the weights just trained, not the ones this step sampled from
-            with timed(metrics, "testing"):
-                metrics.update(run_validation(run, step))
+            with timed(metrics, "testing"):  # the weights just trained, not the ones this step sampled from
+                metrics.update(validate_on_engine(run, step))
         run.tracker.log(step, metrics)
         stopping = not last and stop_requested(run, step)
         if save_due(run, step) or stopping:
@@ -456,6 +454,28 @@ def train(run: Run) -> None:
             save(run, step)
         if stopping:
             break
+
+
+def validation_due(run: Run, step: int) -> bool:
+    """trainer.test_freq: every k steps and at the last (when there is a validation set)."""
+    freq = run.cfg.trainer.test_freq
+    return bool(run.val_prompts) and freq > 0 and (step % freq == 0 or step == run.total_steps)
+
+
+def validate_on_engine(run: Run, step: int) -> dict[str, float]:
+    """The weights trained so far into the engine(s), then run_validation. In a split job every rank calls it:
+    trainer 0 sends the weights, the pool generates and scores the held-out set, and its first rank hands the
+    metrics to every rank."""
+    if run.pool is None:
+        sync_weights(run)
+        return run_validation(run, step)
+    if run.pool.is_trainer:
+        sync_weights(run)  # placement.send_weights
+    else:
+        receive_weights(run)
+    metrics = [run_validation(run, step) if not run.pool.is_trainer else None]
+    dist.broadcast_object_list(metrics, src=run.pool.leader)
+    return metrics[0]
 
 
 def save_due(run: Run, step: int) -> bool:
@@ -679,6 +699,9 @@ def serve_rollouts(run: Run) -> None:
     the trainers update on this one: every batch after the first was sampled by the weights one update old."""
     ahead = run.cfg.trainer.v1.separate_async.num_warmup_batches
     held = run.generated_ahead  # a batch generated ahead: this rank's (rows, extras, metrics); resumed: a checkpoint's
+    if run.cfg.trainer.val_before_train and run.val_prompts and run.start_step < run.total_steps:  # as train
+        run.progress.enter(run.start_step, "validate")
+        validate_on_engine(run, run.start_step)
     for step in range(run.start_step + 1, run.total_steps + 1):
         run.progress.enter(step, "sync")
         receive_weights(run)  # version step - 1
@@ -691,6 +714,9 @@ def serve_rollouts(run: Run) -> None:
         if ahead and step < run.total_steps:
             run.progress.enter(step, "generate_ahead")
             held = pool_batch(run, step + 1, version=step - 1)
+        if validation_due(run, step):  # the weights of version step, after the batch ahead took version step - 1
+            run.progress.enter(step, "validate")
+            validate_on_engine(run, step)
         run.progress.enter(step, "wait_trainers")  # for the end of their step: the stop check, a save
         stopping = step < run.total_steps and stop_requested(run, step)  # the trainers' call of it (train)
         if save_due(run, step) or stopping:  # the pool's sampler and its batch generated ahead join the checkpoint
@@ -1368,7 +1394,8 @@ def run_validation(run: Run, step: int) -> dict[str, float]:
     generated, turn_stats = generate(run, [prompts[i] for i in indices], indices, step, run.engine.val_sampling)
     rows = [prompts[i] for i in generated.prompt_index.tolist()]
     response_tokens = generated.attention_mask[:, -generated.responses.shape[1]:]  # (B, R)
-    with failing_together(RewardError, run.env.device):
+    generators = run.pool.pool_group if run.pool is not None else None  # the ranks that generate (a split's pool)
+    with failing_together(RewardError, run.env.device, generators):
         texts, scores, extras, preds = score_batch(
             run.reward_fn, run.tokenizer, generated.responses, response_tokens, rows,
             turn_stats and turn_stats.reward_info, run.cfg.reward_model.timeout_s)
@@ -1385,9 +1412,10 @@ def run_validation(run: Run, step: int) -> dict[str, float]:
     extra_keys = sorted({key for sample_extras in extras for key in sample_extras})
     variables = {"reward": scores, **{key: [e.get(key) for e in extras] for key in extra_keys}}  # None: not given
     per_prompt = eval_metrics.per_prompt_metrics(prompt_ids, [p.data_source for p in rows], variables, preds)
-    means = mean_over_ranks({"\t".join(key): values for key, values in per_prompt.items()}, "", run.env.device)
+    means = mean_over_ranks({"\t".join(key): values for key, values in per_prompt.items()}, "", run.env.device,
+                            generators)
     metrics = eval_metrics.name_metrics({tuple(key.split("\t")): value for key, value in means.items()})
-    metrics.update(mean_over_ranks({"val/score": scores}, "", run.env.device))
+    metrics.update(mean_over_ranks({"val/score": scores}, "", run.env.device, generators))
     count = torch.tensor([len(scores)], dtype=torch.float64, device=run.env.device)
     dist.all_reduce(count, group=rollout_mesh.get_group("dp"))  # each group's samples once
     metrics["val/num_samples"] = count.item()

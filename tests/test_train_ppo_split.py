@@ -25,6 +25,7 @@ from test_train_ppo import step_rows
 import placement
 import watchdog
 from config import ConfigError, load_config
+from tracking import read_metrics
 from train_ppo import load_generated_ahead
 
 # the short runs' TINY on one rank: the whole batch in one mini batch
@@ -44,10 +45,17 @@ def launch(tmp_path, name: str, nproc: int, tiny_assets, sft_model, *overrides: 
 
 @pytest.mark.slow
 def test_one_trainer_and_one_rollout_rank_are_the_collocated_run(tmp_path, tiny_assets, sft_model):
-    together = step_rows(launch(tmp_path, "collocated", 1, tiny_assets, sft_model))
-    apart = step_rows(launch(tmp_path, "split", 2, tiny_assets, sft_model, *SPLIT,
-                             "trainer.v1.separate_async.num_warmup_batches=0"))
-    assert [r["step"] for r in together] == [r["step"] for r in apart] == [1, 2]
+    """... and validation (before training and at the last step) runs on the pool with the weights trained so
+    far: the collocated run's val metrics, bit for bit."""
+    validation = ["trainer.val_before_train=true", "trainer.test_freq=2"]
+    together = read_metrics(launch(tmp_path, "collocated", 1, tiny_assets, sft_model, *validation) / "metrics.jsonl")
+    apart = read_metrics(launch(tmp_path, "split", 2, tiny_assets, sft_model, *SPLIT, *validation,
+                                "trainer.v1.separate_async.num_warmup_batches=0") / "metrics.jsonl")
+    assert [r["step"] for r in together] == [r["step"] for r in apart] == [0, 1, 2]
+    for a, b in zip(together[::2], apart[::2], strict=True):  # steps 0 and 2: validation
+        val = {k: v for k, v in a.items() if k.startswith(("val/", "val-"))}
+        assert len(val) == 3 and {k: b.get(k) for k in val} == val, a["step"]  # 128 samples greedy
+    together, apart = together[1:], apart[1:]
     for a, b in zip(together, apart, strict=True):
         assert {k: b.get(k) for k in compared(a)} == compared(a), a["step"]  # bit for bit
         # the pool's batch was sampled by the weights synced for the step: staleness 0
@@ -64,12 +72,14 @@ def test_one_step_off_trains_each_batch_sampled_by_the_weights_one_update_old_an
     version does not (the check can tell them apart), and the versions logged say staleness 1 from step 2 on.
     In the same launch the run resumes from its step-2 checkpoint, which holds step 3's batch, generated ahead
     by the pool with the weights of version 1: steps 3 and 4 repeat the uninterrupted run's, every metric bit for
-    bit (the same processes, the same kernels), and so do the final weights."""
+    bit (the same processes, the same kernels; step 4's validation on the pool too), and so do the final
+    weights."""
     out, run = tmp_path / "gaps.json", tmp_path / "run"
     torchrun(2, "tests/dist_split_check.py", str(out), "2", f"actor_rollout_ref.model.path={sft_model}",
              f"data.train_files={tiny_assets['train']}", f"data.val_files={tiny_assets['val']}",
              f"trainer.default_local_dir={run}", *ONE_RANK, *SPLIT,
              "trainer.v1.separate_async.num_warmup_batches=1", "trainer.total_training_steps=4", "trainer.save_freq=2",
+             "trainer.test_freq=2",
              "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0")
     result = json.loads(out.read_text())
     gaps = {int(step): gap for step, gap in result["gaps"].items()}
@@ -89,12 +99,13 @@ def test_one_step_off_trains_each_batch_sampled_by_the_weights_one_update_old_an
         order = placement.PHASE_ORDER[role]
         assert all(p.seq == (p.step + 1) * (max(order.values()) + 1) + order[p.name] for p in phases)
         assert [p.seq for p in phases] == sorted({p.seq for p in phases}), lines  # strictly increasing
-        assert {p.name for p in phases} == set(order) - {"validate"}, lines
+        assert {p.name for p in phases} == set(order), lines
     # the resumed run repeats steps 3 and 4
     resumed = step_rows(tmp_path / "run-resumed")
     assert [r["step"] for r in resumed] == [3, 4]
     for a, b in zip(rows[2:], resumed, strict=True):
         assert compared(b) == compared(a), a["step"]  # bit for bit
+    assert "val/score" in resumed[1]  # step 4's validation on the pool, the same too
     assert result["final_weights_max_diff"] == 0
     # its checkpoint held step 3's batch (sampled by version 1) and the pool's sampler, past step 3's prompts
     state = json.loads((run / "global_step_2" / "trainer_state.json").read_text())
