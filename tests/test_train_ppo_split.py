@@ -48,9 +48,12 @@ def test_one_trainer_and_one_rollout_rank_are_the_collocated_run(tmp_path, tiny_
     """... and validation (before training and at the last step) runs on the pool with the weights trained so
     far: the collocated run's val metrics, bit for bit."""
     validation = ["trainer.val_before_train=true", "trainer.test_freq=2"]
-    together = read_metrics(launch(tmp_path, "collocated", 1, tiny_assets, sft_model, *validation) / "metrics.jsonl")
-    apart = read_metrics(launch(tmp_path, "split", 2, tiny_assets, sft_model, *SPLIT, *validation,
-                                "trainer.v1.separate_async.num_warmup_batches=0") / "metrics.jsonl")
+    one, two = (launch(tmp_path, "collocated", 1, tiny_assets, sft_model, *validation),
+                launch(tmp_path, "split", 2, tiny_assets, sft_model, *SPLIT, *validation,
+                       "trainer.v1.separate_async.num_warmup_batches=0"))
+    for name in ("0.jsonl", "2.jsonl"):  # the pool's first rank wrote the samples: the same bytes
+        assert (two / "val_generations" / name).read_bytes() == (one / "val_generations" / name).read_bytes()
+    together, apart = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
     assert [r["step"] for r in together] == [r["step"] for r in apart] == [0, 1, 2]
     for a, b in zip(together[::2], apart[::2], strict=True):  # steps 0 and 2: validation
         val = {k: v for k, v in a.items() if k.startswith(("val/", "val-"))}
