@@ -71,9 +71,11 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     hf_source: Sequence[Any] | None = None,
     keep: int | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> Path:
     """Collective: every rank calls it. `models` maps 'actor'/'critic' to (model, optimizer, scheduler).
     hf_source: objects with save_pretrained(dir) (the HF config, the tokenizer, a LoRA adapter's config).
+    group: the ranks holding the models (a split job's trainers; None: every rank); the others pass no models.
     Raises CheckpointError on every rank when any rank fails to write (the previous checkpoints stay)."""
     root = Path(root)
     final, tmp = root / f"global_step_{step}", root / f"global_step_{step}.tmp"
@@ -90,7 +92,7 @@ def save_checkpoint(
     try:
         for name, (model, optimizer, _) in models.items():
             model_sd, optim_sd = _state_dicts(model, optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / name))
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / name), process_group=group)
             digests.update(_digests(tmp, name, rank))  # this rank's shards, hot in the page cache
     except (Exception, CheckpointException) as e:  # DCP raises the same CheckpointException on every rank
         failure = _describe_failure(e, rank)
@@ -103,7 +105,8 @@ def save_checkpoint(
                 item.save_pretrained(tmp / "hf")
             files = {k: v for part in every_rank for k, v in part.items()}
             files.update(_digests(tmp, "hf", None) if (tmp / "hf").is_dir() else {})
-            state = dict(trainer_state, step=step, world_size=world, files=dict(sorted(files.items())),
+            state = dict(trainer_state, step=step, world_size=dist.get_world_size(group),  # the ranks with models
+                         files=dict(sorted(files.items())),
                          schedulers={name: s.state_dict() for name, (_, _, s) in models.items()})
             with open(tmp / STATE_FILE, "w") as f:  # the completion marker, written last, on disk before the rename
                 f.write(json.dumps(state, indent=1))
@@ -293,10 +296,12 @@ def find_resume_path(mode: str, root: str | Path, resume_from_path: str | None) 
 
 
 def load_checkpoint(
-    path: str | Path, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]]
+    path: str | Path, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]],
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     """Collective: check every file's CRC-32 (the ranks share the reading), load every model/optimizer
-    (resharding to this world size) and return the trainer state (its schedulers already restored)."""
+    (resharding to the size of `group`, the ranks holding the models; the others pass none) and return the
+    trainer state (its schedulers already restored)."""
     path = Path(path)
     state = json.loads((path / STATE_FILE).read_text())
     problems = check_files(path, deep=True, part=(dist.get_rank(), dist.get_world_size()))
@@ -312,7 +317,7 @@ def load_checkpoint(
             raise ConfigError(f"checkpoint {path} has no {name!r} state (was it written by a run without a {name}?).")
         model_sd, optim_sd = _state_dicts(model, optimizer)
         loaded = {"model": model_sd, "optim": optim_sd}
-        dcp.load(loaded, checkpoint_id=str(path / name))
+        dcp.load(loaded, checkpoint_id=str(path / name), process_group=group)
         set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],
                        options=_options(model))
         sched.load_state_dict(dict(state["schedulers"][name]))  # LambdaLR: numbers only, JSON-safe

@@ -1721,14 +1721,6 @@ def check_separate_async(cfg: Config) -> None:
         if on:
             raise ConfigError(f"{mode} with {key} is not implemented yet ({what}); use {_V1}.trainer_mode=sync with "
                               f"actor_rollout_ref.hybrid_engine=true for it.")
-    tc = cfg.trainer
-    later = {"trainer.val_before_train": (tc.val_before_train, "false", "validation on the pool"),
-             "trainer.test_freq": (tc.test_freq > 0, "-1", "validation on the pool"),
-             "trainer.save_freq": (tc.save_freq > 0, "-1", "checkpoints with the batch generated ahead")}
-    for key, (on, off, what) in later.items():
-        if on:
-            raise ConfigError(f"{mode} with {key}={tc[key.split('.')[1]]} is not implemented yet ({what}); set "
-                              f"{key}={off}, or use {_V1}.trainer_mode=sync with actor_rollout_ref.hybrid_engine=true.")
     if adv_estimator_traits(cfg.algorithm.adv_estimator).baseline_rollout is not None:
         raise ConfigError(f"{mode} with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: its baseline rollout is "
                           f"not implemented on the rollout pool. Use grpo / rloo / gae / another estimator, or "

@@ -23,6 +23,20 @@ import torch.distributed as dist
 from mesh_utils import ParallelDims
 
 Batch = dict[str, torch.Tensor]
+Part = tuple[Batch, list[dict[str, float]], dict[str, float]]  # scored rows, their reward extras, metrics
+
+
+# Each role's phases (watchdog.Progress's order) and their places in a step: the roles enter different phases,
+# so the watchdog compares (step, place), and a rank that waits for the other role stands ahead of the one it
+# waits for: the pool's sync (the broadcast from trainer 0) after the trainers' (the weights gathered); the
+# trainers' generate (waiting for the hand-off) after the pool's; the pool's wait for the trainers' step end
+# (the stop check) after their update; its validation (the weights, then the held-out set) after the trainers'
+# update and before their wait for its metrics; the save together.
+PHASE_ORDER = {
+    "trainer": {"sync": 0, "generate": 3, "log_prob": 4, "update": 5, "validate": 7, "save": 9},
+    "rollout": {"sync": 1, "generate": 2, "hand_off": 3, "generate_ahead": 4, "validate": 6, "wait_trainers": 8,
+                "save": 9},
+}
 
 
 @dataclass(frozen=True)
@@ -64,22 +78,15 @@ def build_pool(dims: ParallelDims, rank: int) -> Pool | None:
 # The batch: pool -> trainers
 
 
-def hand_off(pool: Pool, part: tuple[Batch, list[dict[str, float]], dict[str, float]] | None
-             ) -> tuple[Batch, list[dict[str, float]], dict[str, float]] | None:
+def hand_off(pool: Pool, part: Part | None) -> Part | None:
     """Every rank calls it. A pool rank gives its scored rows (its TP slice of its engine's samples,
     prompt-major), their reward extras and its generation metrics; the pool's first rank concatenates them in
     rank order (the prompt-major order of the whole batch, as collocated ranks hold it) and deals slice r to
     trainer r, with the pool's mean metrics. Returns the trainer's share; None on a pool rank."""
-    parts: list[Any] | None = None
-    if not pool.is_trainer:
-        parts = [None] * (pool.world - pool.trainers) if pool.rank == pool.leader else None
-        dist.gather_object(part, parts, dst=pool.leader, group=pool.pool_group)
+    whole = gather_batch(pool, part) if not pool.is_trainer else None
     shares: list[Any] = [None] * pool.world
-    if parts is not None:
-        rows = {key: torch.cat([p[0][key] for p in parts]) for key in parts[0][0]}
-        extras = [e for p in parts for e in p[1]]
-        keys = sorted({k for p in parts for k in p[2]})
-        metrics = {k: sum(p[2].get(k, 0.0) for p in parts) / len(parts) for k in keys}
+    if whole is not None:
+        rows, extras, metrics = whole
         per_trainer = len(extras) // pool.trainers  # divides: mesh_utils.plan_batches
         for r in range(pool.trainers):
             mine = slice(r * per_trainer, (r + 1) * per_trainer)
@@ -87,6 +94,61 @@ def hand_off(pool: Pool, part: tuple[Batch, list[dict[str, float]], dict[str, fl
     out: list[Any] = [None]
     dist.scatter_object_list(out, shares if pool.rank == pool.leader else None, src=pool.leader)
     return out[0]
+
+
+def gather_batch(pool: Pool, part: Part) -> Part | None:
+    """The pool's ranks: their parts, whole on the pool's first rank (rows and extras in rank order, the mean
+    of the metrics over the parts that hold rows); None elsewhere. A part with no rows (empty_part) adds
+    nothing: a batch resumed from a checkpoint is whole on the first rank."""
+    parts: list[Any] | None = [None] * (pool.world - pool.trainers) if pool.rank == pool.leader else None
+    dist.gather_object(part, parts, dst=pool.leader, group=pool.pool_group)
+    if parts is None:
+        return None
+    parts = [p for p in parts if p[1]]
+    rows = {key: torch.cat([p[0][key] for p in parts]) for key in parts[0][0]}
+    keys = sorted({k for p in parts for k in p[2]})
+    return rows, [e for p in parts for e in p[1]], {k: sum(p[2].get(k, 0.0) for p in parts) / len(parts) for k in keys}
+
+
+def empty_part(whole: Part) -> Part:
+    """A part with the whole batch's keys and no rows (gather_batch skips it)."""
+    return {key: value[:0] for key, value in whole[0].items()}, [], {}
+
+
+# -----------------------------------------------------------------------------
+# The pool's state in a checkpoint: its sampler and the batch it generated ahead
+
+
+def pool_state(pool: Pool, sampler: dict[str, int] | None, part: Part | None) -> dict[str, Any]:
+    """Every rank calls it when a checkpoint is written. The pool's sampler state (the pool draws the prompts)
+    and the batch it generated ahead (part: each pool rank's, None when it holds none: sequential, or the
+    last step) go to trainer 0, which returns them as checkpoint entries ({"sampler", "generated_ahead"});
+    the other ranks return {}."""
+    state: list[Any] = [None]
+    if not pool.is_trainer:
+        whole = gather_batch(pool, part) if part is not None else None  # the pool's ranks hold one alike
+        if pool.rank == pool.leader:
+            dist.send_object_list([{"sampler": sampler, "generated_ahead": batch_to_json(whole)}], dst=0)
+    elif pool.rank == 0:
+        dist.recv_object_list(state, src=pool.leader)
+    return state[0] or {}
+
+
+def batch_to_json(whole: Part | None) -> dict[str, Any] | None:
+    """A whole batch as plain JSON, every value exact (floats of any width round-trip through Python floats)."""
+    if whole is None:
+        return None
+    rows, extras, metrics = whole
+    return {"rows": {key: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                           "values": t.reshape(-1).tolist()} for key, t in rows.items()},
+            "extras": extras, "metrics": metrics}
+
+
+def batch_from_json(saved: dict[str, Any]) -> Part:
+    """batch_to_json's inverse."""
+    rows = {key: torch.tensor(t["values"], dtype=getattr(torch, t["dtype"])).reshape(t["shape"])
+            for key, t in saved["rows"].items()}
+    return rows, list(saved["extras"]), dict(saved["metrics"])
 
 
 # -----------------------------------------------------------------------------

@@ -424,10 +424,12 @@ def add_token_fields(records: list[dict[str, Any]], tokenizer: Any, batch: dict[
 
 
 def write_samples(records: list[dict[str, Any]], directory: Path, step: int, group: dist.ProcessGroup) -> Path:
-    """Rank 0 writes every rank's records, in group-rank order, to <directory>/<step>.jsonl (verl's layout:
-    one file per step). Collective over `group`, which must hold global rank 0 and each sample once."""
-    gathered: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank() == 0 else None
-    dist.gather_object(records, gathered, dst=0, group=group)
+    """The group's first rank (global rank 0, or a split job's first rollout rank) writes every rank's records,
+    in group-rank order, to <directory>/<step>.jsonl (verl's layout: one file per step). Collective over
+    `group`, which must hold each sample once."""
+    first = dist.get_process_group_ranks(group)[0]
+    gathered: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
+    dist.gather_object(records, gathered, dst=first, group=group)
     path = Path(directory) / f"{step}.jsonl"
     if gathered is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -273,6 +273,7 @@ class Run:
     # a rollout rank holds no model (actor, critic, ... are None) and runs serve_rollouts instead of train
     pool: placement.Pool | None = None
     vision: vision.VisionRun | None = None  # a vision-language model: its processor and the ids never sampled
+    generated_ahead: placement.Part | None = None  # a pool rank: the batch generated ahead, from the checkpoint
     consecutive_skips: int = 0
 
     @property
@@ -419,7 +420,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     metrics.update(mean_over_ranks(values_by_key(reward_extras), "reward_extra/", run.env.device, run.train_group))
     metrics.update(count_batch(batch["prompt_index"], run.dp_group))
     metrics["batch/ppo_mini_batch_size_per_rank"] = plan.actor_update.mini_batch_size
-    metrics["training/epoch"] = run.sampler.epoch
+    metrics["training/epoch"] = run.sampler.epoch if run.pool is None else metrics["training/epoch"]  # the pool's
     limit = cfg.trainer.max_consecutive_skipped_steps
     if run.consecutive_skips >= limit:
         raise RuntimeError(
@@ -442,26 +443,51 @@ def train(run: Run) -> None:
         return
     if tc.val_before_train and run.val_prompts and run.start_step < run.total_steps:  # on resume, too
         enter(run, run.start_step, "validate")
-        sync_weights(run)
-        val_metrics = run_validation(run, run.start_step)
+        val_metrics = validate_on_engine(run, run.start_step)
         print0(f"validation before training: val/score {val_metrics['val/score']:.3f}")
         run.tracker.log(run.start_step, val_metrics)
     for step in range(run.start_step + 1, run.total_steps + 1):
         metrics = train_step(run, step)
         last = step == run.total_steps
-        if run.val_prompts and tc.test_freq > 0 and (step % tc.test_freq == 0 or last):
+        if validation_due(run, step):
             enter(run, step, "validate")
-            sync_weights(run)  # validate the weights just trained, not the ones this step sampled from
-            with timed(metrics, "testing"):
-                metrics.update(run_validation(run, step))
+            with timed(metrics, "testing"):  # the weights just trained, not the ones this step sampled from
+                metrics.update(validate_on_engine(run, step))
         run.tracker.log(step, metrics)
-        due = tc.save_freq > 0 and (step % tc.save_freq == 0 or last)
         stopping = not last and stop_requested(run, step)
-        if due or stopping:
+        if save_due(run, step) or stopping:
             enter(run, step, "save", timeout_s=save_budget_s(run))
             save(run, step)
         if stopping:
             break
+
+
+def validation_due(run: Run, step: int) -> bool:
+    """trainer.test_freq: every k steps and at the last (when there is a validation set)."""
+    freq = run.cfg.trainer.test_freq
+    return bool(run.val_prompts) and freq > 0 and (step % freq == 0 or step == run.total_steps)
+
+
+def validate_on_engine(run: Run, step: int) -> dict[str, float]:
+    """The weights trained so far into the engine(s), then run_validation. In a split job every rank calls it:
+    trainer 0 sends the weights, the pool generates and scores the held-out set, and its first rank hands the
+    metrics to every rank."""
+    if run.pool is None:
+        sync_weights(run)
+        return run_validation(run, step)
+    if run.pool.is_trainer:
+        sync_weights(run)  # placement.send_weights
+    else:
+        receive_weights(run)
+    metrics = [run_validation(run, step) if not run.pool.is_trainer else None]
+    dist.broadcast_object_list(metrics, src=run.pool.leader)
+    return metrics[0]
+
+
+def save_due(run: Run, step: int) -> bool:
+    """trainer.save_freq: every k steps and at the last."""
+    freq = run.cfg.trainer.save_freq
+    return freq > 0 and (step % freq == 0 or step == run.total_steps)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -678,7 +704,10 @@ def serve_rollouts(run: Run) -> None:
     (separate_async.num_warmup_batches=1) the pool then generates step + 1's batch with the same weights while
     the trainers update on this one: every batch after the first was sampled by the weights one update old."""
     ahead = run.cfg.trainer.v1.separate_async.num_warmup_batches
-    held = None  # a batch generated ahead: (rows, extras, metrics)
+    held = run.generated_ahead  # a batch generated ahead: this rank's (rows, extras, metrics); resumed: a checkpoint's
+    if run.cfg.trainer.val_before_train and run.val_prompts and run.start_step < run.total_steps:  # as train
+        run.progress.enter(run.start_step, "validate")
+        validate_on_engine(run, run.start_step)
     for step in range(run.start_step + 1, run.total_steps + 1):
         run.progress.enter(step, "sync")
         receive_weights(run)  # version step - 1
@@ -691,7 +720,15 @@ def serve_rollouts(run: Run) -> None:
         if ahead and step < run.total_steps:
             run.progress.enter(step, "generate_ahead")
             held = pool_batch(run, step + 1, version=step - 1)
-        if step < run.total_steps and stop_requested(run, step):  # the trainers' call of it (train)
+        if validation_due(run, step):  # the weights of version step, after the batch ahead took version step - 1
+            run.progress.enter(step, "validate")
+            validate_on_engine(run, step)
+        run.progress.enter(step, "wait_trainers")  # for the end of their step: the stop check, a save
+        stopping = step < run.total_steps and stop_requested(run, step)  # the trainers' call of it (train)
+        if save_due(run, step) or stopping:  # the pool's sampler and its batch generated ahead join the checkpoint
+            run.progress.enter(step, "save")
+            save(run, step, held)
+        if stopping:
             break
 
 
@@ -711,6 +748,7 @@ def pool_batch(run: Run, step: int, version: int) -> tuple[Batch, list[dict[str,
     each response token tagged with the weight version that sampled it (-1 on padding), and the metrics."""
     metrics: dict[str, float] = {}
     rows, extras = rollout_step(run, step, 0, metrics)
+    metrics["training/epoch"] = run.sampler.epoch  # the pool draws the prompts: the trainers' sampler stands still
     rows["rollout_versions"] = torch.where(rows["response_mask"].bool(), version, -1)  # (B, R)
     return rows, extras, metrics
 
@@ -1363,7 +1401,8 @@ def run_validation(run: Run, step: int) -> dict[str, float]:
     generated, turn_stats = generate(run, [prompts[i] for i in indices], indices, step, run.engine.val_sampling)
     rows = [prompts[i] for i in generated.prompt_index.tolist()]
     response_tokens = generated.attention_mask[:, -generated.responses.shape[1]:]  # (B, R)
-    with failing_together(RewardError, run.env.device):
+    generators = run.pool.pool_group if run.pool is not None else None  # the ranks that generate (a split's pool)
+    with failing_together(RewardError, run.env.device, generators):
         texts, scores, extras, preds = score_batch(
             run.reward_fn, run.tokenizer, generated.responses, response_tokens, rows,
             turn_stats and turn_stats.reward_info, run.cfg.reward_model.timeout_s)
@@ -1380,9 +1419,10 @@ def run_validation(run: Run, step: int) -> dict[str, float]:
     extra_keys = sorted({key for sample_extras in extras for key in sample_extras})
     variables = {"reward": scores, **{key: [e.get(key) for e in extras] for key in extra_keys}}  # None: not given
     per_prompt = eval_metrics.per_prompt_metrics(prompt_ids, [p.data_source for p in rows], variables, preds)
-    means = mean_over_ranks({"\t".join(key): values for key, values in per_prompt.items()}, "", run.env.device)
+    means = mean_over_ranks({"\t".join(key): values for key, values in per_prompt.items()}, "", run.env.device,
+                            generators)
     metrics = eval_metrics.name_metrics({tuple(key.split("\t")): value for key, value in means.items()})
-    metrics.update(mean_over_ranks({"val/score": scores}, "", run.env.device))
+    metrics.update(mean_over_ranks({"val/score": scores}, "", run.env.device, generators))
     count = torch.tensor([len(scores)], dtype=torch.float64, device=run.env.device)
     dist.all_reduce(count, group=rollout_mesh.get_group("dp"))  # each group's samples once
     metrics["val/num_samples"] = count.item()
@@ -1413,16 +1453,24 @@ def save_budget_s(run: Run) -> float:
     return run.cfg.trainer.hang_timeout_s + local / SAVE_BYTES_PER_S
 
 
-def save(run: Run, step: int) -> None:
-    """A sharded, atomic checkpoint; older ones pruned only after the new one is complete."""
+def save(run: Run, step: int, generated_ahead: placement.Part | None = None) -> None:
+    """A sharded, atomic checkpoint; older ones pruned only after the new one is complete. A split job's ranks
+    all call it: the pool's sampler (it draws the prompts) and the batch it generated ahead (this pool rank's
+    part of it, or None) go to trainer 0's trainer state; the trainers write the models."""
     start = time.perf_counter()
+    if run.pool is not None and not run.pool.is_trainer:  # a rollout rank: its state, and no model
+        placement.pool_state(run.pool, run.sampler.state_dict(), generated_ahead)
+        save_checkpoint(run.out_dir, step, {}, {}, keep=run.cfg.trainer.max_actor_ckpt_to_keep, group=run.train_group)
+        return
     trainer_state = {"sampler": run.sampler.state_dict(), "kl_ctrl": run.kl_ctrl.state_dict(),
                      "fingerprint": run.fingerprint}
     if run.in_flight is not None:
         trainer_state["in_flight"] = in_flight_state(run)
+    if run.pool is not None:  # {"sampler": the pool's, "generated_ahead": ...} on trainer 0, which writes the state
+        trainer_state.update(placement.pool_state(run.pool, None, None))
     path = save_checkpoint(run.out_dir, step, run.checkpointed(), trainer_state,
                            hf_source=(run.actor.config, run.tokenizer, *lora_config(run.actor)),
-                           keep=run.cfg.trainer.max_actor_ckpt_to_keep)
+                           keep=run.cfg.trainer.max_actor_ckpt_to_keep, group=run.train_group)
     print0(f"saved {path} in {time.perf_counter() - start:.1f}s")
 
 
@@ -1520,11 +1568,10 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
     train_files = [cfg.data.train_files] if isinstance(cfg.data.train_files, str) else list(cfg.data.train_files)
     fingerprint = run_dir.fingerprint(cfg, train_files, len(train_prompts))
     offload = OffloadFlags.from_config(cfg)
-    if pool is not None:  # a split job: every rank's engine first (vLLM sizes its memory over every rank), no resume
+    if pool is not None:  # a split job: every rank's engine first (vLLM sizes its memory over every rank)
         engine = build_engine(cfg, dims, env, meshes, tokenizer, train_prompts[0].token_ids, multi_turn, None,
                               param_dtype, reuse=engine, vision_run=vision_run,
                               images_per_prompt=max_images(train_prompts + val_prompts))
-        refuse_split_resume(cfg, out_dir, env.rank)
         if pool.is_trainer:
             rollout.sleep(engine.llm, 2)  # for good: the pool generates
     models = load_models(cfg, meshes, env, total_steps) if pool is None or pool.is_trainer else None
@@ -1535,10 +1582,13 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
                                           cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
     print0(f"old log-probs: {source} ({why})")
     in_flight = InFlight.from_config(cfg)
-    start_step = 0
-    if pool is None:
-        start_step = resume(cfg, out_dir, env.rank, checkpointed(models), sampler, models.kl_ctrl, fingerprint,
-                            (in_flight, meshes.rollout.get_local_rank("dp"), dims.rollout_dp))
+    # every rank resumes; a split job's rollout ranks hold no model, and read the pool's sampler and batch
+    state = resume(cfg, out_dir, env.rank, checkpointed(models) if models is not None else {}, sampler,
+                   models.kl_ctrl if models is not None else None, fingerprint,
+                   (in_flight, meshes.rollout.get_local_rank("dp"), dims.rollout_dp) if in_flight else (None, 0, 1),
+                   group=pool.trainer_group if pool is not None else None)
+    start_step = state["step"] if state is not None else 0
+    generated_ahead = load_generated_ahead(cfg, pool, state)
     if models is not None:  # placed as for the first weight sync before the engine starts: vLLM sizes its KV
         place(models, offload, LOADED, "sync", env.device, None)  # cache from the memory free then
     if pool is None:
@@ -1550,7 +1600,9 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
     if env.rank == 0:
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
     # a rank that stops ends the job within trainer.hang_timeout_s, named, with every rank's stacks
-    progress = (watchdog.start(out_dir, env.rank, env.world_size, cfg.trainer.hang_timeout_s) if watch
+    role = pool.role(env.rank) if pool is not None else None  # a split job's ranks enter their role's phases
+    progress = (watchdog.start(out_dir, env.rank, env.world_size, cfg.trainer.hang_timeout_s, role=role,
+                               order=placement.PHASE_ORDER[role] if role else None) if watch
                 else watchdog.Progress(None))
     if models is None:  # a rollout rank: no model of its own
         models = Models(*[None] * len(fields(Models)))
@@ -1565,18 +1617,31 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
                start_step=start_step, engine=engine, tracker=tracker, progress=progress, placement="sync", lock=lock,
                stop=run_dir.StopRequests(out_dir, install=watch), fingerprint=fingerprint,
                multi_turn=multi_turn, reward_model=reward_model, teacher_vocab_limit=teacher_vocab_limit,
-               in_flight=in_flight, pool=pool, vision=vision_run, **vars(models))
+               in_flight=in_flight, pool=pool, vision=vision_run, generated_ahead=generated_ahead, **vars(models))
 
 
-def refuse_split_resume(cfg: Config, out_dir: Path, rank: int) -> None:
-    """A split job (separate_async) saves no checkpoint yet, so it resumes none: refuse one it would find."""
-    found: list[Any] = [None]
-    if rank == 0:
-        found[0] = find_resume_path(cfg.trainer.resume_mode, out_dir, cfg.trainer.resume_from_path)
-    dist.broadcast_object_list(found, src=0)
-    if found[0] is not None:
-        raise ConfigError(f"trainer.v1.trainer_mode=separate_async does not resume checkpoints yet, and would resume "
-                          f"{found[0]}: set trainer.resume_mode=disable, or another trainer.default_local_dir.")
+def load_generated_ahead(cfg: Config, pool: placement.Pool | None,
+                         state: dict[str, Any] | None) -> placement.Part | None:
+    """The batch a split job's pool had generated ahead when the checkpoint was written (separate_async one step
+    off), whole on the pool's first rank and a part with no rows on the others (placement.gather_batch), so that
+    a pool of any size hands it on. A run that would not train it next refuses the checkpoint."""
+    saved = state.get("generated_ahead") if state is not None else None
+    if saved is None:
+        return None
+    ahead = cfg.trainer.v1.separate_async.num_warmup_batches
+    if pool is None or ahead == 0:
+        this_run = (f"trainer.v1.trainer_mode={cfg.trainer.v1.trainer_mode}" if pool is None
+                    else "trainer.v1.separate_async.num_warmup_batches=0")
+        raise ConfigError(
+            f"the checkpoint of step {state['step']} holds step {state['step'] + 1}'s batch, generated ahead by the "
+            f"rollout pool (trainer.v1.trainer_mode=separate_async, trainer.v1.separate_async.num_warmup_batches=1), "
+            f"and this run ({this_run}) would not train it. Resume it with trainer_mode=separate_async, "
+            f"actor_rollout_ref.hybrid_engine=false and num_warmup_batches=1 (any split), or from a checkpoint "
+            f"without one (trainer.resume_mode=resume_path, trainer.resume_from_path=<the last step's checkpoint>).")
+    if pool.is_trainer:
+        return None
+    whole = placement.batch_from_json(saved)
+    return whole if pool.rank == pool.leader else placement.empty_part(whole)
 
 
 def load_data(cfg: Config, dims: ParallelDims, env: DistEnv
@@ -1773,11 +1838,13 @@ def load_learned_reward_model(cfg: Config, meshes: Meshes, env: DistEnv, tokeniz
 
 
 def resume(cfg: Config, out_dir: Path, rank: int, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]],
-           sampler: PromptSampler, kl_ctrl: core.FixedKLController, fingerprint: dict[str, Any],
-           in_flight: tuple[InFlight | None, int, int] = (None, 0, 1)) -> int:
-    """Load the latest complete checkpoint, if any (DCP reshards it to this world size), into the models
-    (checkpointed), the prompt sampler, the KL controller and, with colocate_async, in_flight's first
-    element (this rollout dp group's carried samples: (InFlight, dp rank, rollout dp size)); its step (0: none).
+           sampler: PromptSampler, kl_ctrl: core.FixedKLController | None, fingerprint: dict[str, Any],
+           in_flight: tuple[InFlight | None, int, int] = (None, 0, 1),
+           group: dist.ProcessGroup | None = None) -> dict[str, Any] | None:
+    """Load the latest complete checkpoint, if any (DCP reshards it to the size of `group`, the ranks holding
+    the models: a split job's trainers), into the models (checkpointed; none on a rollout rank), the prompt
+    sampler, the KL controller and, with colocate_async, in_flight's first element (this rollout dp group's
+    carried samples: (InFlight, dp rank, rollout dp size)); returns its trainer state (None: no checkpoint).
     Rank 0 chooses it for every rank, moves checkpoints later than a rewind's aside (checkpoint.abandon_later),
     and compares the config and data with the checkpoint's (run_dir.check_resume); the config's optimizer
     settings then replace the checkpoint's."""
@@ -1798,22 +1865,22 @@ def resume(cfg: Config, out_dir: Path, rank: int, models: dict[str, tuple[torch.
     dist.broadcast_object_list(choice, src=0)
     if choice[1] is not None:
         raise choice[1]
-    start_step = 0
+    state = None
     if choice[0] is not None:
         path = Path(choice[0])
-        state = load_checkpoint(path, models)
-        start_step = state["step"]
+        state = load_checkpoint(path, models, group)
         sampler.load_state_dict(state["sampler"])
-        kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if kl_ctrl is not None:
+            kl_ctrl.load_state_dict(state["kl_ctrl"])
         load_in_flight(*in_flight, state.get("in_flight"), path)
         for name, (_, optimizer, sched) in models.items():
             optim_cfg = (cfg.critic if name == "critic" else cfg.actor_rollout_ref.actor).optim
             for change in set_optimizer_config(optimizer, sched, optim_cfg):
                 print0(f"{name} optimizer, from the config over the checkpoint's: {change}")
-        print0(f"resumed from {path} (step {start_step}, written by {state['world_size']} ranks)")
+        print0(f"resumed from {path} (step {state['step']}, written by {state['world_size']} ranks)")
     if rank == 0:
-        truncate_metrics(out_dir / "metrics.jsonl", start_step)
-    return start_step
+        truncate_metrics(out_dir / "metrics.jsonl", state["step"] if state is not None else 0)
+    return state
 
 
 def engine_settings(cfg: Config, dims: ParallelDims, device_type: str) -> dict[str, Any]:

@@ -12,7 +12,11 @@ which checkpoints need anyway):
     rank<r>.stacks     every thread's Python stack: on a hang, and on `kill -USR1 <pid>` at any time
     hang_report.txt    the ranks behind, their step, phase and seconds in it (the first detector's)
 
-A rank advances when it enters a phase. Time counts from a rank's first `enter`, so engine start-up
+A rank advances when it enters a phase. In a split job (trainer.v1.trainer_mode=separate_async) the trainers
+and the rollout pool enter different phases, so counts would not compare: each role gives its phases a place
+in the step (`order`, placement.PHASE_ORDER) and a rank's position is (step, place), the places chosen so that
+a rank waiting for the other role stands ahead of the one it waits for; the report names each rank's role.
+Time counts from a rank's first `enter`, so engine start-up
 and model loading are never timed. The job is hung when a rank that no other rank is behind has
 spent longer in its phase than the phase's budget (hang_timeout_s, or enter's timeout_s): ranks
 ahead of the slowest are waiting for it at a collective, not hung. Then every live rank dumps its
@@ -57,7 +61,8 @@ def _iso(t: float) -> str:
 
 @dataclass(frozen=True)
 class Phase:
-    """A rank's position: its seq-th phase (0: none yet), entered at wall time t (monotonic mono)."""
+    """A rank's position: its seq-th phase (0: none yet; with an order, the phase's place in the job), entered
+    at wall time t (monotonic mono)."""
 
     seq: int
     step: int
@@ -70,8 +75,11 @@ class Phase:
 class Progress:
     """One rank's phase records (out_dir None: records nothing). enter() costs a few microseconds."""
 
-    def __init__(self, out_dir: str | Path | None, rank: int = 0) -> None:
-        self.rank = rank
+    def __init__(self, out_dir: str | Path | None, rank: int = 0, role: str | None = None,
+                 order: dict[str, int] | None = None) -> None:
+        """role: this rank's role in a split job (named in the reports); order: its phases' places in a step
+        (a rank's position is then (step, place) rather than a count: the roles enter different phases)."""
+        self.rank, self.role, self.order = rank, role, order
         self.current = Phase(0, -1, "start", time.time(), time.monotonic())
         self.done = False
         self.log_dir = None if out_dir is None else Path(out_dir) / "logs"
@@ -83,7 +91,8 @@ class Progress:
             # line-buffered: each line is one write(2), in the kernel before the next instruction runs,
             # so a rank stopped right after enter() still shows the phase it entered
             self._file = open(self.log_dir / f"rank{rank}.progress", "a", buffering=1)
-            self._file.write(f"# start pid={os.getpid()} host={_HOST} wall={_iso(time.time())}\n")
+            role = "" if role is None else f" role={role}"
+            self._file.write(f"# start pid={os.getpid()} host={_HOST}{role} wall={_iso(time.time())}\n")
 
     def enter(self, step: int, phase: str, timeout_s: float | None = None) -> None:
         """This rank now runs `phase` of `step` (a name without spaces); timeout_s: its own budget
@@ -91,11 +100,19 @@ class Progress:
         if " " in phase:
             raise ValueError(f"phase names have no spaces: {phase!r}")
         now = time.time()
-        self.current = Phase(self.current.seq + 1, step, phase, now, time.monotonic(), timeout_s)
+        self.current = Phase(self.position(step, phase), step, phase, now, time.monotonic(), timeout_s)
         if self._file is not None:
             budget = "" if timeout_s is None else f" timeout={timeout_s:g}"
             self._file.write(f"step {step} phase {phase} t={now:.3f} wall={_iso(now)} "
                              f"n={self.current.seq}{budget}\n")
+
+    def position(self, step: int, phase: str) -> int:
+        """The seq of entering `phase` of `step` now: the next count, or with an order the phase's place."""
+        if self.order is None:
+            return self.current.seq + 1
+        if phase not in self.order:
+            raise ValueError(f"phase {phase!r} has no place in the {self.role} order {self.order}")
+        return (step + 1) * (max(self.order.values()) + 1) + self.order[phase]
 
     def stop(self) -> None:
         """The loop is over: peers no longer wait for this rank, and the watchdog thread ends."""
@@ -131,6 +148,11 @@ class RankView:
     done: bool = False
     pid: int | None = None
     host: str = "?"
+    role: str | None = None  # a split job's: trainer / rollout
+
+    @property
+    def who(self) -> str:
+        return str(self.rank) if self.role is None else f"{self.rank} ({self.role})"
 
 
 def find_hang(views: list[RankView], stale_after_s: float) -> str | None:
@@ -144,11 +166,11 @@ def find_hang(views: list[RankView], stale_after_s: float) -> str | None:
     if v is None or v.phase.seq == 0 or v.age_s <= max(budgets):
         return None
     why = (f"step {v.phase.step} phase {v.phase.name} has not ended after {v.age_s:.1f} s on rank(s) "
-           f"{', '.join(str(w.rank) for w in lowest)} (budget {max(budgets):g} s, trainer.hang_timeout_s), and "
+           f"{', '.join(w.who for w in lowest)} (budget {max(budgets):g} s, trainer.hang_timeout_s), and "
            f"no rank is behind them")
     silent = [w for w in live if w.heartbeat_age_s > stale_after_s]
     if silent:
-        why += "; " + ", ".join(f"rank {w.rank} has had no heartbeat for {w.heartbeat_age_s:.1f} s"
+        why += "; " + ", ".join(f"rank {w.who} has had no heartbeat for {w.heartbeat_age_s:.1f} s"
                                 for w in silent)
     return why
 
@@ -166,7 +188,8 @@ def format_report(views: list[RankView], why: str, observer: int, stale_after_s:
         lines.append("ranks behind:")
     for v in behind:
         where = f"step {v.phase.step} phase {v.phase.name}" if v.phase.seq else "not in the loop yet"
-        line = f"  rank {v.rank} (pid {v.pid} on {v.host}): {where}, entered {now - v.phase.t:.1f} s ago"
+        role = "" if v.role is None else f"{v.role}, "
+        line = f"  rank {v.rank} ({role}pid {v.pid} on {v.host}): {where}, entered {now - v.phase.t:.1f} s ago"
         if v.rank in silent:
             line += (f"; no heartbeat for {v.heartbeat_age_s:.1f} s: the process is stopped, dead, or in native "
                      f"code that holds the GIL (its stacks cannot be dumped; look at it with py-spy dump --pid)")
@@ -174,10 +197,11 @@ def format_report(views: list[RankView], why: str, observer: int, stale_after_s:
     if not behind:
         lines.append("no rank is behind: every rank is in the same phase; a collective in it never completed, or "
                      "the phase needs longer than trainer.hang_timeout_s. The stacks show where each rank waits.")
-    lines.append("every rank:  rank  step  phase            in phase  heartbeat")
+    width = max([5, *(len(v.who) + 1 for v in views)])  # "3 (rollout)" in a split job
+    lines.append(f"every rank:  {'rank':<{width}} step  phase            in phase  heartbeat")
     for v in sorted(views, key=lambda v: v.rank):
         mark = "  done" if v.done else ("  <- behind" if v in behind else "")
-        lines.append(f"             {v.rank:<5} {v.phase.step:<5} {v.phase.name:<16} {now - v.phase.t:>6.1f} s  "
+        lines.append(f"             {v.who:<{width}} {v.phase.step:<5} {v.phase.name:<16} {now - v.phase.t:>6.1f} s  "
                      f"{v.heartbeat_age_s:>6.1f} s{mark}")
     return "\n".join(lines) + "\n"
 
@@ -252,6 +276,7 @@ class Watchdog:
             self._beat += 1
             p = self.progress.current
             record = {"beat": self._beat, "state": self._state, "pid": os.getpid(), "host": _HOST,
+                      "role": self.progress.role,
                       "seq": p.seq, "step": p.step, "phase": p.name, "t": p.t, "timeout_s": p.timeout_s}
             path = self.log_dir / f"rank{self.rank}.heartbeat"
             tmp = path.with_name(path.name + ".tmp")
@@ -284,7 +309,7 @@ class Watchdog:
         now = time.monotonic()
         own = self.progress.current
         views = [RankView(self.rank, own, now - own.mono, self._budget(own), 0.0, self.progress.done, os.getpid(),
-                          _HOST)]
+                          _HOST, self.progress.role)]
         for rank in range(self.world_size):
             if rank == self.rank:
                 continue
@@ -298,7 +323,7 @@ class Watchdog:
             if record["beat"] != seen.beat:
                 seen.beat, seen.beat_since = record["beat"], now
             views.append(RankView(rank, phase, now - seen.seq_since, self._budget(phase), now - seen.beat_since,
-                                  record["state"] == "done", record["pid"], record["host"]))
+                                  record["state"] == "done", record["pid"], record["host"], record.get("role")))
         return views
 
     def _budget(self, phase: Phase) -> float:
@@ -367,11 +392,11 @@ def _write_stderr(text: str) -> None:
 
 
 def start(out_dir: str | Path, rank: int, world_size: int, hang_timeout_s: float,
-          poll_s: float | None = None) -> Progress:
-    """This rank's Progress, `kill -USR1 <pid>` stack dumps into logs/rank<r>.stacks, and (for
-    hang_timeout_s > 0) its watchdog thread. One barrier when a process group exists, so that no rank
-    reads a file an earlier run left: call it on every rank, after init_process_group."""
-    progress = Progress(out_dir, rank)
+          poll_s: float | None = None, role: str | None = None, order: dict[str, int] | None = None) -> Progress:
+    """This rank's Progress (role, order: a split job's, Progress), `kill -USR1 <pid>` stack dumps into
+    logs/rank<r>.stacks, and (for hang_timeout_s > 0) its watchdog thread. One barrier when a process group
+    exists, so that no rank reads a file an earlier run left: call it on every rank, after init_process_group."""
+    progress = Progress(out_dir, rank, role, order)
     assert progress.log_dir is not None
     stacks = progress.stacks = open(progress.log_dir / f"rank{rank}.stacks", "a")  # faulthandler writes to its fd
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)

@@ -1,15 +1,19 @@
 """Worker for test_train_ppo_split.py: a split run one step off (1 trainer + 1 rollout rank,
 trainer.v1.separate_async.num_warmup_batches=1), whose trainer keeps the weights of every version and checks
-which of them sampled each trained batch.
+which of them sampled each trained batch; then, in the same launch, the run resumed from its mid-run checkpoint.
 
-    torchrun --standalone --nproc_per_node=2 tests/dist_split_check.py OUT_JSON key=value ...
+    torchrun --standalone --nproc_per_node=2 tests/dist_split_check.py OUT_JSON RESUME_STEP key=value ...
 
-The run is train_ppo's own: build_run, then serve_rollouts on the rollout rank and train_step on the trainer.
-Before step t the trainer keeps its full weights (version t-1) on the host; train_ppo.receive_rollouts, called
-through, records the batch it hands to the step. After the step, a plain (unsharded) copy of the model loads
-each kept version and computes the log-probs of that batch's response tokens: those of the version one update
-older than the step's (t-2; the first batch: version 0) must equal the engine's (float32), and those of the
-step's own version must not (or the check could not tell them apart). Writes the gaps to OUT_JSON.
+The runs are train_ppo's own: build_run, then train (serve_rollouts on the rollout rank). Before step t the
+trainer keeps its full weights (version t-1) on the host; train_ppo.receive_rollouts, called through, records the
+batch it hands to the step. After the run, a plain (unsharded) copy of the model loads each kept version and
+computes the log-probs of that batch's response tokens: those of the version one update older than the step's
+(t-2; the first batch: version 0) must equal the engine's (float32), and those of the step's own version must not
+(or the check could not tell them apart). Then a second run (the same engines, new process groups) resumes from
+<trainer.default_local_dir>/global_step_RESUME_STEP into <trainer.default_local_dir>-resumed: the batch the pool
+had generated ahead and its sampler come from the checkpoint. The first run has the watchdog on (its logs/ show
+each role's phases). Writes the gaps and whether the two runs' final
+weights are equal to OUT_JSON; the test compares the two runs' metrics.jsonl.
 """
 
 import json
@@ -37,43 +41,58 @@ def engine_gap(model: torch.nn.Module, weights: dict[str, torch.Tensor], batch: 
     return (log_probs - batch["rollout_log_probs"]).abs()[mask].max().item()
 
 
+def full_weights(run: train_ppo.Run) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in models.iter_full_params(run.actor)}
+
+
 def main() -> None:
-    out_json, overrides = Path(sys.argv[1]), sys.argv[2:]
+    out_json, resume_step, overrides = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
     cfg = load_config("configs/tiny_cpu.yaml", overrides)
     check_supported(cfg)
     env = init_distributed()
-    run = train_ppo.build_run(cfg, env)
-    if not run.pool.is_trainer:
-        train_ppo.train(run)  # serve_rollouts
-        rollout.shutdown(run.engine.llm)
-        return
+    run = train_ppo.build_run(cfg, env, watch=True)  # with the watchdog: each role's phases in logs/
     seen: dict[int, dict[str, torch.Tensor]] = {}
-    receive = train_ppo.receive_rollouts
+    kept: dict[int, dict[str, torch.Tensor]] = {}
+    receive, train_step = train_ppo.receive_rollouts, train_ppo.train_step
 
     def recording(run_: train_ppo.Run, metrics: dict[str, float]):  # the real hand-off, its batch kept
         rows, extras = receive(run_, metrics)
         seen[len(seen) + 1] = {k: v.clone() for k, v in rows.items()}
         return rows, extras
 
-    train_ppo.receive_rollouts = recording
-    kept: dict[int, dict[str, torch.Tensor]] = {}
-    rows = []
-    for step in range(1, run.total_steps + 1):
-        kept[step - 1] = {name: t.clone() for name, t in models.iter_full_params(run.actor)}  # version step - 1
-        metrics = train_ppo.train_step(run, step)
-        rows.append(metrics)
-        if step < run.total_steps:  # the pool's call of the same collective (train_ppo.train)
-            assert not train_ppo.stop_requested(run, step)
-    from transformers import AutoConfig, AutoModelForCausalLM
+    def keeping(run_: train_ppo.Run, step: int) -> dict[str, float]:  # the real step, the weights before it kept
+        kept[step - 1] = full_weights(run_)  # version step - 1
+        return train_step(run_, step)
 
-    config = AutoConfig.from_pretrained(cfg.actor_rollout_ref.model.path)
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    temperature = cfg.actor_rollout_ref.rollout.temperature
-    gaps = {step: {"sampler": engine_gap(plain, kept[max(step - 2, 0)], batch, temperature),
-                   "current": engine_gap(plain, kept[step - 1], batch, temperature)}
-            for step, batch in seen.items()}
-    out_json.write_text(json.dumps({"gaps": gaps, "metrics": rows}))
+    train_ppo.receive_rollouts, train_ppo.train_step = recording, keeping
+    train_ppo.train(run)
+    train_ppo.receive_rollouts, train_ppo.train_step = receive, train_step
+    run.progress.stop()
     train_ppo.finish(run)
+    result = {}
+    if run.pool.is_trainer:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(cfg.actor_rollout_ref.model.path)
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        temperature = cfg.actor_rollout_ref.rollout.temperature
+        result["gaps"] = {step: {"sampler": engine_gap(plain, kept[max(step - 2, 0)], batch, temperature),
+                                 "current": engine_gap(plain, kept[step - 1], batch, temperature)}
+                          for step, batch in seen.items()}
+        final = full_weights(run)
+
+    out_dir = Path(cfg.trainer.default_local_dir)
+    resumed_cfg = load_config("configs/tiny_cpu.yaml", [
+        *overrides, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={out_dir}/global_step_{resume_step}",
+        f"trainer.default_local_dir={out_dir}-resumed"])
+    resumed = train_ppo.build_run(resumed_cfg, env, run.engine)
+    assert resumed.start_step == resume_step, resumed.start_step
+    train_ppo.train(resumed)
+    train_ppo.finish(resumed)
+    if resumed.pool.is_trainer:
+        again = full_weights(resumed)
+        result["final_weights_max_diff"] = max((again[k] - final[k]).abs().max().item() for k in final)
+        out_json.write_text(json.dumps(result))
     rollout.shutdown(run.engine.llm)
 
 

@@ -86,7 +86,10 @@ MUTATIONS = (
         "tests/test_train_ppo_split.py::test_one_trainer_and_one_rollout_rank_are_the_collocated_run"),
     Mutation("one step off, the batch ahead is tagged with the next weights' version", "train_ppo.py", ((
         "held = pool_batch(run, step + 1, version=step - 1)", "held = pool_batch(run, step + 1, version=step)"),),
-        "tests/test_train_ppo_split.py::test_one_step_off_trains_each_batch_sampled_by_the_weights_one_update_old"),
+        "tests/test_train_ppo_split.py::test_one_step_off_trains_each_batch_sampled_by_the_weights_one_update_old_and_resumes"),
+    Mutation("a split job's checkpoint drops the batch the pool generated ahead", "placement.py", ((
+        '"generated_ahead": batch_to_json(whole)', '"generated_ahead": None'),),
+        "tests/test_train_ppo_split.py::test_one_step_off_trains_each_batch_sampled_by_the_weights_one_update_old_and_resumes"),
     # (dcp.load fills the state dicts in place, and they share storage with the model and the optimizer:
     # the load itself restores them, so the mutations drop what is loaded, not only what is set after)
     Mutation("resume restores the model but not the optimizer", "checkpoint.py", (
@@ -97,7 +100,7 @@ MUTATIONS = (
          'model, loaded["model"], options=_options(model))')),
         "tests/test_checkpoint.py::test_killed_rank_resumes_and_reproduces"),
     Mutation("resume restores neither model nor optimizer", "checkpoint.py", (
-        ('dcp.load(loaded, checkpoint_id=str(path / name))', 'pass'),
+        ('dcp.load(loaded, checkpoint_id=str(path / name), process_group=group)', 'pass'),
         ('set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],\n'
          '                       options=_options(model))', 'pass')),
         "tests/test_checkpoint.py::test_killed_rank_resumes_and_reproduces"),
@@ -235,6 +238,10 @@ MUTATIONS = (
     Mutation("fault: the watchdog sees the hang but never ends the job", "watchdog.py", ((
         'if why is not None and self._state != "done":', 'if False:'),),
         "tests/test_faults.py -k stopped_rank and generate"),
+    Mutation("fault: a split job's watchdog compares phase counts, not places in the step", "watchdog.py", ((
+        "        if self.order is None:\n            return self.current.seq + 1",
+        "        if True:\n            return self.current.seq + 1"),),
+        "tests/test_faults.py -k split_jobs_watchdog"),
     Mutation("fault: a checkpoint is visible before it is complete (written in place, any dir counts)",
              "checkpoint.py", (
         ('final, tmp = root / f"global_step_{step}", root / f"global_step_{step}.tmp"',

@@ -27,6 +27,7 @@ import torch
 from conftest import ROOT, clean_env, torchrun_cmd
 
 import checkpoint
+import placement
 import watchdog
 
 HANG_JOB = ROOT / "tests" / "fault_hang_job.py"
@@ -196,6 +197,41 @@ def test_watchdog_poll_reads_the_peers_files(tmp_path):
     off.enter(1, "sync")
     off.stop()
     assert off.current.seq == 1 and off.log_dir is None
+
+
+@pytest.mark.parametrize("stuck, named, phase", [
+    ("rollout", "rank(s) 2 (rollout)", "generate"),  # the trainers wait for its hand-off
+    ("trainer", "rank(s) 0 (trainer), 1 (trainer)", "update"),  # the pool waits for their step's end
+])
+def test_a_split_jobs_watchdog_names_the_role_behind(stuck, named, phase, tmp_path):
+    """A split job's ranks in one process (2 trainers, 1 rollout rank; each a Progress with its role's
+    placement.PHASE_ORDER and an unstarted Watchdog), entering the phases of the real loops (train_step,
+    serve_rollouts) through step 1 and into step 2, one role stuck there. The roles enter different numbers of
+    phases (the pool 5 a step one step off, the trainers 4), so phase counts would name the trainers for a pool
+    stuck generating; positions in the step name the role that is behind, and the report says its role."""
+    trainer_phases = ["sync", "generate", "log_prob", "update"]
+    pool_phases = ["sync", "generate", "hand_off", "generate_ahead", "wait_trainers"]
+    roles = {0: "trainer", 1: "trainer", 2: "rollout"}
+    ranks = {r: watchdog.Progress(tmp_path, r, role, placement.PHASE_ORDER[role]) for r, role in roles.items()}
+    dogs = {r: watchdog.Watchdog(p, 0.5, 3, poll_s=0.1, on_hang=lambda why, views: None) for r, p in ranks.items()}
+    for r, progress in ranks.items():
+        phases = trainer_phases if roles[r] == "trainer" else pool_phases
+        for name in phases:
+            progress.enter(1, name)
+        # step 2: the stuck role stops in `phase`; the other goes as far as it can without it
+        until = phases.index(phase) + 1 if roles[r] == stuck else {"trainer": 2, "rollout": 5}[roles[r]]
+        for name in phases[:until]:
+            progress.enter(2, name)
+        dogs[r].write_heartbeat()
+    assert dogs[0].poll() is None  # rank 0 sees its peers from now on (their age counts from here)
+    time.sleep(0.6)
+    why = dogs[0].poll()
+    assert why is not None and f"step 2 phase {phase} has not ended" in why and named in why, why
+    report = watchdog.format_report(dogs[0].views(), why, 0, dogs[0].stale_after_s)
+    behind = [r for r in roles if roles[r] == stuck]
+    assert all(f"  rank {r} ({stuck}, pid " in report for r in behind), report
+    assert all(f"  rank {r} (" not in report for r in roles if r not in behind), report
+    assert "role=" + roles[2] in (tmp_path / "logs" / "rank2.progress").read_text().splitlines()[0]
 
 
 def test_progress_and_watchdog_cost_under_1_percent_of_a_1s_step(tmp_path, record_property):

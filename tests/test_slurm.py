@@ -3,8 +3,9 @@ slurmd (two node names on this host) in a temp dir, the tests submit the wrapper
 read the job's state, log, metrics and layout files, and the fixture stops the daemons by pid.
 
 Skipped unless pytest gets --slurm (`make test-slurm`): it needs root, and installs SLURM and munge
-with apt-get when they are missing. Two training runs (one node x 2 ranks, two nodes x 1 rank)
-of 2 steps each on the raw tiny model: the wrappers are under test here, not learning.
+with apt-get when they are missing. Three training runs (one node x 2 ranks, two nodes x 1 rank, and a split
+job of two nodes x 1 rank: a trainer node and a rollout node) of 2 steps each on the raw tiny model: the
+wrappers are under test here, not learning.
 """
 
 import json
@@ -156,6 +157,35 @@ def test_multinode_wrapper_trains(cluster, tiny_assets, tmp_path):
     check_training_run(out, log, nodes=2, nproc=1)
     # One torchrun on each node, started by that node's slurmd.
     assert list(steps_launched(cluster, job).values()) == [1, 1]
+
+
+def test_multinode_wrapper_runs_a_split_job_with_a_node_of_rollout(cluster, tiny_assets, tmp_path):
+    """Two nodes x 1 process, actor_rollout_ref.rollout.nnodes=1: the wrapper gives the trainers one node
+    (trainer.nnodes=1) and the rollout pool the other; one step off, with a checkpoint at each step (the batch
+    generated ahead in the first). Rank 0 trains on one node, rank 1 generates on the other."""
+    if cluster["nodes"] < 2:
+        pytest.skip(cluster["multinode_refused"])
+    out = tmp_path / "out"
+    split = ["actor_rollout_ref.hybrid_engine=false", "trainer.v1.trainer_mode=separate_async",
+             "actor_rollout_ref.rollout.nnodes=1", "trainer.v1.separate_async.parameter_sync_step=2",
+             "trainer.v1.separate_async.num_warmup_batches=1", "algorithm.rollout_correction.rollout_is=token",
+             "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=1"]
+    job = submit(cluster, tmp_path, "slurm_multinode.sbatch", ["--gpus-per-node=0", "--cpus-per-task=1"],
+                 tiny_args(tiny_assets, out, *split), NGPU="1")
+    state = wait_for_job(cluster, job)
+    log = job_log(tmp_path)
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), log[-6000:]
+    assert "split: trainers on 1 node(s), the rollout pool on 1 (actor_rollout_ref.rollout.nnodes)" in log, log
+    check_training_run(out, log, nodes=2, nproc=1)
+    assert list(steps_launched(cluster, job).values()) == [1, 1]
+    layout = {json.loads(p.read_text())["rank"]: json.loads(p.read_text()) for p in (out / "layout").glob("rank*.json")}
+    assert layout[0]["node_rank"] != layout[1]["node_rank"]
+    roles = {r: (out / "logs" / f"rank{r}.progress").read_text().split("\n", 1)[0] for r in (0, 1)}
+    assert " role=trainer " in roles[0] and " role=rollout " in roles[1], roles
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["training/off_policy/trajectory_staleness/mean"] for r in rows if "actor/pg_loss" in r] == [0, 1]
+    ahead = json.loads((out / "global_step_1" / "trainer_state.json").read_text())["generated_ahead"]
+    assert set(ahead["rows"]["rollout_versions"]["values"]) - {-1} == {0}  # step 2's batch, sampled by version 0
 
 
 def test_refused_config_fails_the_job_before_srun(cluster, tiny_assets, tmp_path):

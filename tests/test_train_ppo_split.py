@@ -8,15 +8,25 @@ every rank (the trainers' idle), the warmed tiny model.
   (timings and memory aside). Both runs use the same kernels on this machine (the same CPU, one process each
   for the model that trains), so the floats can be compared exactly.
   1 + 1 one step off (num_warmup_batches=1), decoupled PPO: tests/dist_split_check.py keeps every weight
-  version and finds which one sampled each trained batch: the one a step older than the update's.
+  version and finds which one sampled each trained batch: the one a step older than the update's; in the same
+  launch the run resumes from its step-2 checkpoint (with the batch the pool generated ahead) and repeats
+  steps 3-4 and the final weights bit for bit.
 """
 import json
+import re
 
 import pytest
+import torch
 from conftest import torchrun
 from short_runs import TINY
 from test_checkpoint import compared
 from test_train_ppo import step_rows
+
+import placement
+import watchdog
+from config import ConfigError, load_config
+from tracking import read_metrics
+from train_ppo import load_generated_ahead
 
 # the short runs' TINY on one rank: the whole batch in one mini batch
 ONE_RANK = [*TINY, "trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
@@ -35,10 +45,20 @@ def launch(tmp_path, name: str, nproc: int, tiny_assets, sft_model, *overrides: 
 
 @pytest.mark.slow
 def test_one_trainer_and_one_rollout_rank_are_the_collocated_run(tmp_path, tiny_assets, sft_model):
-    together = step_rows(launch(tmp_path, "collocated", 1, tiny_assets, sft_model))
-    apart = step_rows(launch(tmp_path, "split", 2, tiny_assets, sft_model, *SPLIT,
-                             "trainer.v1.separate_async.num_warmup_batches=0"))
-    assert [r["step"] for r in together] == [r["step"] for r in apart] == [1, 2]
+    """... and validation (before training and at the last step) runs on the pool with the weights trained so
+    far: the collocated run's val metrics, bit for bit."""
+    validation = ["trainer.val_before_train=true", "trainer.test_freq=2"]
+    one, two = (launch(tmp_path, "collocated", 1, tiny_assets, sft_model, *validation),
+                launch(tmp_path, "split", 2, tiny_assets, sft_model, *SPLIT, *validation,
+                       "trainer.v1.separate_async.num_warmup_batches=0"))
+    for name in ("0.jsonl", "2.jsonl"):  # the pool's first rank wrote the samples: the same bytes
+        assert (two / "val_generations" / name).read_bytes() == (one / "val_generations" / name).read_bytes()
+    together, apart = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    assert [r["step"] for r in together] == [r["step"] for r in apart] == [0, 1, 2]
+    for a, b in zip(together[::2], apart[::2], strict=True):  # steps 0 and 2: validation
+        val = {k: v for k, v in a.items() if k.startswith(("val/", "val-"))}
+        assert len(val) == 3 and {k: b.get(k) for k in val} == val, a["step"]  # 128 samples greedy
+    together, apart = together[1:], apart[1:]
     for a, b in zip(together, apart, strict=True):
         assert {k: b.get(k) for k in compared(a)} == compared(a), a["step"]  # bit for bit
         # the pool's batch was sampled by the weights synced for the step: staleness 0
@@ -47,23 +67,79 @@ def test_one_trainer_and_one_rollout_rank_are_the_collocated_run(tmp_path, tiny_
 
 
 @pytest.mark.slow
-def test_one_step_off_trains_each_batch_sampled_by_the_weights_one_update_old(tmp_path, tiny_assets, sft_model):
-    """1 + 1 ranks, num_warmup_batches=1, decoupled PPO: tests/dist_split_check.py keeps every weight version on
-    the trainer and recomputes each trained batch's log-probs with them. The version one update older than the
-    step's (the first batch: version 0) gives the engine's log-probs (float32, < 1e-4); the step's own version
-    does not (the check can tell them apart), and the versions logged say staleness 1 from step 2 on."""
-    out = tmp_path / "gaps.json"
-    torchrun(2, "tests/dist_split_check.py", str(out), f"actor_rollout_ref.model.path={sft_model}",
+def test_one_step_off_trains_each_batch_sampled_by_the_weights_one_update_old_and_resumes(tmp_path, tiny_assets,
+                                                                                         sft_model):
+    """1 + 1 ranks, num_warmup_batches=1, decoupled PPO, 4 steps: tests/dist_split_check.py keeps every weight
+    version on the trainer and recomputes each trained batch's log-probs with them. The version one update older
+    than the step's (the first batch: version 0) gives the engine's log-probs (float32, < 1e-4); the step's own
+    version does not (the check can tell them apart), and the versions logged say staleness 1 from step 2 on.
+    In the same launch the run resumes from its step-2 checkpoint, which holds step 3's batch, generated ahead
+    by the pool with the weights of version 1: steps 3 and 4 repeat the uninterrupted run's, every metric bit for
+    bit (the same processes, the same kernels; step 4's validation on the pool too), and so do the final
+    weights."""
+    out, run = tmp_path / "gaps.json", tmp_path / "run"
+    torchrun(2, "tests/dist_split_check.py", str(out), "2", f"actor_rollout_ref.model.path={sft_model}",
              f"data.train_files={tiny_assets['train']}", f"data.val_files={tiny_assets['val']}",
-             f"trainer.default_local_dir={tmp_path / 'run'}", *ONE_RANK, *SPLIT,
-             "trainer.v1.separate_async.num_warmup_batches=1", "trainer.total_training_steps=3",
+             f"trainer.default_local_dir={run}", *ONE_RANK, *SPLIT,
+             "trainer.v1.separate_async.num_warmup_batches=1", "trainer.total_training_steps=4", "trainer.save_freq=2",
+             "trainer.test_freq=2",
              "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0")
     result = json.loads(out.read_text())
     gaps = {int(step): gap for step, gap in result["gaps"].items()}
-    assert sorted(gaps) == [1, 2, 3]
+    assert sorted(gaps) == [1, 2, 3, 4]
     for step, gap in gaps.items():
         assert gap["sampler"] < 1e-4, (step, gap)
     assert gaps[1]["current"] == gaps[1]["sampler"]  # step 1: version 0 is both
-    assert all(gaps[step]["current"] > 1e-3 for step in (2, 3)), gaps  # one update moved the actor
-    staleness = [m["training/off_policy/trajectory_staleness/mean"] for m in result["metrics"]]
-    assert staleness == [0, 1, 1], staleness
+    assert all(gaps[step]["current"] > 1e-3 for step in (2, 3, 4)), gaps  # one update moved the actor
+    rows = step_rows(run)
+    staleness = [r["training/off_policy/trajectory_staleness/mean"] for r in rows]
+    assert staleness == [0, 1, 1, 1], staleness
+    # the watchdog's record: each role's phases, placed in the step (placement.PHASE_ORDER), in order
+    for rank, role in enumerate(("trainer", "rollout")):
+        lines = (run / "logs" / f"rank{rank}.progress").read_text().splitlines()
+        assert f" role={role} " in lines[0] and lines[-1].startswith("# stop"), lines
+        phases = [watchdog.parse_progress_line(line) for line in lines[1:-1]]
+        order = placement.PHASE_ORDER[role]
+        assert all(p.seq == (p.step + 1) * (max(order.values()) + 1) + order[p.name] for p in phases)
+        assert [p.seq for p in phases] == sorted({p.seq for p in phases}), lines  # strictly increasing
+        assert {p.name for p in phases} == set(order), lines
+    # the resumed run repeats steps 3 and 4
+    resumed = step_rows(tmp_path / "run-resumed")
+    assert [r["step"] for r in resumed] == [3, 4]
+    for a, b in zip(rows[2:], resumed, strict=True):
+        assert compared(b) == compared(a), a["step"]  # bit for bit
+    assert "val/score" in resumed[1]  # step 4's validation on the pool, the same too
+    assert result["final_weights_max_diff"] == 0
+    # its checkpoint held step 3's batch (sampled by version 1) and the pool's sampler, past step 3's prompts
+    state = json.loads((run / "global_step_2" / "trainer_state.json").read_text())
+    versions = state["generated_ahead"]["rows"]["rollout_versions"]["values"]
+    assert set(versions) - {-1} == {1}, set(versions)
+    assert state["sampler"]["position"] == 3
+
+
+def test_a_batch_generated_ahead_round_trips_through_json_exactly():
+    """The checkpoint's trainer state is JSON: every dtype the pool's rows hold comes back bit for bit."""
+    rows = {"responses": torch.randint(0, 50_000, (4, 3)), "response_mask": torch.tensor([[1, 1, 0]] * 4),
+            "rollout_log_probs": torch.randn(4, 3) * 7, "scores": torch.randn(4, dtype=torch.float64),
+            "half": torch.randn(4, 2).bfloat16(), "flags": torch.tensor([True, False, True, True])}
+    whole = (rows, [{"acc": 1.0}] * 4, {"timing_s/gen": 0.5})
+    back = placement.batch_from_json(json.loads(json.dumps(placement.batch_to_json(whole))))
+    assert back[1:] == whole[1:]
+    for key, value in rows.items():
+        assert back[0][key].dtype == value.dtype and torch.equal(back[0][key], value), key
+    assert placement.batch_to_json(None) is None
+
+
+@pytest.mark.parametrize("overrides, this_run", [
+    ([], "trainer.v1.trainer_mode=sync"),
+    (["trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode=colocate_async"),
+    ([*SPLIT, "trainer.v1.separate_async.num_warmup_batches=0"], "trainer.v1.separate_async.num_warmup_batches=0"),
+])
+def test_a_checkpoint_with_a_batch_generated_ahead_refuses_a_run_that_would_not_train_it(overrides, this_run):
+    """A run that would drop the batch the pool generated ahead refuses the checkpoint, naming the keys."""
+    cfg = load_config(None, overrides)
+    pool = placement.Pool(1, 2, 1, 1, None, None, None) if "separate_async" in this_run else None
+    state = {"step": 2, "generated_ahead": {"rows": {}, "extras": [], "metrics": {}}}
+    with pytest.raises(ConfigError, match=r"step 3's batch.*\(" + re.escape(this_run) + r"\).*num_warmup_batches=1"):
+        load_generated_ahead(cfg, pool, state)
+    assert load_generated_ahead(cfg, pool, {"step": 2, "generated_ahead": None}) is None
