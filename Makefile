@@ -5,7 +5,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 # two pytest-xdist workers (tests/conftest.py's worker groups keep the engines that cannot share a node apart)
-PARALLEL ?= -n 2 --dist loadgroup --no-loadscope-reorder
+PARALLEL ?= -n 2 --dist loadscope --no-loadscope-reorder
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
 

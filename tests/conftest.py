@@ -233,7 +233,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 # Test modules that start no vLLM engine (in-process checks, gloo process groups, servers of their own).
-# `make test` runs two pytest-xdist workers (--dist loadgroup): these modules' tests go to whichever worker is
+# `make test` runs two pytest-xdist workers (pytest_xdist_make_scheduler): these modules' tests go to whichever worker is
 # free, beside the engine tests. Every other test starts engines, some of them of TP > 1, whose shared-memory
 # segments vLLM's CPU backend names alike in every job on a node (rollout.clear_stale_cpu_shm): those run one
 # at a time, in one group ("engines"). The TP 1 launch of the short runs and the tests that read only its runs
@@ -246,12 +246,36 @@ NO_TP_ENGINE = {
     "test_models_full_params.py", "test_models_optim.py", "test_models_packing.py", "test_moe_fsdp.py",
     "test_ppo_core.py", "test_reward_model.py", "test_rewards.py", "test_rollout_correction.py", "test_run_dir.py",
     "test_sandbox.py", "test_trace_viewer.py", "test_tracking.py", "test_train_ppo_steps.py", "test_ulysses.py",
-    "test_ulysses_training.py",
+    "test_ulysses_training.py", "test_noise.py", "test_mutations.py", "test_launch.py",
     # TP 1 engines only (configs/tiny_cpu.yaml, the LoRA recipe on 1 GPU, `vllm serve` for the judge); their
     # tests that read a TP 2 short run go with the engines (worker_group)
     "test_tools_demo.py", "test_reward_remote.py", "test_faults.py", "test_checkpoint.py", "test_prepare_data.py",
     "test_lora.py",
 }
+
+
+GROUPS_FILE = "TESTS_WORKER_GROUPS"  # the variable naming the file where the workers write each test's group
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):  # xdist's controller
+        import tempfile
+
+        os.environ[GROUPS_FILE] = str(Path(tempfile.mkdtemp(prefix="worker_groups_")) / "groups.json")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's scheduler by whole work units, a unit being a worker group (worker_group) or a module. The
+    units come from the file the workers write at collection: pytest-xdist 3.8's own groups (xdist_group marks)
+    do not reach its scheduler under pytest 9, whose node ids it cannot extend."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkerGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return json.loads(Path(os.environ[GROUPS_FILE]).read_text())[nodeid]
+
+    return ByWorkerGroup(config, log)
 
 
 def worker_group(item: pytest.Item) -> str | None:
@@ -265,17 +289,17 @@ def worker_group(item: pytest.Item) -> str | None:
     return None if item.path.name in NO_TP_ENGINE else "engines"
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # the two long groups first (make test passes --no-loadscope-reorder: the workers take tests in this order),
     # the rest after them in their modules' order
     rank = {"engines": 0, "short_runs_tp1": 1, None: 2}
     items.sort(key=lambda item: rank[worker_group(item)])
-    for item in items:
-        if (group := worker_group(item)) is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-        else:  # a module's tests on one worker: its module fixtures are built once
-            item.add_marker(pytest.mark.xdist_group(f"module_{item.path.stem}"))
+    if (where := os.environ.get(GROUPS_FILE)) and hasattr(config, "workerinput"):  # a pytest-xdist worker
+        # for the scheduler (ByWorkerGroup): each test's group, or its module (its module fixtures built once)
+        groups = {item.nodeid: worker_group(item) or f"module {item.path.name}" for item in items}
+        tmp = Path(f"{where}.{config.workerinput['workerid']}")
+        tmp.write_text(json.dumps(groups))
+        tmp.replace(where)  # whole: every worker writes the same
     if config.getoption("--slurm"):
         return
     skip = pytest.mark.skip(reason="starts a local SLURM cluster: run with --slurm (make test-slurm)")
