@@ -9,7 +9,7 @@ PARALLEL ?= -n 2 --dist loadscope --no-loadscope-reorder
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: setup setup-gpu demo demo-tools demo-moe demo-vl test test-slurm lint plan clean chromium traces learning-caps
+.PHONY: setup setup-gpu demo demo-tools demo-moe demo-vl test test-fast test-slurm lint plan clean chromium traces learning-caps
 
 # Idempotent: reinstalls only when requirements-cpu.txt changes (seconds when done).
 $(STAMP): requirements-cpu.txt
@@ -85,6 +85,10 @@ lint: setup
 
 test: setup lint chromium
 	$(VENV)/bin/pytest -q --durations=30 $(PARALLEL)
+
+# the inner loop: everything but the long end-to-end runs, on the same two workers
+test-fast: setup
+	$(VENV)/bin/pytest -q -m "not slow" $(PARALLEL)
 
 # Debian's headless Chromium, which the trace viewer's tests render pages in. Idempotent; installs
 # (root, apt-get) only when missing, refreshing the package lists once if the first try fails.
