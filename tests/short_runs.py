@@ -6,7 +6,8 @@ demo data; its test checks the files it leaves in <dir>/<name>. The cases the se
 TP 2, 4 ranks), one after another in each, sharing the vLLM engine (tests/run_cases.py): most of a short
 run's time on a CPU is the imports and the engine start-up, which a launch pays once. A case expected to
 stop with an error (EXPECTED_ERRORS) leaves each rank's error in <dir>/<name>/error.rank<r>.txt, and the
-launch goes on. The `short_runs` fixture (conftest.py) starts them.
+launch goes on. The `short_runs` fixture (conftest.py) starts them, once for each group of tests that
+pytest-xdist runs apart (conftest.worker_group): the TP 1 launch's tests beside the others.
 """
 
 import json
