@@ -362,16 +362,7 @@ def shape_rows(num: int, seed: int, size: int = 56) -> list[dict[str, Any]]:
 
 def write_shapes_dataset(out_dir: str | Path, num_train: int = 512, num_val: int = 64, seed: int = 0) -> dict:
     """Write train/val parquet files of the colour task (shape_rows; disjoint seeds); skip if present."""
-    import datasets
-
-    out = Path(out_dir)
-    paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
-    if all(p.is_file() for p in paths.values()):
-        return paths
-    out.mkdir(parents=True, exist_ok=True)
-    for split, num, split_seed in (("train", num_train, seed), ("val", num_val, seed + 1)):
-        datasets.Dataset.from_list(shape_rows(num, split_seed)).to_parquet(str(paths[split]))
-    return paths
+    return write_splits(out_dir, shape_rows, num_train, num_val, seed)
 
 
 def build_model(out_dir: Path, config: PreTrainedConfig, seed: int, force: bool = False) -> bool:
@@ -417,12 +408,22 @@ def arithmetic_rows(num: int, seed: int, max_operand: int = 9) -> list[dict[str,
 
 def write_arithmetic_dataset(out_dir: str | Path, num_train: int = 2000, num_val: int = 128, seed: int = 0) -> dict:
     """Write train/val parquet files of the demo task (disjoint seeds); skip if present."""
+    return write_splits(out_dir, arithmetic_rows, num_train, num_val, seed)
+
+
+def write_splits(out_dir: str | Path, rows: Callable[[int, int], list[dict[str, Any]]], num_train: int, num_val: int,
+                 seed: int) -> dict:
+    """out_dir/{train,val}.parquet of rows(num, seed) (val with seed + 1: disjoint draws); skip if present."""
     import datasets
 
     out = Path(out_dir)
     paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
     if all(p.is_file() for p in paths.values()):
         return paths
+    out.mkdir(parents=True, exist_ok=True)
+    for split, num, split_seed in (("train", num_train, seed), ("val", num_val, seed + 1)):
+        datasets.Dataset.from_list(rows(num, split_seed)).to_parquet(str(paths[split]))
+    return paths
     out.mkdir(parents=True, exist_ok=True)
     for split, num, split_seed in (("train", num_train, seed), ("val", num_val, seed + 1)):
         datasets.Dataset.from_list(arithmetic_rows(num, split_seed)).to_parquet(str(paths[split]))
