@@ -308,6 +308,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+_BUSY: dict[tuple[str, str], float] = {}  # (worker, group) -> seconds its tests took (setup, call and teardown)
+_GROUPS: dict[str, str] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if (where := os.environ.get(GROUPS_FILE)) and (node := getattr(report, "node", None)) is not None:  # controller
+        if report.nodeid not in _GROUPS:
+            _GROUPS.update(json.loads(Path(where).read_text()))
+        group = _GROUPS.get(report.nodeid, "?")
+        group = group if not group.startswith("module ") else "modules"
+        key = (node.gateway.id, group)
+        _BUSY[key] = _BUSY.get(key, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Under pytest-xdist: how long each worker spent on each group's tests, to see which worker set the suite's time."""
+    if _BUSY:
+        for worker in sorted({w for w, _ in _BUSY}):
+            parts = sorted(((g, s) for (w, g), s in _BUSY.items() if w == worker), key=lambda p: -p[1])
+            terminalreporter.write_line(f"{worker} busy {sum(s for _, s in parts):.0f} s: "
+                                        + ", ".join(f"{g} {s:.0f} s" for g, s in parts))
+
+
 @pytest.fixture(scope="session")
 def chromium() -> Callable[..., str]:
     """trace_viewer.chromium (headless Chromium: a page's DOM after its scripts ran). `make test` installs
