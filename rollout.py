@@ -25,11 +25,14 @@ public API.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import hashlib
 import logging
 import os
+import re
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -233,10 +236,12 @@ def build_rollout_engine(
     _quiet_sync_logs()
     # Keep the engine in this process (no engine-core subprocess), so all TP ranks step in lockstep.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    shm_ident = None
     if current_platform.is_cpu():
         # The CPU backend sizes its KV cache from this (GiB), not from gpu_memory_utilization.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
         if rollout_mesh.size(1) > 1:
+            shm_ident = cpu_shm_ident()
             clear_stale_cpu_shm()
         # A prompt split over scheduler steps (chunked prefill) has its first sample discarded and its
         # seeded generator rewound, which CPU generators cannot do ("CPU Generator does not use offset"):
@@ -251,28 +256,65 @@ def build_rollout_engine(
     # and frozen here first, as vLLM would a moment later, those calls walk only what start-up adds.
     gc.collect()
     gc.freeze()
-    return LLM(
-        model=model_path,
-        tensor_parallel_size=rollout_mesh.size(1),
-        distributed_executor_backend="external_launcher",
-        load_format="dummy",  # weights come from the actor, not from disk
-        skip_tokenizer_init=not images_per_prompt,  # token ids in, token ids out (a VLM's images need it)
-        # TP ranks of one group share a seed so they sample alike; groups differ. Requests carry
-        # their own seeds (see sample_seed), so this only matters for unseeded requests.
-        seed=rollout_mesh.get_local_rank("dp") if seed is None else seed,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        gpu_memory_utilization=gpu_memory_utilization,
-        enforce_eager=enforce_eager,
-        enable_sleep_mode=current_platform.is_sleep_mode_available(),
-        # Logprobs of the distribution actually sampled from (after temperature), so they are
-        # comparable with the actor's log-probs of logits / temperature.
-        logprobs_mode="processed_logprobs",
-        **engine_kwargs,
-    )
+    with _named_cpu_shm(shm_ident):
+        return LLM(
+            model=model_path,
+            tensor_parallel_size=rollout_mesh.size(1),
+            distributed_executor_backend="external_launcher",
+            load_format="dummy",  # weights come from the actor, not from disk
+            skip_tokenizer_init=not images_per_prompt,  # token ids in, token ids out (a VLM's images need it)
+            # TP ranks of one group share a seed so they sample alike; groups differ. Requests carry
+            # their own seeds (see sample_seed), so this only matters for unseeded requests.
+            seed=rollout_mesh.get_local_rank("dp") if seed is None else seed,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            enable_sleep_mode=current_platform.is_sleep_mode_available(),
+            # Logprobs of the distribution actually sampled from (after temperature), so they are
+            # comparable with the actor's log-probs of logits / temperature.
+            logprobs_mode="processed_logprobs",
+            **engine_kwargs,
+        )
 
 
 SHM_DIR = "/dev/shm"
+_IDENT = re.compile(r"^(\d+)x(\d+)-")  # cpu_shm_ident's prefix of a segment's name: the job's port and a local pid
+
+
+def cpu_shm_ident() -> str:
+    """A name for this job's vLLM CPU tensor-parallel shared-memory segments, the same on every rank of a node and
+    different for every job on it: the rendezvous port and the pid of the node's first rank ("29500x4242").
+    vLLM would name them after its init method, which under torchrun ("env://") is the same for every job, so
+    two TP>1 jobs on one node would collide (`create shm in SHMManager failed. errno: 17`)."""
+    me = (socket.gethostname(), int(os.environ.get("LOCAL_RANK", "0")), os.getpid())
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, me)
+    first = min((local_rank, pid) for host, local_rank, pid in everyone if host == me[0])[1]
+    return f"{os.environ.get('MASTER_PORT', '0')}x{first}"
+
+
+@contextlib.contextmanager
+def _named_cpu_shm(ident: str | None) -> Iterator[None]:
+    """While the engine starts, vLLM's external launcher hands its workers an init method that ends in `ident`
+    (the CPU worker names its segments after it, VLLM_DIST_IDENT). The process group exists already, so the
+    init method is used for nothing else."""
+    if ident is None:
+        yield
+        return
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
+
+    original = ExecutorWithExternalLauncher._distributed_args
+
+    def distributed_args(self: ExecutorWithExternalLauncher) -> tuple[str, int, int]:
+        _, rank, local_rank = original(self)
+        return f"env://{ident}", rank, local_rank
+
+    ExecutorWithExternalLauncher._distributed_args = distributed_args
+    try:
+        yield
+    finally:
+        ExecutorWithExternalLauncher._distributed_args = original
 
 
 def _mapped_by(path: str) -> list[int]:
@@ -291,36 +333,23 @@ def _mapped_by(path: str) -> list[int]:
 
 
 def clear_stale_cpu_shm(shm_dir: str = SHM_DIR) -> list[str]:
-    """vLLM's CPU backend names the shared-memory segments of its TP all-reduce after the group's
-    ranks and VLLM_DIST_IDENT, which it derives from the init method: under torchrun ("env://") that
-    is the same for every job, so a segment left by a killed TP job makes the next one fail with
-    'create shm in SHMManager failed. errno: 17'. Before the engine starts, local rank 0 of each
-    node removes the segments no live process maps (returned), and every rank raises a clear error
-    if one is mapped by a process outside this job: a second TP job on this node, which would collide."""
-    job = [None] * dist.get_world_size()
-    dist.all_gather_object(job, os.getpid())
-    removed, busy = [], {}
+    """vLLM's CPU backend keeps the shared memory of its TP all-reduce in segments that a killed job leaves
+    behind. Before the engine starts, local rank 0 of each node removes (and returns) the segments of jobs that
+    are gone: named by cpu_shm_ident after a pid that no longer lives, or named the way vLLM names them itself
+    (one name for every job), and in both cases mapped by no process. A live job's segments are never touched:
+    its pid lives from before it creates them."""
+    removed = []
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and os.path.isdir(shm_dir):
         for name in sorted(os.listdir(shm_dir)):
             if "cpushm" not in name:
                 continue
+            ident = _IDENT.match(name)
+            if ident and os.path.exists(f"/proc/{ident.group(2)}"):
+                continue
             path = os.path.join(shm_dir, name)
-            users = [pid for pid in _mapped_by(path) if pid not in job]
-            if users:
-                busy[path] = users
-            elif not _mapped_by(path):
+            if not _mapped_by(path):
                 os.unlink(path)
                 removed.append(path)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, busy)
-    busy = {path: pids for found in everyone for path, pids in found.items()}
-    if busy:
-        raise RuntimeError(
-            f"vLLM CPU tensor-parallel segments in {shm_dir} are in use by another job's processes "
-            f"({', '.join(f'{p} by pid {pids}' for p, pids in busy.items())}). The CPU backend gives every TP "
-            f"job under torchrun the same segment names, so two TP>1 jobs cannot share a node: wait for that "
-            f"job, or run this one with {TP_KEY}=1."
-        )
     if removed:
         logger.warning("removed %d stale vLLM CPU shared-memory segments left by a killed job: %s",
                        len(removed), ", ".join(removed))

@@ -232,26 +232,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "installs SLURM and munge when missing). `make test-slurm` runs them.")
 
 
-# Test modules that start no vLLM engine (in-process checks, gloo process groups, servers of their own).
-# `make test` runs two pytest-xdist workers (pytest_xdist_make_scheduler): these modules' tests go to whichever worker is
-# free, beside the engine tests. Every other test starts engines, some of them of TP > 1, whose shared-memory
-# segments vLLM's CPU backend names alike in every job on a node (rollout.clear_stale_cpu_shm): those run one
-# at a time, in one group ("engines"). The TP 1 launch of the short runs and the tests that read only its runs
-# form a group of their own ("short_runs_tp1"): its engines are TP 1, which use no such segments. A TP 1
-# engine test can join NO_TP_ENGINE too.
-NO_TP_ENGINE = {
-    "test_agent.py", "test_agent_loop.py", "test_attention.py", "test_code_reward.py", "test_config.py", "test_data.py",
-    "test_eval_metrics.py", "test_flops.py", "test_imports.py", "test_memory_plan.py", "test_memory_rehearsal.py",
-    "test_mesh_utils.py", "test_mesh_utils_dist.py", "test_models.py", "test_models_distillation.py",
-    "test_models_full_params.py", "test_models_optim.py", "test_models_packing.py", "test_moe_fsdp.py",
-    "test_ppo_core.py", "test_reward_model.py", "test_rewards.py", "test_rollout_correction.py", "test_run_dir.py",
-    "test_sandbox.py", "test_trace_viewer.py", "test_tracking.py", "test_train_ppo_steps.py", "test_ulysses.py",
-    "test_ulysses_training.py", "test_noise.py", "test_mutations.py", "test_launch.py",
-    # TP 1 engines only (configs/tiny_cpu.yaml, the LoRA recipe on 1 GPU, `vllm serve` for the judge); their
-    # tests that read a TP 2 short run go with the engines (worker_group)
-    "test_tools_demo.py", "test_reward_remote.py", "test_faults.py", "test_checkpoint.py", "test_prepare_data.py",
-    "test_lora.py",
-}
+# `make test` runs two pytest-xdist workers (pytest_xdist_make_scheduler), which take whole units of tests: a
+# module (its module fixtures built once), or the tests that read the runs of a group of short-run launches
+# (short_run_groups: their `short_runs` fixture runs those launches once). Long units first (LONG_FIRST, a hint
+# for the order only), so that the two workers end together.
+LONG_FIRST = ("test_checkpoint.py", "test_faults.py", "test_train_ppo.py", "test_rollout.py", "test_memory_plan.py",
+              "test_bench.py", "test_tools_demo.py", "test_lora.py", "test_models_full_params.py",
+              "test_train_ppo_split.py", "test_reward_remote.py", "test_train_ppo_multinode.py", "test_moe.py",
+              "test_prepare_data.py", "test_memory_rehearsal.py", "test_vision.py")
 
 
 GROUPS_FILE = "TESTS_WORKER_GROUPS"  # the variable naming the file where the workers write each test's group
@@ -278,22 +266,59 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ByWorkerGroup(config, log)
 
 
-def worker_group(item: pytest.Item) -> str | None:
-    """The pytest-xdist group a test runs in (NO_TP_ENGINE), None for any worker."""
+def short_run_groups(items: list[pytest.Item]) -> dict[str, str]:
+    """Each short-run launch's group: launches that one test reads together (a comparison across them, or a
+    case that NEEDS another's files) are one group, whose fixture runs them on one worker."""
+    import short_runs as cases
+
+    parent = {launch: launch for launch in cases.LAUNCHES}
+
+    def root(launch: str) -> str:
+        while parent[launch] != launch:
+            launch = parent[launch]
+        return launch
+
+    for item in items:
+        launches = sorted({cases.launch_of(name) for name in _short_runs_read(item)})
+        for other in launches[1:]:
+            parent[root(other)] = root(launches[0])
+    members: dict[str, list[str]] = {}
+    for launch in cases.LAUNCHES:
+        members.setdefault(root(launch), []).append(launch)
+    return {launch: "short_runs_" + "+".join(members[root(launch)]) for launch in cases.LAUNCHES}
+
+
+def _short_runs_read(item: pytest.Item) -> set[str]:
     import short_runs as cases
 
     names = {name for mark in item.iter_markers("short_run") for name in mark.args}
-    if names:
-        needed = names | {need for name in names for need in cases.NEEDS.get(name, ())}
-        return "short_runs_tp1" if all(cases.launch_of(name) == "tp1" for name in needed) else "engines"
-    return None if item.path.name in NO_TP_ENGINE else "engines"
+    return names | {need for name in names for need in cases.NEEDS.get(name, ())}
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # the two long groups first (make test passes --no-loadscope-reorder: the workers take tests in this order),
-    # the rest after them in their modules' order
-    rank = {"engines": 0, "short_runs_tp1": 1, None: 2}
-    items.sort(key=lambda item: rank[worker_group(item)])
+def worker_group(item: pytest.Item) -> str | None:
+    """The group of short-run launches whose runs a test reads (short_run_groups), None for a test that reads
+    none (its unit is its module)."""
+    import short_runs as cases
+
+    names = _short_runs_read(item)
+    if not names:
+        return None
+    if not hasattr(item.session, "short_run_groups"):
+        item.session.short_run_groups = short_run_groups(item.session.items)
+    return item.session.short_run_groups[cases.launch_of(min(names))]
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    # the short runs' groups first, then the long modules (make test passes --no-loadscope-reorder: the workers
+    # take units in this order), the rest after them in their modules' order
+    session.short_run_groups = short_run_groups(items)
+
+    def order(item: pytest.Item) -> tuple[int, int]:
+        if group := worker_group(item):
+            return 0, 0 if group == session.short_run_groups["tp1"] else 1  # the TP 1 launch is the longest
+        return (1, LONG_FIRST.index(item.path.name)) if item.path.name in LONG_FIRST else (2, 0)
+
+    items.sort(key=order)
     if (where := os.environ.get(GROUPS_FILE)) and hasattr(config, "workerinput"):  # a pytest-xdist worker
         # for the scheduler (ByWorkerGroup): each test's group, or its module (its module fixtures built once)
         groups = {item.nodeid: worker_group(item) or f"module {item.path.name}" for item in items}

@@ -185,9 +185,18 @@ def bad_mesh_error(device_type: str, world: int) -> str | None:
     return None
 
 
+def tp_shm_segments() -> str | None:
+    """The name vLLM's CPU backend gave this rank's TP group's shared-memory segments, None where the group
+    all-reduces without them (TP 1, or vLLM fell back to torch.distributed)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return getattr(get_tp_group().device_communicator.dist_module, "group_name", None)
+
+
 def main() -> None:
     out_dir, model_path, tp = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     fsdp_size = int(sys.argv[4]) if len(sys.argv) > 4 else -1
+    twin_dir = Path(sys.argv[5]) if len(sys.argv) > 5 else None
     env = init_distributed()
     world = env.world_size
     dims = ParallelDims(world, 1, world, fsdp=world if fsdp_size == -1 else fsdp_size, infer_tp=tp, sp=1)
@@ -219,6 +228,13 @@ def main() -> None:
     llm = rollout.build_rollout_engine(model_path, meshes.rollout, max_model_len=128, gpu_memory_utilization=0.3,
                                        dtype="float32", enforce_eager=True, block_size=32)
     result["engine_start_s"] = time.perf_counter() - start
+    result["tp_shm_segments"] = tp_shm_segments()
+    if twin_dir is not None:  # a second job of this script on this node: both engines up before either goes on
+        (twin_dir / f"{out_dir.name}_rank{env.rank}_up").touch()
+        deadline = time.monotonic() + 300
+        while len(list(twin_dir.glob("*_up"))) < 2 * world:
+            assert time.monotonic() < deadline, "the twin job's engine never came up"
+            time.sleep(0.2)
 
     # 1. Fingerprints: dummy weights -> synced weights must differ; syncing unchanged weights passes.
     probe = all_prompts[0]

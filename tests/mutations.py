@@ -72,6 +72,9 @@ MUTATIONS = (
          "                traj.log_probs[:] = [e[t].logprob for t, e in zip(traj.tokens, out.prompt_logprobs["
          "len(traj.prompt):], strict=True)]\n")),
         "tests/test_rollout.py -k stream_without_cut and w2_tp1"),
+    Mutation("TP engines keep vLLM's segment names, the same for every job on a node", "rollout.py", ((
+        "    if ident is None:\n        yield\n        return\n", "    yield\n    return\n"),),
+        "tests/test_rollout.py::test_two_tp_jobs_on_one_node_run_side_by_side"),
     Mutation("one rank of a rollout TP group cuts the stream one engine step late", "rollout.py", ((
         "cut = bool(live) and stop is not None and stop(trajectories)",
         "cut = bool(live) and stop is not None and stop(trajectories) and (not dist.get_rank() % 2 or "

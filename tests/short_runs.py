@@ -279,8 +279,8 @@ LAUNCHES: dict[str, tuple[int, tuple[str, ...]]] = {
     "w4": (4, ("rc_decoupled",)),
     "tp2": (2, ("multi_turn", "grpo_tp2", "ulysses", "resume_smaller", "async_tp2")),
     "moe": (2, ("moe_tp2",)),
-    # TP 1 runs that tests also compare with the TP 2 runs above (every key read): in the launches of the
-    # tests that run beside the TP 1 launch's (conftest.worker_group)
+    # TP 1 runs that tests also compare with the TP 2 runs above (every key read): apart from the long TP 1
+    # launch, so that its group (conftest.short_run_groups) stays its own
     "tp1_beside": (2, ("gae_kl", "rc_bypass")),
     "tp1": (2, ()),
 }

@@ -9,12 +9,13 @@ start-up (the expensive part), cached for the whole module:
 """
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, torchrun
+from conftest import ROOT, clean_env, torchrun, torchrun_cmd
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import models
@@ -37,12 +38,32 @@ def assets(tiny_assets) -> dict[str, Path]:
     return tiny_assets
 
 
+TWIN = "w2_tp2_qwen2"  # launched twice at once, as two jobs on one node: their engines run side by side
+
+
 def run_launch(name: str, assets: dict[str, Path], tmp_path_factory) -> list[dict]:
     if name in _RESULTS:
         return _RESULTS[name]
     world, model, tp, fsdp_size = LAUNCHES[name]
+    args = (str(assets[model]), str(tp), str(fsdp_size))
     out_dir = tmp_path_factory.mktemp(name)
-    torchrun(world, WORKER, str(out_dir), str(assets[model]), str(tp), str(fsdp_size), timeout=400)
+    if name != TWIN:
+        torchrun(world, WORKER, str(out_dir), *args, timeout=400)
+    else:
+        twin_dir, meeting = tmp_path_factory.mktemp(f"{name}_twin"), tmp_path_factory.mktemp(f"{name}_meet")
+        jobs = [subprocess.Popen(torchrun_cmd(world, WORKER, str(where), *args, str(meeting)), cwd=ROOT,
+                                 env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for where in (out_dir, twin_dir)]
+        deadline = time.monotonic() + 400
+        while any(job.poll() is None for job in jobs) and all(job.poll() in (None, 0) for job in jobs):
+            assert time.monotonic() < deadline, "the two jobs did not finish in 400 s"
+            time.sleep(0.5)
+        for job in jobs:  # one failed: the other would wait for its engine until its own deadline
+            if job.poll() is None:
+                job.kill()
+        for job in jobs:
+            assert job.wait() == 0, job.stdout.read()[-6000:]
+        _RESULTS[f"{name}_twin"] = [json.loads((twin_dir / f"rank{r}.json").read_text()) for r in range(world)]
     _RESULTS[name] = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
     return _RESULTS[name]
 
@@ -66,6 +87,22 @@ def test_sync_makes_vllm_greedy_equal_actor_greedy(launch):
         # After one optimizer step and a re-sync: still equal, and not what it was.
         assert rank["greedy_after"]["vllm"] == rank["greedy_after"]["actor"], rank["rank"]
         assert rank["greedy_after"]["vllm"] != rank["greedy_before"]["vllm"], rank["rank"]
+
+
+def test_two_tp_jobs_on_one_node_run_side_by_side(assets, tmp_path_factory):
+    """Two TP 2 jobs on one node, their engines up at the same time: each TP group all-reduces through shared
+    memory named for its own job (rollout.cpu_shm_ident), the same on both ranks, and the two jobs sample
+    alike. vLLM alone names every job's segments the same under torchrun, and the second job fails."""
+    jobs = [run_launch(TWIN, assets, tmp_path_factory), _RESULTS[f"{TWIN}_twin"]]
+    names = [[rank["tp_shm_segments"] for rank in job] for job in jobs]
+    for job in names:
+        assert job[0] is not None and job == [job[0]] * len(job), names
+        assert rollout._IDENT.match(job[0].lstrip("/")), names
+    assert names[0][0] != names[1][0], names
+    for phase in ("greedy_before", "greedy_after"):
+        assert [rank[phase] for rank in jobs[0]] == [rank[phase] for rank in jobs[1]], phase
+    for phase in ("sampling_before", "sampling_after"):
+        assert [rank[phase]["samples"] for rank in jobs[0]] == [rank[phase]["samples"] for rank in jobs[1]], phase
 
 
 def test_full_params_cast_before_gather_equal_cast_after(launch):
@@ -232,63 +269,44 @@ def _shm_worker(rank: int, init_file: str, shm_dir: str, out_dir: str) -> None:
         with open(Path(shm_dir) / "ours-cpushm_1", "r+b") as f:  # a segment this job maps
             held = mmap.mmap(f.fileno(), 8)
         dist.barrier()
-        result = {"removed": [Path(p).name for p in rollout.clear_stale_cpu_shm(shm_dir)]}
-        (Path(shm_dir) / "other-cpushm_0").write_bytes(b"\0" * 8)
+        removed = [Path(p).name for p in rollout.clear_stale_cpu_shm(shm_dir)]
+        (Path(out_dir) / f"shm_rank{rank}.json").write_text(json.dumps(removed))
         dist.barrier()
-        if rank == 0:
-            (Path(out_dir) / "ready").touch()
-        while not (Path(out_dir) / "other_mapped").exists():
-            time.sleep(0.05)
-        try:
-            rollout.clear_stale_cpu_shm(shm_dir)
-        except RuntimeError as e:
-            result["error"] = str(e)
-        (Path(out_dir) / f"shm_rank{rank}.json").write_text(json.dumps(result))
         held.close()
     finally:
         dist.destroy_process_group()
 
 
-def test_stale_cpu_shm_segments_are_cleared_and_a_live_one_is_named(tmp_path):
-    """A killed TP job's segments (mapped by nobody) are removed before the engine starts; one this job
-    maps is kept; one another process maps is an error on every rank naming it and the pid."""
+def test_stale_cpu_shm_segments_are_cleared_and_live_ones_kept(tmp_path):
+    """Before a TP engine starts, local rank 0 removes the segments of jobs that are gone: named by
+    rollout.cpu_shm_ident after a pid that no longer lives, or named as vLLM names every job's, and mapped by
+    nobody. A live job's segments stay: mapped by its processes, or not mapped yet but named after a live pid."""
     import subprocess
     import sys
 
     from conftest import run_gloo
 
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     shm = tmp_path / "shm"
     shm.mkdir()
-    for name in ("-tp:0-[0-1]-cpushm_0", "ours-cpushm_1", "unrelated"):
+    stale = ["-tp:0-[0-1]-cpushm_0", f"29500x{int(gone.stdout)}-tp:0-[0-1]-cpushm_0"]
+    live = ["ours-cpushm_1", "-tp:0-[2-3]-cpushm_0", "29522x{}-tp:0-[0-1]-cpushm_1", "unrelated"]
+    for name in stale + live[:2] + live[3:]:
         (shm / name).write_bytes(b"\0" * 8)
-    holder = None
-    import threading
-
-    def start_other_job() -> None:
-        nonlocal holder
-        while not (tmp_path / "ready").exists():
-            time.sleep(0.05)
-        holder = subprocess.Popen([sys.executable, "-c", (
-            "import mmap, sys, time\n"
-            f"f = open({str(shm / 'other-cpushm_0')!r}, 'r+b')\nm = mmap.mmap(f.fileno(), 8)\n"
-            "print('mapped', flush=True)\ntime.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
-        holder.stdout.readline()
-        (tmp_path / "other_mapped").touch()
-
-    thread = threading.Thread(target=start_other_job)
-    thread.start()
+    other = subprocess.Popen([sys.executable, "-c", (  # an older job, mapping vLLM's own name for a segment
+        "import mmap, sys, time\n"
+        f"f = open({str(shm / live[1])!r}, 'r+b')\nm = mmap.mmap(f.fileno(), 8)\n"
+        "print('mapped', flush=True)\ntime.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
+    live[2] = live[2].format(other.pid)  # a live job's segment, not mapped yet
+    (shm / live[2]).write_bytes(b"\0" * 8)
     try:
+        assert other.stdout.readline().strip() == "mapped"
         run_gloo(_shm_worker, 2, str(tmp_path / "init"), str(shm), str(tmp_path))
     finally:
-        thread.join(timeout=30)
-        if holder is not None:
-            holder.kill()
-    for rank in range(2):
-        result = json.loads((tmp_path / f"shm_rank{rank}.json").read_text())
-        assert result["removed"] == (["-tp:0-[0-1]-cpushm_0"] if rank == 0 else []), result
-        assert f"other-cpushm_0 by pid [{holder.pid}]" in result["error"], result
-        assert "tensor_model_parallel_size=1" in result["error"]
-    assert sorted(p.name for p in shm.iterdir()) == ["other-cpushm_0", "ours-cpushm_1", "unrelated"]
+        other.kill()
+    assert json.loads((tmp_path / "shm_rank0.json").read_text()) == sorted(stale)
+    assert json.loads((tmp_path / "shm_rank1.json").read_text()) == []
+    assert sorted(p.name for p in shm.iterdir()) == sorted(live)
 
 
 def test_stream_without_cut_is_generate_and_a_cut_resumes_on_policy(launch):
