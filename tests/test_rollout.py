@@ -3,7 +3,7 @@ vLLM CPU engine, plus the pure pieces (padding, splitting, seeds, tokenizer) wit
 
 Three torchrun launches, each running every check of tests/dist_rollout_check.py on one engine
 start-up (the expensive part), cached for the whole module:
-  world 2, TP 2, tiny-qwen2          one TP group of two ranks
+  world 2, TP 2, tiny-qwen2          one TP group of two ranks; launched twice at once (two jobs, one node)
   world 2, TP 1, tiny-qwen2          two dp groups; also the other layout for reproducibility
   world 4, TP 2, tiny-llama-tied     two TP pairs, tied embeddings (a second architecture), HSDP 2x2
 """
