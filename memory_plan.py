@@ -209,8 +209,8 @@ def vision_activation_bytes(v: VisionShape, patches: int, dtype_bytes: int, chec
       MLP          fc1's output, GELU's and fc2's input: 3 e i; SwiGLU's gate, silu, up, product: 4 e i
     With gradient checkpointing a block keeps only its input (e d). Shared by the blocks, per patch: the
     patch embedding's input (e x patch_dim), the rotary cos and sin (float32, head_dim each) and the merger
-    (its norm, then the inputs of fc1, GELU and fc2: 3 e d). Measured on both towers within a few %
-    (tests/test_vision.py)."""
+    (its norm, then the inputs of fc1, GELU and fc2: 3 e d). Within 10% of what autograd saves on both
+    towers (tests/test_memory_plan.py; a few % measured)."""
     e, d, i = dtype_bytes, v.hidden, v.intermediate
     norm = 4 * d + e * d if v.rms_norm else e * d
     per_block = 2 * norm + 9 * e * d + (4 if v.swiglu else 3) * e * i
