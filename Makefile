@@ -128,7 +128,9 @@ bench: setup
 
 # On a GPU machine (CUDA, NCCL, bf16; no vLLM needed): the training side of a step for every offload
 # combination on FSDP and HSDP, checked against memory_plan's table and byte estimates; the packed and
-# padded forwards and gradient accumulation at Qwen2.5-0.5B's vocabulary; the memory rehearsal
+# padded forwards and gradient accumulation at Qwen2.5-0.5B's vocabulary; a VLM's packed and padded
+# log-probs on image rows against HF per row, bf16, at Qwen2.5-VL-3B's widths (ARGS="--vl-shape off" skips
+# it, "--vl-layers N" sets its blocks; measured on the CPU at 1 block: mean 5e-3, HF without pixels 1.2); the memory rehearsal
 # (bench/memory_rehearsal.py) with the allocator's statistics against the plan. One table; exits 1 on
 # a failed check. No setup and no venv needed: it runs with .venv's python when there is one, else
 # python3 (PyTorch >= 2.11, transformers, accelerate, peft). NGPU defaults to every visible GPU; on a

@@ -36,6 +36,21 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class VisionShape:
+    """What the estimate needs of a vision-language model's vision tower (Qwen2-VL, Qwen2.5-VL)."""
+
+    param_shapes: list[tuple[int, ...]]  # the tower's parameters: patch embedding, blocks, merger
+    hidden: int  # the tower's width (Qwen2-VL's embed_dim)
+    depth: int
+    head_dim: int
+    intermediate: int  # its MLP's width
+    swiglu: bool  # gate/up/down MLP (Qwen2.5-VL); else fc1, GELU, fc2 (Qwen2-VL)
+    rms_norm: bool  # RMSNorm (Qwen2.5-VL); else LayerNorm
+    patch_dim: int  # one row of pixel_values: channels x temporal patch x patch x patch
+    merge: int  # merge x merge patches make one image token
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """What the memory estimate needs of a model: its parameters' shapes and its dimensions."""
 
@@ -57,15 +72,17 @@ class ModelShape:
     unit_numels: tuple[int, ...] = ()
     head_unit: bool = False  # the last of unit_numels is the LM head (untied); else the root holds the output layer
     tied: bool = False  # the root's embedding is the LM head: its gradient is vocab x hidden, summed at the end
+    vision: VisionShape | None = None  # a vision-language model's tower (its parameters are in param_shapes too)
 
 
 def model_shape(path: str, value_head: bool = False, trust_remote_code: bool = False) -> ModelShape:
     """The shapes of the causal LM (or, with value_head, the critic) at `path` (a local directory
     or a hub id in the HF cache), built on the meta device: exact, no weights read, no memory.
     A vision-language model's parameters include its vision tower (sharded, gathered block by block like
-    the decoder's); its dimensions are its text model's. Its image tokens count in the prompt length
-    (data.max_prompt_length counts them), so the KV cache and the decoder's activations hold them; the
-    tower's own activations and the pixel buffers are not counted yet."""
+    the decoder's); its dimensions are its text model's, and `vision` holds the tower's (vision_shape). Its
+    image tokens count in the prompt length (data.max_prompt_length counts them), so the KV cache and the
+    decoder's activations hold them; the tower's activations and the pixel buffers follow from the images'
+    patches (ImageLoad)."""
     import torch
     from transformers import (
         AutoConfig,
@@ -109,7 +126,25 @@ def model_shape(path: str, value_head: bool = False, trust_remote_code: bool = F
         root_numel=sum(p.numel() for p in model.parameters() if id(p) not in in_units),
         unit_numels=tuple(sum(p.numel() for p in unit.parameters()) for unit in in_order),
         head_unit=head is not None and any(head is u for u in units),
-        tied=head is not None and embed is not None and head.weight is embed.weight)
+        tied=head is not None and embed is not None and head.weight is embed.weight,
+        vision=vision_shape(model) if vision else None)
+
+
+def vision_shape(model: Any) -> VisionShape:
+    """The tower's shapes and widths, from the model built on the meta device (its blocks say which MLP and norm)."""
+    from vision import vision_tower
+
+    tower = vision_tower(model)
+    cfg = model.config.vision_config
+    block = tower.blocks[0]
+    hidden = getattr(cfg, "embed_dim", None) or cfg.hidden_size  # Qwen2-VL's hidden_size is the merger's output
+    swiglu = hasattr(block.mlp, "gate_proj")
+    intermediate = block.mlp.up_proj.out_features if swiglu else block.mlp.fc1.out_features
+    return VisionShape(param_shapes=[tuple(p.shape) for p in tower.parameters()], hidden=hidden, depth=len(tower.blocks),
+                       head_dim=hidden // cfg.num_heads, intermediate=intermediate, swiglu=swiglu,
+                       rms_norm="RMSNorm" in type(block.norm1).__name__,
+                       patch_dim=cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2,
+                       merge=cfg.spatial_merge_size)
 
 
 # -----------------------------------------------------------------------------
@@ -162,6 +197,41 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype_by
     kept = e * h if checkpointing else per_layer
     shared = 4 * h + e * h + 2 * e * shape.head_dim
     return tokens * (shape.layers * kept + shared) + (0 if packed else micro_batch * seq_len * seq_len)
+
+
+def vision_activation_bytes(v: VisionShape, patches: int, dtype_bytes: int, checkpointing: bool) -> int:
+    """Bytes autograd saves for backward in the vision tower's training forward of `patches` patches (a
+    micro batch's images; attention runs image by image, sdpa per window or image, so no mask grows with
+    them). Per patch and block, with e = dtype_bytes, d the tower's width, i its MLP's:
+      2 norms      LayerNorm: its input (e d) each; RMSNorm: its float32 input and its output (4d + e d)
+      attention    the norm's output, qkv's output (3), q and k rotated (2), sdpa's output, proj's input and
+                   the second norm's output: 9 e d
+      MLP          fc1's output, GELU's and fc2's input: 3 e i; SwiGLU's gate, silu, up, product: 4 e i
+    With gradient checkpointing a block keeps only its input (e d). Shared by the blocks, per patch: the
+    patch embedding's input (e x patch_dim), the rotary cos and sin (float32, head_dim each) and the merger
+    (its norm, then the inputs of fc1, GELU and fc2: 3 e d). Within 10% of what autograd saves on both
+    towers (tests/test_memory_plan.py; a few % measured)."""
+    e, d, i = dtype_bytes, v.hidden, v.intermediate
+    norm = 4 * d + e * d if v.rms_norm else e * d
+    per_block = 2 * norm + 9 * e * d + (4 if v.swiglu else 3) * e * i
+    kept = e * d if checkpointing else per_block
+    shared = e * v.patch_dim + 2 * 4 * v.head_dim + norm + 3 * e * d
+    return patches * (v.depth * kept + shared)
+
+
+def vision_recompute_bytes(v: VisionShape, patches: int, dtype_bytes: int) -> int:
+    """With gradient checkpointing, one tower block's recomputed activations during its backward."""
+    full = vision_activation_bytes(v, patches, dtype_bytes, False)
+    kept = vision_activation_bytes(v, patches, dtype_bytes, True)
+    return (full - kept) // max(v.depth, 1) + patches * dtype_bytes * v.hidden
+
+
+def pixel_bytes(samples: int, micro_samples: int, patches: int, patch_dim: int, dtype_bytes: int) -> int:
+    """A VLM batch's pixels on one rank: the batch column pixel_values, float32 (samples, patches, patch_dim),
+    the widest sample's patches in every row (vision.pixel_rows), held from the log-prob forwards to the end
+    of the update; and a micro batch's images concatenated for the tower (float32) and cast to the compute
+    dtype (vision.micro_batch_pixels)."""
+    return (samples * 4 + micro_samples * (4 + dtype_bytes)) * patches * patch_dim
 
 
 def peak_recompute_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype_bytes: int,
@@ -299,6 +369,44 @@ GIB = 2**30
 
 
 @dataclass(frozen=True)
+class ImageLoad:
+    """The images of the largest prompt: its patches (all its images) and its images, and where they came from."""
+
+    patches: int  # rows of pixel_values one sample holds
+    images: int
+    tokens: int  # its image pad tokens: patches / merge^2 (in data.max_prompt_length, in the KV cache)
+    source: str
+    grids: tuple[tuple[int, int, int], ...] = ()  # its images' (t, h, w) patches, when read from the data
+
+
+def image_load(cfg: Config, image_processor: Any, merge: int) -> ImageLoad:
+    """The largest prompt's images in data.train_files (and val_files), local files read for their image
+    headers only (vision.image_grid: the processor's resize); without local files, one image at the image
+    processor's largest size (its size.longest_edge, Qwen2-VL's max_pixels: preprocessor_config.json)."""
+    from pathlib import Path
+
+    from data import _as_list, load_rows
+    from vision import image_grid, image_size
+
+    files = [f for key in ("train_files", "val_files") for f in _as_list(getattr(cfg.data, key) or [])]
+    if files and all(Path(f).expanduser().is_file() for f in files):
+        largest: tuple[int, tuple] = (0, ())
+        for row in load_rows(files, "data.train_files"):
+            grids = tuple(image_grid(image_size(image), image_processor) for image in row.get("images") or ())
+            largest = max(largest, (sum(math.prod(g) for g in grids), grids))
+        patches, grids = largest
+        return ImageLoad(patches, len(grids), patches // merge ** 2,
+                         f"the largest prompt's images in data.train_files/val_files ({len(files)} file(s))", grids)
+    bounds = image_processor.size
+    max_pixels = bounds.get("longest_edge") if hasattr(bounds, "get") else bounds.longest_edge
+    patch = image_processor.patch_size
+    side = patch * merge  # smart_resize keeps h x w <= max_pixels in multiples of patch x merge
+    patches = (max_pixels // side ** 2) * merge ** 2
+    return ImageLoad(patches, 1, patches // merge ** 2,
+                     f"one image per prompt at the image processor's largest, {max_pixels} pixels (no local data files)")
+
+
+@dataclass(frozen=True)
 class MemoryInputs:
     """What the estimate reads from the config, the layout and the batch plan (for one FSDP rank)."""
 
@@ -339,6 +447,8 @@ class MemoryInputs:
     teacher: ModelShape | None = None  # distillation.enabled: the teacher, run forward in the log_prob phase
     teacher_topk: int | None = None  # forward_kl_topk's k: the teacher's top-k log-probs and ids stay in the batch
     split: bool = False  # a separate rollout pool: no engine on the trainers (theirs sleeps for good at start)
+    images: ImageLoad | None = None  # a VLM: the largest prompt's images (image_load)
+    freeze_vision_tower: bool = False  # actor.freeze_vision_tower: the tower takes no gradient nor AdamW state
 
 
 def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
@@ -350,6 +460,11 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
         trained_shard = sum(shard_numel(s, m.fsdp, fsdp_rank) for s in m.adapter) * 4
         trained_full = sum(math.prod(s) for s in m.adapter) * 4
         actor_shard, actor_adam = actor_shard + trained_shard, 2 * trained_shard + 4 * len(m.adapter)
+    tower = m.actor.vision.param_shapes if m.actor.vision else []
+    if m.freeze_vision_tower and tower and m.adapter is None:  # the language model alone is trained
+        trained_shard -= sum(shard_numel(s, m.fsdp, fsdp_rank) for s in tower) * 4
+        trained_full -= sum(math.prod(s) for s in tower) * 4
+        actor_adam = 2 * trained_shard + 4 * (len(m.actor.param_shapes) - len(tower))
     critic_shard = param_shard_bytes(m.critic, m.fsdp, fsdp_rank) if m.critic else 0
     critic_full = param_shard_bytes(m.critic, 1, 0) if m.critic else 0
     engine_weights = sum(math.prod(s) for s in m.actor.param_shapes) * m.engine_bytes // m.infer_tp
@@ -379,6 +494,7 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
             "log_prob_chunk": 0,
             "reward_model.forward": 0,
             "teacher.topk": 0,
+            "pixels": 0,
         }
         if phase == "sync":
             b["gathered_blocks"] = sync_bucket_bytes(m.actor, m.engine_bytes, m.fsdp)
@@ -390,6 +506,11 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
             b["teacher.topk"] = (m.samples_per_rank or 0) * m.response_len * m.teacher_topk * (4 + 8)
         if phase == "update":
             b |= _update_peak(m)
+        if m.images is not None and m.actor.vision is not None and phase in ("log_prob", "update"):
+            micro = m.log_prob_micro if phase == "log_prob" else m.ppo_micro
+            max_tokens = m.log_prob_max_tokens if phase == "log_prob" else m.ppo_max_tokens
+            b["pixels"] = pixel_bytes(m.samples_per_rank or micro, _micro_samples(m, micro, max_tokens),
+                                      m.images.patches, m.actor.vision.patch_dim, m.compute_bytes)
         out[phase] = b
     return out
 
@@ -430,6 +551,9 @@ def _log_prob_peak(m: MemoryInputs) -> Moment:
         positions = _head_positions(m, m.log_prob_micro, m.log_prob_max_tokens)
         logits = positions * shape.vocab * m.compute_bytes
         units, at_head = forward_gathered_bytes(shape, m.compute_bytes, m.fsdp)
+        if shape.vision is not None and m.images is not None:  # the tower's no-grad forward: a block at a time
+            patches = _micro_samples(m, m.log_prob_micro, m.log_prob_max_tokens) * m.images.patches
+            moments.append(_moment(units, vision_recompute_bytes(shape.vision, patches, m.compute_bytes)))
         moments += [_moment(units), _moment(at_head, head=logits),
                     _moment(head=logprob_chunk_bytes(shape, positions, m.compute_bytes))]
     return _largest(moments)
@@ -469,10 +593,27 @@ def _update_activations(m: MemoryInputs, critic: bool, checkpointing: bool | Non
     if checkpointing is None:
         checkpointing = m.critic_checkpointing if critic else m.actor_checkpointing
     packed = m.critic_packed if critic else m.actor_packed
-    rows, row_len = forward_layout(micro, m.prompt_len + m.response_len, packed,
-                                   m.critic_max_tokens if critic else m.ppo_max_tokens, m.samples_per_rank)
-    return (activation_bytes(shape, rows, row_len, m.compute_bytes, checkpointing, m.sp, packed)
-            + (peak_recompute_bytes(shape, rows, row_len, m.compute_bytes, checkpointing, m.sp) if recompute else 0))
+    max_tokens = m.critic_max_tokens if critic else m.ppo_max_tokens
+    rows, row_len = forward_layout(micro, m.prompt_len + m.response_len, packed, max_tokens, m.samples_per_rank)
+    text = activation_bytes(shape, rows, row_len, m.compute_bytes, checkpointing, m.sp, packed)
+    text_recompute = peak_recompute_bytes(shape, rows, row_len, m.compute_bytes, checkpointing, m.sp)
+    tower = tower_recompute = 0
+    if shape.vision is not None and m.images is not None and not m.freeze_vision_tower:
+        # a frozen tower saves nothing for backward: no gradient flows into it
+        patches = _micro_samples(m, micro, max_tokens) * m.images.patches
+        tower = vision_activation_bytes(shape.vision, patches, m.compute_bytes, checkpointing)
+        tower_recompute = vision_recompute_bytes(shape.vision, patches, m.compute_bytes) if checkpointing else 0
+    # one block is recomputed at a time, the tower's after the language model's
+    return text + tower + (max(text_recompute, tower_recompute) if recompute else 0)
+
+
+def _micro_samples(m: MemoryInputs, micro: int, max_tokens: int | None) -> int:
+    """The samples of one micro batch, whose images the tower runs: `micro`, or with a token budget as many
+    samples of the largest prompt (its image tokens and one response token) as it admits."""
+    if max_tokens is None:
+        return micro
+    least = (m.images.tokens if m.images else 0) + 1
+    return max(1, min(max_tokens // least, m.samples_per_rank or max_tokens))
 
 
 def _reward_forward_bytes(m: MemoryInputs) -> int:
@@ -617,7 +758,16 @@ def memory_inputs(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_g
                       if cfg.reward_model.enable else None),
         reward_micro=cfg.reward_model.micro_batch_size_per_gpu or roles.rollout.log_prob_micro_batch_size_per_gpu,
         reward_packed=cfg.reward_model.model.use_remove_padding,
-        teacher=teacher, teacher_topk=teacher_topk, split=dims.split)
+        teacher=teacher, teacher_topk=teacher_topk, split=dims.split,
+        images=image_load(cfg, _image_processor(roles.model.path, trust), actor.vision.merge) if actor.vision else None,
+        freeze_vision_tower=roles.actor.freeze_vision_tower)
+
+
+def _image_processor(path: str, trust_remote_code: bool) -> Any:
+    """A VLM's image processor (its preprocessor_config.json: patch size, merge size, pixel bounds), from disk."""
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
 
 
 def _holds_unsharded_grads(update: UpdateSpec) -> bool:
@@ -664,8 +814,8 @@ def check_model_split(cfg: Config, dims: ParallelDims) -> None:
 
     from models import check_sequence_parallel_heads, check_tensor_parallel
 
-    check_tensor_parallel(AutoConfig.from_pretrained(path, trust_remote_code=trust, local_files_only=True),
-                          dims.infer_tp, path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust, local_files_only=True)
+    check_tensor_parallel(config.get_text_config(), dims.infer_tp, path)  # a VLM's: its language model's heads
     check_sequence_parallel_heads(path, dims.sp, trust, "actor_rollout_ref.model.path")
 
 
@@ -694,11 +844,17 @@ def memory_report(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_g
                              f"actor_rollout_ref.rollout.gpu_memory_utilization={m.gpu_memory_utilization} of "
                              f"{m.gpu_memory_bytes / GIB:.2f} GiB (--gpu-memory-gb) leave no KV cache; change "
                              f"gpu_memory_utilization, or raise tensor_model_parallel_size")
+    if m.images is not None and m.images.tokens >= m.prompt_len:
+        fits, line = False, (f"does not fit: the largest prompt's {m.images.images} image(s) take {m.images.tokens} "
+                             f"image tokens, data.max_prompt_length={m.prompt_len} leaves no room for its text; raise "
+                             f"data.max_prompt_length, or lower the image processor's max_pixels "
+                             f"(preprocessor_config.json)")
     return {"assumes": "CUDA: bf16 compute and engine weights, fp32 master weights, gradients and Adam state",
             "gpu_memory_gb": gpu_memory_gb, "fits": fits, "verdict": line,
             "per_fsdp_rank": ranks,  # rank r of the world is entry r % fsdp_size (the trainers, when split)
             "totals_rank0": {phase: sum(items.values()) for phase, items in ranks[0].items()},
             "rollout_rank": pool,  # a separate pool's rank (None: collocated)
+            "vision": vision_report(m, ranks[0]),
             "in_flight": in_flight_memory(cfg, m, dims.rollout_dp, ranks[0]["generate"]["engine.kv_cache"])}
 
 
@@ -724,6 +880,24 @@ def in_flight_memory(cfg: Config, m: MemoryInputs, rollout_dp: int, kv_budget: i
             "carried_host_bytes": carried * m.response_len * CARRIED_TOKEN_HOST_BYTES}
 
 
+def vision_report(m: MemoryInputs, rank0: dict[str, dict[str, int]]) -> dict[str, Any] | None:
+    """A VLM's part of the plan on FSDP rank 0: its tower's shards (gradients and AdamW state unless frozen),
+    its activations in an update micro batch, the pixels held, and its image tokens in the engine's KV cache
+    (each sequence holds the largest prompt's). None for a text model."""
+    v, images = m.actor.vision, m.images
+    if v is None or images is None:
+        return None
+    shard = sum(shard_numel(s, m.fsdp, 0) for s in v.param_shapes) * 4
+    patches = _micro_samples(m, m.ppo_micro, m.ppo_max_tokens) * images.patches
+    kv_per_token = 2 * m.actor.layers * m.actor.kv_heads * m.actor.head_dim * m.engine_bytes // m.infer_tp
+    return {"images": asdict(images), "tower.params": shard, "tower.grads": 0 if m.freeze_vision_tower else shard,
+            "tower.optimizer": 0 if m.freeze_vision_tower else 2 * shard + 4 * len(v.param_shapes),
+            "tower.activations": 0 if m.freeze_vision_tower else vision_activation_bytes(
+                v, patches, m.compute_bytes, m.actor_checkpointing),
+            "pixels": rank0["update"]["pixels"], "image_tokens_kv_per_sequence": images.tokens * kv_per_token,
+            "image_share_of_prompt": images.tokens / m.prompt_len}
+
+
 def describe_memory(report: dict[str, Any]) -> str:
     """The memory section as a table (GiB per item and phase, FSDP rank 0: the largest shards)."""
     if "error" in report:
@@ -740,6 +914,15 @@ def describe_memory(report: dict[str, Any]) -> str:
         lines[0] = lines[0].replace("Memory plan per rank", "Memory plan per trainer rank (its engine asleep for good)")
         lines.append("  rollout rank, GiB: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in pool.items())
                      + f"; total {sum(pool.values()) / GIB:.2f}")
+    vl = report.get("vision")
+    if vl:  # a VLM: what its tower and images take (inside the items above)
+        im = vl["images"]
+        lines.append(f"  vision: {im['images']} image(s), {im['patches']} patches, {im['tokens']} image tokens in the "
+                     f"largest prompt ({vl['image_share_of_prompt']:.0%} of data.max_prompt_length; "
+                     f"{im['source']}); the tower's shards {vl['tower.params'] / GIB:.2f} GiB, gradients "
+                     f"{vl['tower.grads'] / GIB:.2f}, AdamW {vl['tower.optimizer'] / GIB:.2f}, update activations "
+                     f"{vl['tower.activations'] / GIB:.2f}; pixels {vl['pixels'] / GIB:.2f} GiB; image tokens "
+                     f"{vl['image_tokens_kv_per_sequence'] / 2**20:.1f} MiB of KV per sequence")
     lines.append(f"  verdict: {report['verdict']}")
     flight = report.get("in_flight")
     if flight:  # colocate_async: what the groups in flight hold

@@ -17,6 +17,13 @@ Checks, each failing the run (exit 1) with what differed: the loss is finite and
 the weights; every gathered tensor equals DTensor.full_tensor() cast to the sync dtype; the offload
 round trip is bit-exact; on CUDA the offload freed >= 90% of the parameter + optimizer bytes.
 
+A vision-language model (--vl-shape; Qwen2.5-VL-3B's widths and vocabulary with --vl-layers text and tower
+blocks, random weights, on the CUDA machine; `tiny` for the CPU smoke test): rows with images of different
+sizes (two in one row, a row without one), the trainer's padded and packed log-probs
+(models.compute_log_probs with pixels, grids and 4-row positions) against each other and against the HF
+model run on each row alone with its own mrope positions (mm_token_type_ids); the control, HF without the
+pixels, must be off. `--vl-shape off` skips it.
+
 Then the offload plan (`make gpu-check`): for each offload combination (offload.flag_combinations)
 on FSDP and, with 2+ ranks, HSDP, a fresh actor (+ a reference model with its own flag) walks a step
 in the trainer's order with the trainer's functions (offload.plan_moves -> models.apply_moves,
@@ -32,6 +39,7 @@ Rank 0 prints a table and writes <out>/device_check.json.
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import math
@@ -40,13 +48,13 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import bench_common as bc  # first: it puts the repo root on sys.path
 import memory_rehearsal as rehearsal
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 import memory_plan as mp
 import models
@@ -73,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the real model whose width and vocabulary the packed / padded / accumulation checks use")
     ap.add_argument("--vocab-layers", type=int, default=4, help="its decoder blocks")
     ap.add_argument("--vocab-size", type=int, default=None, help="override its vocabulary (CPU dry runs only)")
+    ap.add_argument("--vl-shape", default="3b", choices=[*VL_SHAPES, "tiny", "off"],
+                    help="the vision-language model of the VLM parity checks (off: skip them)")
+    ap.add_argument("--vl-layers", type=int, default=4, help="its text blocks and vision blocks (not for tiny)")
     ap.add_argument("--rehearsal", default="", help="arguments of bench/memory_rehearsal.py (default: its own "
                     "defaults, Qwen2.5-0.5B on 6 ranks and 7B on 8); 'off' skips it")
     ap.add_argument("--rehearsal-max-error", type=float, default=0.15,
@@ -170,6 +181,151 @@ def real_vocabulary_checks(args: argparse.Namespace, fsdp_mesh: object, device: 
                     math.isfinite(one) and abs(one - four) <= tolerance * max(abs(one), 1e-3),
                     f"{one:.4g} vs {four:.4g}", f"rel <= {tolerance:g}"))
     del actor, optimizer
+    return rows
+
+
+# Qwen2.5-VL-3B's dimensions (its config.json on the hub), all but the number of blocks (--vl-layers)
+VL_SHAPES: dict[str, dict[str, Any]] = {
+    "3b": dict(text=dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2,
+                         vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=128000,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
+               vision=dict(hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, window_size=112, in_channels=3),
+               ids=dict(vision_start_token_id=151652, vision_end_token_id=151653, image_token_id=151655,
+                        video_token_id=151656), tie_word_embeddings=True,
+               # (t, h, w) patches of each row's images: 448 x 616, 224 x 336 with 392 x 280, none, 896 x 504
+               grids=[[(1, 32, 44)], [(1, 16, 24), (1, 28, 20)], [], [(1, 64, 36)]], text_ids=(0, 151000)),
+}
+# make_assets' tiny Qwen2.5-VL: 56 x 84, 112 x 56 with 84 x 84, none, 56 x 112 pixels; text past its specials (0-6)
+TINY = dict(grids=[[(1, 4, 6)], [(1, 8, 4), (1, 6, 6)], [], [(1, 4, 8)]], text_ids=(7, 128))
+
+
+def vl_config(shape: str, layers: int) -> Any:
+    """The VLM config of --vl-shape: the real widths with `layers` text and tower blocks (the last tower block
+    attends to the whole image, the others within windows), or make_assets' tiny Qwen2.5-VL."""
+    from transformers import Qwen2_5_VLConfig
+
+    if shape == "tiny":
+        import make_assets  # the CPU smoke test's only
+
+        return make_assets.vl_config("qwen2_5_vl")
+    dims = VL_SHAPES[shape]
+    return Qwen2_5_VLConfig(text_config={**dims["text"], "num_hidden_layers": layers},
+                            vision_config={**dims["vision"], "depth": layers, "fullatt_block_indexes": [layers - 1]},
+                            tie_word_embeddings=dims["tie_word_embeddings"], **dims["ids"])
+
+
+def vl_batch(config: Any, grids: list[list[tuple[int, int, int]]], text_ids: tuple[int, int], response_len: int, seed: int,
+             device: torch.device) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """The trainer's batch of a VLM's rows: per row 8 text tokens, then each image's pads between the vision
+    markers, left-padded; random responses (lengths R, R/2, R, 3, ...) right-padded; random pixels; 4-row
+    positions left to the caller (they need the model). Also each row's pixel inputs, for the reference."""
+    import vision
+
+    generator = torch.Generator().manual_seed(seed)
+    merge, v = config.vision_config.spatial_merge_size, config.vision_config
+    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    prompts, pixels = [], []
+    for row_grids in grids:
+        ids = torch.randint(*text_ids, (8,), generator=generator).tolist()
+        for grid in row_grids:
+            ids += [config.vision_start_token_id] + [config.image_token_id] * (math.prod(grid) // merge ** 2) \
+                + [config.vision_end_token_id]
+        prompts.append(ids)
+        pixels.append({"pixel_values": torch.randn(sum(math.prod(g) for g in row_grids), patch_dim, generator=generator),
+                       "image_grid_thw": torch.tensor(row_grids, dtype=torch.long)} if row_grids else {})
+    P, R = max(map(len, prompts)), response_len
+    lengths = [R if i % 2 == 0 else max(1, R // 2) for i in range(len(prompts))]
+    lengths[-1] = min(3, R)
+    input_ids = torch.zeros(len(prompts), P + R, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for i, (p, r) in enumerate(zip(prompts, lengths, strict=True)):
+        input_ids[i, P - len(p):P] = torch.tensor(p)
+        input_ids[i, P:P + r] = torch.randint(*text_ids, (r,), generator=generator)
+        mask[i, P - len(p):P + r] = 1
+    batch = {"input_ids": input_ids, "attention_mask": mask, "responses": input_ids[:, P:],
+             "response_mask": (torch.arange(R)[None] < torch.tensor(lengths)[:, None]).float(),
+             **vision.pixel_rows(pixels, patch_dim)}
+    return {k: t.to(device) for k, t in batch.items()}, pixels
+
+
+def hf_per_sample(model: torch.nn.Module, batch: dict[str, torch.Tensor], pixels: list[dict[str, torch.Tensor]],
+                  image_token_id: int, with_pixels: bool = True) -> torch.Tensor:
+    """(B, R) log-probs of each row alone, unpadded, by the HF model computing its own mrope positions from
+    mm_token_type_ids, the image and video pads banned as the trainer bans them."""
+    import vision
+
+    out = torch.zeros(batch["responses"].shape, device=batch["responses"].device)
+    banned = vision.pad_token_ids(model.config)
+    R = batch["responses"].shape[1]
+    for i, row_pixels in enumerate(pixels):
+        keep = batch["attention_mask"][i].bool()
+        ids = batch["input_ids"][i][keep][None]
+        kwargs = {}
+        if row_pixels and with_pixels:
+            kwargs = {k: t.to(ids.device) for k, t in row_pixels.items()}
+            kwargs["pixel_values"] = kwargs["pixel_values"].to(next(model.parameters()).dtype)
+        if row_pixels:
+            kwargs["mm_token_type_ids"] = (ids == image_token_id).int()
+        with torch.no_grad():
+            logits = vision.ban_tokens(model(input_ids=ids, **kwargs).logits[0].float(), banned)  # (L, V)
+        num = int(keep[-R:].sum())
+        out[i, :num] = torch.log_softmax(logits[-num - 1:-1], dim=-1).gather(-1, ids[0, -num:, None])[:, 0]
+    return out
+
+
+def vl_parity_checks(args: argparse.Namespace, fsdp_mesh: object, device: torch.device, rank: int,
+                     param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> list[dict[str, object]]:
+    """A VLM at --vl-shape (random weights, built as load_causal_lm builds it): the trainer's padded and packed
+    log-probs on image rows agree with each other and with HF run per row (the same weights, unsharded, in the
+    compute dtype); HF without the pixels must not. Rows of the table."""
+    from transformers import AutoModelForImageTextToText
+
+    import vision
+
+    config = vl_config(args.vl_shape, args.vl_layers)
+    text = config.get_text_config()
+    label = (f"Qwen2.5-VL {args.vl_shape}" + ("" if args.vl_shape == "tiny" else f" x{args.vl_layers} blocks")
+             + f", vocab {text.vocab_size}")
+    # HF's own initialisation (norms at 1: the images then move the log-probs well past the tolerance), the
+    # same on every rank; the actor's shards cut from it
+    torch.manual_seed(0)
+    sdpa = {"text_config": "sdpa", "vision_config": "sdpa", "": "sdpa"}
+    with torch.device(device):
+        # a copy of the config: from_config writes the attention implementation into the one it is given
+        hf = AutoModelForImageTextToText.from_config(copy.deepcopy(config), dtype=torch.float32,
+                                                     attn_implementation=sdpa).eval()
+    actor = models.build_sharded(AutoModelForImageTextToText, config, fsdp_mesh, device=device,
+                                 param_dtype=param_dtype, reduce_dtype=reduce_dtype).eval()
+    weights = dict(hf.named_parameters())
+    with torch.no_grad():
+        for name, param in actor.named_parameters():
+            param.to_local().copy_(distribute_tensor(weights[name], param.device_mesh, param.placements).to_local())
+    hf.to(param_dtype)
+    rows_of = TINY if args.vl_shape == "tiny" else VL_SHAPES[args.vl_shape]
+    grids = rows_of["grids"]
+    batch, pixels = vl_batch(config, grids, rows_of["text_ids"], args.response_len, rank, device)
+    batch["position_ids"] = vision.sample_positions(actor, batch["input_ids"].cpu(), batch["attention_mask"].cpu(),
+                                                    batch["image_grid_thw"].cpu(), config.image_token_id).to(device)
+    mask = batch["response_mask"].bool()
+    with torch.no_grad():
+        padded = models.compute_log_probs(actor, batch, 1.0, 2, use_remove_padding=False).log_probs
+        packed = models.compute_log_probs(actor, batch, 1.0, len(grids), use_remove_padding=True).log_probs
+    reference = hf_per_sample(hf, batch, pixels, config.image_token_id)
+    blind = hf_per_sample(hf, batch, pixels, config.image_token_id, with_pixels=False)
+    tolerance = LOGPROB_TOLERANCE[param_dtype]
+    image_rows = mask & torch.tensor([bool(p) for p in pixels], device=mask.device)[:, None]
+    rows = []
+    for what, a, b, where in (("packed = padded", packed, padded, mask), ("padded = HF per row", padded, reference, mask),
+                              ("packed = HF per row", packed, reference, mask)):
+        diff = (a - b).abs()[where]
+        rows.append(row(f"VLM {what} log-probs ({label})", bool(torch.isfinite(diff).all())
+                        and diff.mean().item() <= tolerance,
+                        f"mean {diff.mean().item():.2e}, max {diff.max().item():.2e}", f"mean <= {tolerance:g}"))
+    diff = (blind - reference).abs()[image_rows]
+    rows.append(row(f"control: HF without the pixels is off ({label})", diff.mean().item() > tolerance,
+                    f"mean {diff.mean().item():.2e}", f"mean > {tolerance:g}"))
+    del actor, hf
     return rows
 
 
@@ -402,6 +558,10 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915 - one linear s
         skipped.append("the engine's rows of the table (vLLM is not used here)")
 
     vocab_rows = real_vocabulary_checks(args, meshes.fsdp, device, env.rank, param_dtype, reduce_dtype)
+    if args.vl_shape == "off":
+        skipped.append("the VLM parity checks (--vl-shape off)")
+    else:
+        vocab_rows += vl_parity_checks(args, meshes.fsdp, device, env.rank, param_dtype, reduce_dtype)
     ok = torch.tensor(float(all(checks.values()) and all(r["ok"] for r in vocab_rows)))
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank's checks
     params_m = sum(p.numel() for p in actor.parameters()) / 1e6

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import sys
 import tempfile
 import time
@@ -234,12 +235,12 @@ def fill_at_random(model: torch.nn.Module, seed: int) -> None:
 
 
 def full_length_batch(samples: int, prompt_len: int, response_len: int, vocab: int,
-                      device: torch.device) -> dict[str, torch.Tensor]:
+                      device: torch.device, low: int = 4) -> dict[str, torch.Tensor]:
     """`samples` rollouts of P + R real tokens each (no padding: the plan's worst case), with what the
     trainer's update reads: advantages, the response mask (the loss's), and ref log-probs to come."""
     generator = torch.Generator().manual_seed(0)
     length = prompt_len + response_len
-    input_ids = torch.randint(4, vocab, (samples, length), generator=generator)  # (B, P+R)
+    input_ids = torch.randint(low, vocab, (samples, length), generator=generator)  # (B, P+R)
     batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
              "position_ids": torch.arange(length).expand(samples, -1).contiguous(),
              "responses": input_ids[:, prompt_len:].contiguous(),  # (B, R)
@@ -262,20 +263,29 @@ def plan_totals(per_phase: dict[str, dict[str, int]]) -> dict[str, dict[str, int
 
 def rehearse(shape: str, world: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Plan and measure one case; the fake process group lives only inside this call."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(Path(tmp) / f"qwen2.5-{shape}-{args.layers}l", shape, args.layers, args.vocab_size)
         cfg = load_config(FLAGSHIP, rehearsal_overrides(model_dir, world, args))
-        dims, plan = validate(cfg, world)
-        planned = plan_totals(mp.phase_bytes(mp.memory_inputs(cfg, dims, plan, args.gpu_memory_gb), 0))
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-        meter = LiveBytes(device.type) if device.type != "cuda" else AllocatorBytes()
-        try:
-            with meter:
-                measured, info = _run_phases(cfg, dims, plan, model_dir, device, meter)
-        finally:
-            dist.destroy_process_group()
+        case = rehearse_config(cfg, world, device, args.gpu_memory_gb)
+    return {"case": f"{shape}:{world}", "shape": shape, "layers": args.layers, **case}
+
+
+def rehearse_config(cfg: Any, world: int, device: torch.device, gpu_memory_gb: float = 80.0) -> dict[str, Any]:
+    """Plan and measure the config's actor (actor_rollout_ref.model.path: a causal LM, or a vision-language
+    model whose every sample holds the largest prompt's images, memory_plan.image_load) as rank 0 of `world`."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dims, plan = validate(cfg, world)
+    inputs = mp.memory_inputs(cfg, dims, plan, gpu_memory_gb)
+    planned = plan_totals(mp.phase_bytes(inputs, 0))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    meter = LiveBytes(device.type) if device.type != "cuda" else AllocatorBytes()
+    try:
+        with meter:
+            measured, info = _run_phases(cfg, dims, plan, Path(cfg.actor_rollout_ref.model.path), device, meter,
+                                         inputs.images)
+    finally:
+        dist.destroy_process_group()
     phases = {}
     for phase in PHASES:
         p, m = planned[phase], measured[phase]
@@ -283,37 +293,64 @@ def rehearse(shape: str, world: int, args: argparse.Namespace, device: torch.dev
                          "planned_resident": p["resident"], "measured_resident": m["start"],
                          "planned_transient": p["transient"], "measured_transient": m["peak"] - m["start"],
                          "planned_items": p["items"], "seconds": m["seconds"]}
-    return {"case": f"{shape}:{world}", "shape": shape, "world": world, "layers": args.layers,
-            "device": device.type, "measure": "allocator" if device.type == "cuda" else "live storages",
+    return {"world": world, "device": device.type, "measure": "allocator" if device.type == "cuda" else "live storages",
             "batch": {"samples_per_rank": plan.samples_per_rank, "micro_batch": plan.actor_update.micro_batch_size,
-                      "prompt_len": args.prompt_len, "response_len": args.response_len},
+                      "prompt_len": cfg.data.max_prompt_length, "response_len": cfg.data.max_response_length},
             **info, "phases": phases}
 
 
+def image_columns(model: torch.nn.Module, batch: dict[str, torch.Tensor], images: mp.ImageLoad,
+                  image_token_id: int) -> dict[str, torch.Tensor]:
+    """A VLM batch's columns for full-length samples that each hold the largest prompt's images (their grids):
+    each image's pads after the first prompt token, one token apart, random pixels, and 4-row positions."""
+    import vision
+
+    samples, device = batch["input_ids"].shape[0], batch["input_ids"].device
+    grid = torch.tensor(images.grids, dtype=torch.long)  # (images, 3)
+    patch_dim = model.config.vision_config.in_channels * model.config.vision_config.temporal_patch_size \
+        * model.config.vision_config.patch_size ** 2
+    per_sample = {"pixel_values": torch.randn(images.patches, patch_dim, generator=torch.Generator().manual_seed(1)),
+                  "image_grid_thw": grid}
+    input_ids = batch["input_ids"].cpu().clone()
+    start, merge = 1, model.config.vision_config.spatial_merge_size
+    for g in images.grids:  # each image's run of pads, one text token apart (the chat template's markers)
+        tokens = math.prod(g) // merge ** 2
+        input_ids[:, start:start + tokens] = image_token_id
+        start += tokens + 1
+    rows = vision.pixel_rows([per_sample] * samples, patch_dim)
+    positions = vision.sample_positions(model, input_ids, batch["attention_mask"].cpu(), rows["image_grid_thw"],
+                                        image_token_id)
+    return {k: v.to(device) for k, v in {"input_ids": input_ids, "position_ids": positions, **rows}.items()}
+
+
 def _run_phases(cfg: Any, dims: Any, plan: Any, model_dir: Path, device: torch.device,
-                meter: LiveBytes | AllocatorBytes) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
-    from transformers import AutoConfig, AutoModelForCausalLM
+                meter: LiveBytes | AllocatorBytes,
+                images: mp.ImageLoad | None = None) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     roles = cfg.actor_rollout_ref
     meshes = build_meshes(dims, device.type)
     hf_config = AutoConfig.from_pretrained(model_dir)
+    auto_cls = AutoModelForImageTextToText if images is not None else AutoModelForCausalLM
     options = dict(device=device, param_dtype=PARAM_DTYPE, reduce_dtype=REDUCE_DTYPE)
-    actor = models.build_sharded(AutoModelForCausalLM, hf_config, meshes.fsdp,
+    actor = models.build_sharded(auto_cls, hf_config, meshes.fsdp,
                                  reshard_after_forward=roles.actor.fsdp_config.reshard_after_forward,
                                  activation_checkpointing=roles.model.enable_gradient_checkpointing, **options)
-    ref = models.build_sharded(AutoModelForCausalLM, hf_config, meshes.fsdp, **options).requires_grad_(False).eval()
+    if images is not None and roles.actor.freeze_vision_tower:
+        models.freeze_vision_tower(actor)
+    ref = models.build_sharded(auto_cls, hf_config, meshes.fsdp, **options).requires_grad_(False).eval()
     fill_at_random(actor, 0)
     fill_at_random(ref, 0)
     optimizer, _ = models.make_optimizer(actor, roles.actor.optim, 1)
     for param in actor.parameters():  # AdamW's state as from step 2 on (the first step creates it)
-        param.grad = torch.zeros_like(param)
+        if param.requires_grad:  # a frozen vision tower has none
+            param.grad = torch.zeros_like(param)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     loss = train_ppo.ActorLoss.from_config(cfg)
     spec = plan.actor_update
     source, _ = train_ppo.old_log_prob_source(actor, cfg.algorithm, spec, plan.samples_per_rank)
-    batch = full_length_batch(plan.samples_per_rank, cfg.data.max_prompt_length, cfg.data.max_response_length,
-                              hf_config.vocab_size, device)
+    batch: dict[str, torch.Tensor] = {}
     measured: dict[str, dict[str, float]] = {}
 
     def phase(name: str, fn: Any) -> Any:
@@ -349,6 +386,12 @@ def _run_phases(cfg: Any, dims: Any, plan: Any, model_dir: Path, device: torch.d
         return metrics
 
     phase("sync", sync)
+    # the batch after the sync, as in a step (a VLM's pixels are the plan's from the log-prob forwards on)
+    vocab = hf_config.get_text_config().vocab_size
+    batch |= full_length_batch(plan.samples_per_rank, cfg.data.max_prompt_length, cfg.data.max_response_length,
+                               vocab, device, low=7 if images is not None else 4)  # no image/video pad ids at random
+    if images is not None:
+        batch |= image_columns(actor, batch, images, hf_config.image_token_id)
     phase("log_prob", log_prob)
     metrics = phase("update", update)
     info = {"old_log_probs_from": source, "params_m": sum(p.numel() for p in actor.parameters()) / 1e6,

@@ -10,7 +10,8 @@ OUT_DIR/rank{r}.json. In order:
      4-row positions and the same ban gives the engine's log-probs ("synced"); controls that must not:
      no pixels ("no_pixels"), 1-D positions ("positions_1d"), no ban ("no_ban", reported only);
   2. the vision tower moves (noise on every tensor), a sync, the same prompts again: parity holds
-     ("tower_synced"), and the tower before the move is far off ("tower_stale");
+     ("tower_synced"), and the tower before the move is far off ("tower_stale"); an engine error there is
+     recorded ("tower_error", both gaps inf) rather than raised, so a broken sync fails the test, not its launch;
   3. the tower moves again, a sync without the encoder cache reset: the same images again fail ("no_reset").
 """
 
@@ -130,7 +131,14 @@ def main() -> None:
     before = copy.deepcopy(model)
     result["tower_tensors_moved"] = move_tower(model, seed=1)
     sync()
-    batch = sample(0)  # the same images: served from the encoder cache unless it was reset
+    try:
+        batch = sample(0)  # the same images: served from the encoder cache unless it was reset
+    except Exception as e:  # noqa: BLE001 - a sync that broke the engine is a result the test reads
+        result["tower_error"] = f"{type(e).__name__}: {e}"[:300]
+        result["tower_synced"] = result["tower_stale"] = float("inf")
+        (out_dir / f"rank{env.rank}.json").write_text(json.dumps(result))
+        rollout.shutdown(llm)
+        return
     mask = batch.response_mask
     result["tower_synced"] = gap(batch.rollout_log_probs,
                                  hf_log_probs(model, processor, batch, sample_images, banned), mask)

@@ -10,9 +10,10 @@
 #   default  ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 # (a cap is not a real machine: the numbers it gives stand for "other floats", not for any one CPU)
 # For each cap: the learning tests (each logs its effect, standard error and margin to noise.jsonl,
-# tests/noise.py), then `make demo`'s and `make demo-tools`' steps on their own assets. Writes
-# outputs/kernel_caps/<cap>/{pytest.log,noise.jsonl,demo/,demo_tools/} and prints one table at the end.
-#   bash tests/kernel_caps.sh                 # all three caps (~45 minutes on 2 cores)
+# tests/noise.py), then `make demo`'s, `make demo-tools`' and `make demo-vl`'s steps on their own assets.
+# Writes outputs/kernel_caps/<cap>/{pytest.log,noise.jsonl,demo/,demo_tools/,demo_vl/} and prints one table
+# at the end.
+#   bash tests/kernel_caps.sh                 # all three caps (~55 minutes on 2 cores)
 #   CAPS="avx2" bash tests/kernel_caps.sh     # one of them
 #   DEMOS=0 bash tests/kernel_caps.sh         # the tests only
 #   TESTS="tests/test_lora.py" DEMOS=0 bash tests/kernel_caps.sh   # other tests (pytest's arguments)
@@ -68,7 +69,8 @@ for cap in $CAPS; do
     env $vars "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 train_ppo.py \
       --config configs/tiny_cpu_tools.yaml "actor_rollout_ref.model.path=$assets/tiny-qwen2-tools-sft" \
       "data.train_files=$assets/data/tools_train.parquet" "data.val_files=$assets/data/tools_val.parquet" \
-      "trainer.default_local_dir=$dir/demo_tools"
+      "trainer.default_local_dir=$dir/demo_tools" &&
+    env $vars "$PY" bench/bench_vl.py --assets "$assets" --steps 50 --out "$dir/demo_vl"
   } > "$dir/demos.log" 2>&1 || echo "   the demos failed: $dir/demos.log"
 done
 
@@ -83,7 +85,8 @@ for cap in caps:
     for r in (json.loads(line) for line in (log.read_text().splitlines() if log.is_file() else [])):
         print(f"| {cap} | {r['test'].split('::')[-1]} | {r['what']} | {r['effect']:.4f} | {r['se']:.4f} | "
               f"{r['floor']:g} | {r['margin']:.1f} |")
-print("\n| cap | demo val/score (step 0 -> last) | demo-tools val/score | demo-tools tools/call_frequency |\n|---|---|---|---|")
+print("\n| cap | demo val/score (step 0 -> last) | demo-tools val/score | demo-tools tools/call_frequency "
+      "| demo-vl val/score | demo-vl training trend (s.e.) |\n|---|---|---|---|---|---|")
 for cap in caps:
     cells = []
     for name, key in (("demo", "val/score"), ("demo_tools", "val/score"), ("demo_tools", "tools/call_frequency")):
@@ -91,5 +94,9 @@ for cap in caps:
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
         values = [r[key] for r in rows if key in r]
         cells.append(f"{values[0]:.3f} -> {values[-1]:.3f}" if values else "-")
+    vl = out / cap / "demo_vl" / "result.json"  # bench/bench_vl.py's summary of its run
+    run = json.loads(vl.read_text())["run"] if vl.is_file() else None
+    cells += ([f"{run['val_score_before']:.3f} -> {run['val_score_after']:.3f}",
+               f"{run['score_rise']:+.3f} ({run['margin_se']:.1f} s.e.)"] if run else ["-", "-"])
     print(f"| {cap} | " + " | ".join(cells) + " |")
 EOF

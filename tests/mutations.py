@@ -136,6 +136,13 @@ MUTATIONS = (
     Mutation("a VLM sync keeps the engine's encoder cache (image embeddings of the old tower)", "rollout.py", ((
         "    _reset_encoder_cache(llm)  # images embedded by the old vision tower\n", ""),),
         "tests/test_vision.py -k engine_log_probs and qwen2_vl and not qwen2_5"),
+    Mutation("the memory plan leaves out the vision tower's activations", "memory_plan.py", ((
+        "        tower = vision_activation_bytes(shape.vision, patches, m.compute_bytes, checkpointing)\n", ""),),
+        "tests/test_memory_rehearsal.py::test_a_vl_plan_is_within_15_percent_of_its_rehearsal[qwen2_vl]"),
+    Mutation("the memory plan leaves out the pixels a VLM batch holds (its float32 column)", "memory_plan.py", ((
+        "return (samples * 4 + micro_samples * (4 + dtype_bytes)) * patches * patch_dim",
+        "return (micro_samples * (4 + dtype_bytes)) * patches * patch_dim"),),
+        "tests/test_memory_rehearsal.py::test_a_vl_plan_is_within_15_percent_of_its_rehearsal[qwen2_vl]"),
     Mutation("the engine samples the image pads the trainer's log-probs mask", "rollout.py", ((
         "allowed_token_ids=allowed, seed=seed)", "seed=seed)"),),
         "tests/test_vision.py -k engine_log_probs and qwen2_vl and not qwen2_5"),

@@ -325,13 +325,16 @@ def test_device_check_smoke(tiny_assets, tmp_path):
     torchrun(2, ROOT / "bench" / "device_check.py", "--model", str(tiny_assets["tiny-qwen2"]), "--batch", "4",
              "--prompt-len", "16", "--response-len", "16", "--micro-batch", "2", "--out", str(tmp_path),
              "--vocab-size", "512", "--vocab-layers", "1", "--rehearsal", "--case 0.5b:2 --layers 1 --prompt-len 8 "
-             "--response-len 8 --samples 2 --micro-batch 1 --vocab-size 512", timeout=400)
+             "--response-len 8 --samples 2 --micro-batch 1 --vocab-size 512", "--vl-shape", "tiny", timeout=400)
     report = json.loads((tmp_path / "device_check.json").read_text())
     assert report["all_ranks_ok"] and report["world"] == 2 and report["ok"]
     rows = {r["check"]: r for r in report["rows"]}
     for what in ("log-probs", "entropy"):  # fp32 on the CPU: the two layouts agree to rounding
         assert rows[f"packed = padded {what} (0.5b x1 layers, vocab 512)"]["ok"] is True
     assert rows["gradient accumulation: 1 = 4 micro batches (grad norm)"]["ok"] is True
+    # the VLM entry at tiny size, float32: the trainer's layouts and HF per row agree; without pixels HF is off
+    vl = {name: r for name, r in rows.items() if "(Qwen2.5-VL tiny, vocab 128)" in name}
+    assert len(vl) == 4 and all(r["ok"] is True for r in vl.values()), vl
     rehearsed = [r for name, r in rows.items() if name.startswith("rehearsal 0.5b:2 ")]
     assert len(rehearsed) == 3 and all(r["ok"] is None for r in rehearsed)  # reported; gated on CUDA only
     assert report["rehearsal"]["cases"][0]["measure"] == "live storages"

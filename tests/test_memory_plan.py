@@ -1,6 +1,7 @@
 """memory_plan.py: the placement table and its moves, and the byte estimates checked against real
 FSDP2 shards (2 and 4 gloo ranks) and against the tensors autograd really saves for backward."""
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -226,8 +227,9 @@ def _sp_activation_worker(rank: int, path: str, init_file: str, out_dir: str) ->
         dist.destroy_process_group()
 
 
-def saved_bytes_of(model: torch.nn.Module, forward, checkpointing: bool) -> int:
-    """saved_for_backward_bytes for any forward call (the Ulysses one takes no batch dict)."""
+def saved_bytes_of(model: torch.nn.Module, forward, checkpointing: bool, blocks: list | None = None) -> int:
+    """saved_for_backward_bytes for any forward call (the Ulysses one takes no batch dict); `blocks`: the
+    checkpointed blocks (default: the decoder's)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept: dict[int, int] = {}
 
@@ -240,8 +242,8 @@ def saved_bytes_of(model: torch.nn.Module, forward, checkpointing: bool) -> int:
         hidden = args[0] if args else kwargs["hidden_states"]
         kept[hidden.untyped_storage().data_ptr()] = hidden.untyped_storage().nbytes()
 
-    hooks = ([layer.register_forward_pre_hook(block_input, with_kwargs=True) for layer in model.model.layers]
-             if checkpointing else [])
+    hooks = ([layer.register_forward_pre_hook(block_input, with_kwargs=True)
+              for layer in (model.model.layers if blocks is None else blocks)] if checkpointing else [])
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = forward()
     for hook in hooks:
@@ -590,3 +592,34 @@ def test_a_separate_rollout_pool_plans_each_role(tiny_assets):
     tight = plan(*split, world=4, gpu_gb=1e-4)  # less than the weights
     assert not tight["fits"] and "actor_rollout_ref.rollout.gpu_memory_utilization" in tight["verdict"]
     assert "rollout rank, GiB" in mp.describe_memory(apart)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_vision_tower_activations_within_10_percent(arch):
+    """memory_plan.vision_activation_bytes against the tensors autograd saves in a VLM's vision tower (two images
+    of different sizes, a tower wider than the test assets'), float32 and bf16, with and without checkpointing."""
+    from transformers import AutoModelForImageTextToText
+
+    import make_assets
+
+    config = make_assets.vl_config(arch)
+    vision = config.vision_config
+    vision.depth, vision.num_heads = 2, 4
+    if arch == "qwen2_vl":
+        vision.embed_dim, vision.mlp_ratio = 256, 4
+    else:
+        vision.hidden_size, vision.intermediate_size, vision.fullatt_block_indexes = 256, 688, [1]
+    grid = torch.tensor([[1, 16, 24], [1, 8, 8]])
+    patches = int(grid.prod(-1).sum())
+    for dtype in (torch.float32, torch.bfloat16):
+        model = AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation="sdpa").train()
+        shape = mp.vision_shape(model)
+        tower = model.model.visual
+        pixels = torch.randn(patches, shape.patch_dim, dtype=dtype, generator=torch.Generator().manual_seed(0))
+        for checkpointing in (False, True):
+            if checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            measured = saved_bytes_of(tower, functools.partial(tower, pixels, grid_thw=grid), checkpointing,
+                                      blocks=list(tower.blocks))
+            estimate = mp.vision_activation_bytes(shape, patches, dtype.itemsize, checkpointing)
+            assert abs(estimate - measured) / measured <= 0.10, (dtype, checkpointing, estimate, measured)

@@ -88,3 +88,67 @@ def test_gpu_check_imports_without_vllm():
             "print('imported')\n")
     proc = run([sys.executable, "-c", code], timeout=300)
     assert proc.stdout.strip().endswith("imported")
+
+
+def vl_rehearsal_config(tmp_path, arch: str, *overrides: str):
+    """The flagship config on a VLM with a tower wider than its language model (the tower's terms dominate),
+    on rows whose prompts each hold two 112 x 112 images (2 x 64 patches, 32 image tokens)."""
+    import functools
+
+    import make_assets
+    from config import load_config
+
+    model_dir = tmp_path / arch
+    config = make_assets.vl_config(arch)
+    vision = config.vision_config
+    vision.depth, vision.num_heads = 2, 4
+    if arch == "qwen2_vl":
+        vision.embed_dim, vision.mlp_ratio = 256, 4
+    else:
+        vision.hidden_size, vision.intermediate_size, vision.fullatt_block_indexes = 256, 688, [1]
+    config.save_pretrained(model_dir)  # config.json: the rehearsal fills the shards at random
+    make_assets.vl_image_processor().save_pretrained(model_dir)
+
+    def rows(num: int, seed: int) -> list[dict]:
+        out = make_assets.shape_rows(num, seed, size=112)
+        for row in out:
+            row["images"] = row["images"] * 2
+            row["prompt"][0]["content"] = "<image><image>" + row["prompt"][0]["content"].removeprefix("<image>")
+        return out
+
+    data = make_assets.write_splits(tmp_path / "data", functools.partial(rows), 4, 2, 0)
+    return load_config(memory_rehearsal.FLAGSHIP, [
+        f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={data['train']}",
+        f"data.val_files={data['val']}", "trainer.n_gpus_per_node=2", "trainer.nnodes=1", "data.train_batch_size=2",
+        "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2", "data.max_prompt_length=48",
+        "data.max_response_length=16", "actor_rollout_ref.rollout.tensor_model_parallel_size=1", *overrides])
+
+
+# One case in the suite (seconds). The same check on the others, run by hand (2026-12-04), planned / measured
+# without the shards, log_prob / update: Qwen2.5-VL without checkpointing 1.08 / 1.02; Qwen2-VL with
+# checkpointing 1.05 / 0.91, and with its tower frozen under it 1.05 / 0.85.
+VL_CASES = [("qwen2_vl", ("actor_rollout_ref.model.enable_gradient_checkpointing=false",))]
+
+
+@pytest.mark.parametrize("arch,overrides", VL_CASES, ids=["qwen2_vl"])
+def test_a_vl_plan_is_within_15_percent_of_its_rehearsal(arch, overrides, vl_assets, tmp_path):
+    """A VLM's plan (its tower's shards, gradients and AdamW state, the pixels held, the tower's activations,
+    the images read from the data's headers) against the trainer's phases run in this process as rank 0 of 2
+    (memory_rehearsal.rehearse_config, live storages, about 7 s): each phase within 15%; the shards and AdamW
+    state exactly (plus the pixels the batch holds from the log-prob phase on); what is not shards, where the
+    tower's activations and the pixels are most of it, within 8% without checkpointing (measured 0.99-1.05) and
+    25% with it (under it the update is planned 9-15% low: not explained yet)."""
+    cfg = vl_rehearsal_config(tmp_path, arch, *overrides)
+    case = memory_rehearsal.rehearse_config(cfg, 2, torch.device("cpu"))
+    assert case["phases"]["update"]["planned_items"]["pixels"] > 0
+    for phase, row in case["phases"].items():
+        items = row["planned_items"]
+        shards = items["actor.params"] + items["actor.optimizer"] + items["ref.params"]
+        held = items["pixels"] and 4 * 128 * 1176 * 4  # the batch column: 4 samples of 2 x 64 patches, float32
+        assert 0 <= row["measured_resident"] - shards - held < 2**16, phase
+        assert abs(row["ratio"] - 1) <= 0.15, (phase, row["ratio"])
+        if phase != "sync":
+            tolerance = 0.25 if cfg.actor_rollout_ref.model.enable_gradient_checkpointing else 0.08
+            assert abs((row["planned"] - shards) / (row["measured"] - shards) - 1) <= tolerance, (phase, row)

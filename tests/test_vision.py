@@ -132,6 +132,25 @@ def test_the_planner_sizes_a_vl_model_with_its_vision_tower(arch, vl_assets):
         text.hidden_size, text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads, 32, 128)
     with pytest.raises(ConfigError, match="a critic on one is not implemented"):
         memory_plan.model_shape(str(vl_assets[arch]), value_head=True)
+    v = shape.vision  # the tower's widths, and its parameters: patch embedding, blocks, merger
+    assert sum(math.prod(s) for s in v.param_shapes) == sum(p.numel() for p in model.model.visual.parameters())
+    assert (v.depth, v.patch_dim, v.merge, v.swiglu, v.rms_norm) == (
+        len(model.model.visual.blocks), 3 * 2 * 14 * 14, 2, arch == "qwen2_5_vl", arch == "qwen2_5_vl")
+    # actor.freeze_vision_tower: the tower's shards leave the gradients and AdamW's state, and its activations go
+    import offload
+
+    images = memory_plan.ImageLoad(patches=64, images=1, tokens=16, source="test")
+    base = dict(actor=shape, critic=None, use_ref=False, flags=offload.OffloadFlags(), fsdp=2, infer_tp=1,
+                compute_bytes=2, engine_bytes=2, prompt_len=64, response_len=16, ppo_micro=4, log_prob_micro=4,
+                critic_micro=None, actor_checkpointing=False, critic_checkpointing=False, gpu_memory_utilization=0.5,
+                gpu_memory_bytes=80 * memory_plan.GIB, actor_packed=True, samples_per_rank=8, images=images)
+    trained = memory_plan.phase_bytes(memory_plan.MemoryInputs(**base), 0)["update"]
+    frozen = memory_plan.phase_bytes(memory_plan.MemoryInputs(**base, freeze_vision_tower=True), 0)["update"]
+    tower_shard = sum(memory_plan.shard_numel(s, 2, 0) for s in v.param_shapes) * 4
+    assert trained["actor.grads"] - frozen["actor.grads"] == tower_shard
+    assert trained["actor.optimizer"] - frozen["actor.optimizer"] == 2 * tower_shard + 4 * len(v.param_shapes)
+    assert trained["activations"] - frozen["activations"] == memory_plan.vision_activation_bytes(v, 4 * 64, 2, False)
+    assert trained["pixels"] == frozen["pixels"] == (8 * 4 + 4 * 6) * 64 * 1176
 
 
 # -----------------------------------------------------------------------------
@@ -381,8 +400,10 @@ def hf_reference(model, batch, pixels, banned, image_token_id, text_positions: b
     return out
 
 
-def test_packed_and_padded_vl_forwards_equal_hf_per_sample(vl_assets, processors):
-    """models.compute_log_probs on a tiny Qwen2-VL (FSDP2, one rank), padded and packed, in fixed and token-budget
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_packed_and_padded_vl_forwards_equal_hf_per_sample(arch, vl_assets, processors):
+    """models.compute_log_probs on a tiny Qwen2-VL or Qwen2.5-VL (whose tower attends within windows in one block
+    and over the whole image in the other) (FSDP2, one rank), padded and packed, in fixed and token-budget
     micro batches (a text-only micro batch among them, which runs the dummy image), equals the HF model run on
     each row alone with its own mrope positions, to 1e-5, with the image pads banned; a row holds two images
     of different sizes. Controls: without pixels, or with plain text positions, the reference is far off; and
@@ -393,7 +414,7 @@ def test_packed_and_padded_vl_forwards_equal_hf_per_sample(vl_assets, processors
 
     import models
 
-    path, proc = str(vl_assets["qwen2_vl"]), processors["qwen2_vl"]
+    path, proc = str(vl_assets[arch]), processors[arch]
     hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     banned = vision.pad_token_ids(hf.config)
     batch, pixels = vl_training_batch(proc, hf)
@@ -404,7 +425,7 @@ def test_packed_and_padded_vl_forwards_equal_hf_per_sample(vl_assets, processors
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
         actor = models.load_causal_lm(path, mesh, device=torch.device("cpu"), param_dtype=torch.float32,
                                       reduce_dtype=torch.float32).eval()
-        assert type(actor).__name__.endswith("Qwen2VLForConditionalGeneration")
+        assert type(actor).__name__.endswith(type(hf).__name__)
         runs = {"padded": dict(micro_batch_size=3), "padded_one_row": dict(micro_batch_size=1),
                 "packed": dict(micro_batch_size=4, use_remove_padding=True),
                 "packed_budget": dict(micro_batch_size=1, use_remove_padding=True, max_token_len=80)}
