@@ -424,10 +424,6 @@ def write_splits(out_dir: str | Path, rows: Callable[[int, int], list[dict[str, 
     for split, num, split_seed in (("train", num_train, seed), ("val", num_val, seed + 1)):
         datasets.Dataset.from_list(rows(num, split_seed)).to_parquet(str(paths[split]))
     return paths
-    out.mkdir(parents=True, exist_ok=True)
-    for split, num, split_seed in (("train", num_train, seed), ("val", num_val, seed + 1)):
-        datasets.Dataset.from_list(arithmetic_rows(num, split_seed)).to_parquet(str(paths[split]))
-    return paths
 
 
 # -----------------------------------------------------------------------------
