@@ -248,10 +248,11 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "rc_decoupled": ("configs/tiny_cpu.yaml", [
         *RC_DECOUPLED, "trainer.n_gpus_per_node=4", "trainer.total_training_steps=2", "trainer.save_freq=2",
         "trainer.test_freq=2", "trainer.val_before_train=false"]),
-    # --- tests/test_train_ppo_split.py: the collocated runs above with a rollout pool apart, 2 trainers + 2 rollout
-    # ranks at staleness 0: their metrics bit for bit. rc_bypass's (TP 1: two engines in the pool), 4 launched ranks
-    # (LAUNCHES["w4_tp1"]); resume_smaller's (TP 2: one engine), which resumes rc_decoupled's checkpoint of 4
-    # collocated ranks as a split (in rc_decoupled's launch: its engine serves the pool)
+    # --- tests/test_train_ppo_split.py: collocated 2-rank runs above as 2 trainers + 2 rollout ranks at staleness 0
+    # (4 launched ranks, LAUNCHES["w4"]), whose metrics must be theirs bit for bit: at TP 2 (one engine in the pool,
+    # rc_decoupled's, which serves it) resume_smaller's, which resumes rc_decoupled's checkpoint of 4 collocated
+    # ranks as the split, and grpo_tp2's (dynamic sampling on the pool; no checkpoint); at TP 1 (two engines: the
+    # launch builds them anew, run_cases.py) rc_bypass's
     "split_resume_tp2": ("configs/tiny_cpu.yaml", [*RESUME_SMALLER, *SPLIT_2_2, f"{V1}.separate_async.parameter_sync_step=2"]),
     "split_grpo_tp2": ("configs/tiny_cpu.yaml", [*GRPO_TP2, *SPLIT_2_2, f"{V1}.separate_async.parameter_sync_step=2"]),
     "split_bypass_tp1": ("configs/tiny_cpu.yaml", [*RC_BYPASS, *SPLIT_2_2, f"{V1}.separate_async.parameter_sync_step=1"]),

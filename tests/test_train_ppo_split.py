@@ -6,11 +6,16 @@ every rank (the trainers' idle), the warmed tiny model.
   run of the same config: the pool generates and scores the batch, hands it to the trainer, the trainer's
   weights come back to the pool's engine in buckets; the metrics must be the collocated run's, bit for bit
   (timings and memory aside). Both runs use the same kernels on this machine (the same CPU, one process each
-  for the model that trains), so the floats can be compared exactly.
+  for the model that trains), so the floats can be compared exactly. The split run's checkpoint resumes on one
+  collocated rank, in the reference's launch: the same step again.
+  2 trainers + 2 rollout ranks at staleness 0, at TP 1 and TP 2 (tests/short_runs.py's split_* cases, in the
+  4-rank launch) against collocated 2-rank runs the suite makes anyway: bit for bit, with dynamic sampling,
+  token-budget micro batches, a reference model, and a 4-rank collocated checkpoint resumed as the split.
   1 + 1 one step off (num_warmup_batches=1), decoupled PPO: tests/dist_split_check.py keeps every weight
   version and finds which one sampled each trained batch: the one a step older than the update's; in the same
-  launch the run resumes from its step-2 checkpoint (with the batch the pool generated ahead) and repeats
-  steps 3-4 and the final weights bit for bit.
+  launch the run resumes from its step-2 checkpoint (with the batch the pool generated ahead), its rollout rank
+  is killed in step 4, and torchrun's restart resumes it from the step-3 checkpoint the killed processes wrote:
+  steps 3-4 and the final weights repeat the uninterrupted run's bit for bit.
 """
 import json
 import re
@@ -97,7 +102,7 @@ def test_two_trainers_and_two_rollout_ranks_are_the_collocated_two_rank_runs(sho
     for split, tp_groups in (("split_bypass_tp1", [[2], [3]]), ("split_resume_tp2", [[2, 3], [2, 3]])):
         layouts = [json.loads((short_runs / split / "layout" / f"rank{r}.json").read_text()) for r in range(4)]
         assert [lay["rollout_tp_group"] for lay in layouts[2:]] == tp_groups, layouts
-    assert "token budget" in (short_runs / "w4.out").read_text()  # use_dynamic_bsz, on the trainers
+    assert "use_dynamic_bsz: true" in (short_runs / "split_bypass_tp1" / "config.yaml").read_text()  # on the trainers
     assert all("train/num_gen_batches" in r for r in step_rows(short_run(short_runs, "split_grpo_tp2")))
     assert step_rows(short_run(short_runs, "split_bypass_tp1"))[-1]["actor/kl_loss"] > 0  # the reference's, on the trainers
 
@@ -110,9 +115,10 @@ def test_one_step_off_trains_each_batch_sampled_by_the_weights_one_update_old_an
     than the step's (the first batch: version 0) gives the engine's log-probs (float32, < 1e-4); the step's own
     version does not (the check can tell them apart), and the versions logged say staleness 1 from step 2 on.
     In the same launch the run resumes from its step-2 checkpoint, which holds step 3's batch, generated ahead
-    by the pool with the weights of version 1: steps 3 and 4 repeat the uninterrupted run's, every metric bit for
-    bit (the same processes, the same kernels; step 4's validation on the pool too), and so do the final
-    weights."""
+    by the pool with the weights of version 1, saving every step; in step 4 its rollout rank is SIGKILLed and
+    torchrun (--max-restarts=1) starts the job again, which resumes from the step-3 checkpoint the killed
+    processes wrote (step 4's batch in it). Steps 3 and 4 repeat the uninterrupted run's, every metric bit for bit
+    (the same kernels; step 4's validation on the pool too), and so do the final weights."""
     out, run = tmp_path / "gaps.json", tmp_path / "run"
     proc = torchrun(2, "tests/dist_split_check.py", str(out), "2", f"actor_rollout_ref.model.path={sft_model}",
                     f"data.train_files={tiny_assets['train']}", f"data.val_files={tiny_assets['val']}",
