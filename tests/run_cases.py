@@ -6,11 +6,11 @@ Each case is what `train_ppo.py ARGV` would run (its own trainer.default_local_d
 but the cases share one process group and one vLLM engine (train_ppo.build_run(cfg, env, engine): the
 engine must be able to serve the run, check_engine_serves), so the launch pays the imports and the engine start-up once,
 which is most of a short run's time on a CPU. A case of another rollout TP size releases the engine
-(rollout.release) and builds its own: a second engine costs less than a second launch. Prints "case NAME done" after each. A case whose third
-field is true is expected to stop with an error (raised on every rank at the same point, as
-collectives.failing_together makes a reward error): each rank writes it, with its traceback, to
-<trainer.default_local_dir>/error.rank<r>.txt and the launch goes on; if it does not raise, the launch
-fails.
+(rollout.release) and builds its own: a second engine costs less than a second launch (a few seconds against a
+minute on 4 ranks). Prints "case NAME done" after each. A case whose third field is true is expected to stop
+with an error (raised on every rank at the same point, as collectives.failing_together makes a reward error):
+each rank writes it, with its traceback, to <trainer.default_local_dir>/error.rank<r>.txt and the launch goes
+on; if it does not raise, the launch fails.
 """
 
 import gc
