@@ -1710,12 +1710,8 @@ def check_separate_async(cfg: Config) -> None:
             f"parameter_sync_step={tbs // mini if tbs % mini == 0 else 'train_batch_size / ppo_mini_batch_size'}.")
     unsupported = {
         "actor_rollout_ref.rollout.multi_turn.enable": (arr.rollout.multi_turn.enable, "tools run beside the engine"),
-        "algorithm.filter_groups.enable": (cfg.algorithm.filter_groups.enable, "extra generation batches"),
         "reward_model.enable": (cfg.reward_model.enable, "the reward model would load on the rollout ranks"),
         "actor_rollout_ref.model.lora_rank": (arr.model.lora_rank > 0, "the adapter-only syncs"),
-        "actor_rollout_ref.actor.use_dynamic_bsz": (bool(arr.actor.use_dynamic_bsz or arr.rollout.log_prob_use_dynamic_bsz
-                                                         or arr.ref.log_prob_use_dynamic_bsz or cfg.critic.use_dynamic_bsz),
-                                                    "micro batches agreed over the trainers alone"),
     }
     for key, (on, what) in unsupported.items():
         if on:

@@ -411,13 +411,15 @@ def _response_len(batch: Mapping[str, torch.Tensor]) -> int:
     return batch["responses"].shape[1]
 
 
-def token_budget_micro_batches(attention_mask: torch.Tensor, max_token_len: int) -> list[torch.Tensor]:
+def token_budget_micro_batches(attention_mask: torch.Tensor, max_token_len: int,
+                               dp_group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
     """Row indices of each micro batch cut by token count (verl's use_dynamic_bsz): none holds more
     than max_token_len valid tokens, their counts are balanced (ppo_core.token_budget_partitions).
 
-    Collective when torch.distributed is initialised: every rank gets the same number of micro batches,
-    because each micro batch's forward all-gathers the FSDP shards, and a rank with one more would
-    wait forever for the others.
+    Collective over dp_group (the ranks that hold distinct samples and train together; None: every rank)
+    when torch.distributed is initialised: each of them gets the same number of micro batches, because each
+    micro batch's forward all-gathers the FSDP shards, and a rank with one more would wait forever for the
+    others (the ranks of an sp group hold the same samples, so they cut alike).
     """
     seq_lens = attention_mask.sum(-1).tolist()  # (B,) valid tokens per sample
     num_parts = 1
@@ -426,24 +428,24 @@ def token_budget_micro_batches(attention_mask: torch.Tensor, max_token_len: int)
         if not dist.is_initialized():
             break
         counts = torch.tensor([len(parts), -len(parts)], device=attention_mask.device)
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # (most, -fewest) over the ranks
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=dp_group)  # (most, -fewest) over the ranks
         if counts[0] == -counts[1]:
             break
         num_parts = int(counts[0])  # grows each round, and never past this rank's samples
     return [torch.tensor(p, dtype=torch.long, device=attention_mask.device) for p in parts]
 
 
-def _micro_batches(batch: Mapping[str, torch.Tensor], micro_batch_size: int,
-                   max_token_len: int | None) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+def _micro_batches(batch: Mapping[str, torch.Tensor], micro_batch_size: int, max_token_len: int | None,
+                   dp_group: dist.ProcessGroup | None = None) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """(rows, model inputs) of each micro batch: runs of micro_batch_size rows, or token-budget micro
-    batches when max_token_len is set."""
+    batches when max_token_len is set (agreed over dp_group)."""
     num_rows = batch["input_ids"].shape[0]
     device = batch["input_ids"].device
     if max_token_len is None:
         row_groups = [torch.arange(s, min(s + micro_batch_size, num_rows), device=device)
                       for s in range(0, num_rows, micro_batch_size)]
     else:
-        row_groups = token_budget_micro_batches(batch["attention_mask"], max_token_len)
+        row_groups = token_budget_micro_batches(batch["attention_mask"], max_token_len, dp_group)
     keys = [key for key in (*_SEQUENCE_KEYS, *_PIXEL_KEYS) if key in batch]
     for rows in row_groups:
         yield rows, {key: batch[key][rows] for key in keys}
@@ -629,6 +631,7 @@ def compute_log_probs(
     max_token_len: int | None = None,
     use_remove_padding: bool = False,
     sp_group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None,
     truncation: tuple[int, float] | None = None,
     calc_sum_pi_squared: bool = False,
     topk: tuple[int, int | None] | None = None,
@@ -647,7 +650,7 @@ def compute_log_probs(
 
     batch holds "input_ids", "attention_mask", "position_ids" (each (B, P+R): prompts, then responses)
     and "responses" (B, R), which gives R. Micro batches are runs of micro_batch_size rows, or cut by
-    token count when max_token_len is set (token_budget_micro_batches; collective). With
+    token count when max_token_len is set (token_budget_micro_batches; collective over dp_group). With
     use_remove_padding each micro batch's valid tokens run packed in one row (_pack), and positions
     past a response's end come back as 0; padded, each micro batch runs over its longest sample (_trim),
     and they hold the model's output there up to its longest response, 0 after. Either way only
@@ -686,7 +689,7 @@ def compute_log_probs(
         raise ValueError("compute_log_probs: routed_experts go with a replaying router_replay, and only with it")
     pieces: dict[str, list[torch.Tensor]] = {}
     row_groups = []
-    for rows, inputs in _micro_batches(batch, micro_batch_size, max_token_len):
+    for rows, inputs in _micro_batches(batch, micro_batch_size, max_token_len, dp_group):
         ran = None if router_replay is None else _forward_positions(inputs["attention_mask"], response_len,
                                                                     use_remove_padding)  # (b, P+R)
         if routed_experts is not None:  # the recorded experts of this forward's tokens, in its order
@@ -759,14 +762,14 @@ def _dummy_image_without_images(model: nn.Module, inputs: Mapping[str, torch.Ten
 
 def compute_values(critic: nn.Module, batch: Mapping[str, torch.Tensor], micro_batch_size: int, *,
                    max_token_len: int | None = None, use_remove_padding: bool = False,
-                   sp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                   sp_group: dist.ProcessGroup | None = None, dp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """V(s_t) for each response token (B, R): the critic's output at the position that predicts that
-    token (the last prompt token for the first response token). batch, micro batches, packing and
-    sp_group as for compute_log_probs. Grad flows if enabled."""
+    token (the last prompt token for the first response token). batch, micro batches, packing,
+    sp_group and dp_group as for compute_log_probs. Grad flows if enabled."""
     response_len = _response_len(batch)
     _check_sp_packed(sp_group, use_remove_padding)
     values, row_groups = [], []
-    for rows, inputs in _micro_batches(batch, micro_batch_size, max_token_len):
+    for rows, inputs in _micro_batches(batch, micro_batch_size, max_token_len, dp_group):
         if sp_group is not None:
             model_inputs, predictors, response_valid = _pack(inputs, response_len)
             token_values = ulysses.sequence_parallel_values(critic, model_inputs, sp_group)  # (1, N) on every rank

@@ -897,6 +897,18 @@ def wake_up(llm: LLM, tags: list[str] | None = None) -> bool:
     return True
 
 
+def release(llm: LLM) -> None:
+    """Drop vLLM's tensor-parallel groups and keep torch.distributed's default group: once the caller has
+    dropped its references to llm, this process can build an engine of another TP size (collective: every rank
+    calls it). The in-process engine's shutdown, which vLLM also runs when the engine is collected, would end the
+    default group (shutdown's note): it is detached, and the engine's memory goes with its last reference."""
+    from vllm.distributed.parallel_state import destroy_model_parallel
+
+    _vllm_internals(llm).engine_core._finalizer.detach()
+    destroy_model_parallel()
+    gc.unfreeze()  # build_rollout_engine froze the heap: the dropped engine's objects must be collectable
+
+
 def shutdown(llm: LLM) -> None:
     """Stop the engine, then the default process group. Call this instead of
     dist.destroy_process_group(): vLLM's shutdown destroys its own groups and the default one,

@@ -316,13 +316,13 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     # 2-3. generate and score: each rollout dp group samples n responses for its prompts, each rank
     # keeps its slice and scores it. With algorithm.filter_groups (DAPO's dynamic sampling) generation
     # batches repeat until train_batch_size prompts have groups whose metric differs.
-    if algo_cfg.filter_groups.enable:
+    if run.pool is not None:  # separate_async: the rollout pool generated and scored them (serve_rollouts)
+        rows, reward_extras = receive_rollouts(run, metrics)
+    elif algo_cfg.filter_groups.enable:
         rows, reward_extras, sampling_metrics = dynamic_sampling(
             functools.partial(rollout_step, run, step, metrics=metrics), algo_cfg.filter_groups,
             train_batch_size=cfg.data.train_batch_size)
         metrics.update(sampling_metrics)
-    elif run.pool is not None:  # separate_async: the rollout pool generated and scored them (serve_rollouts)
-        rows, reward_extras = receive_rollouts(run, metrics)
     else:
         rows, reward_extras = rollout_step(run, step, 0, metrics)
     enter(run, step, "log_prob")  # free_cache_engine: the engine sleeps; param_offload: the shards come back
@@ -362,7 +362,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         with timed(metrics, "ref"), torch.no_grad(), run.reference_mode():
             batch["ref_log_probs"] = compute_log_probs(
                 run.ref, batch, run.actor_loss.temperature, spec.micro_batch_size, max_token_len=spec.max_token_len,
-                use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group).log_probs
+                use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group, dp_group=run.dp_group).log_probs
     if run.teacher is not None:
         with timed(metrics, "teacher"):
             batch.update(teacher_log_probs(run, batch))
@@ -371,7 +371,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         run.critic.eval()
         with timed(metrics, "values"), torch.no_grad():
             batch["values"] = compute_values(run.critic, batch, spec.micro_batch_size, max_token_len=spec.max_token_len,
-                                             use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group)
+                                             use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group,
+                                             dp_group=run.dp_group)
 
     # 5. advantages
     with timed(metrics, "adv"):
@@ -567,14 +568,16 @@ def sync_weights(run: Run) -> float:
 
 
 def dynamic_sampling(generate_and_score: Callable[[int], tuple[Batch, list[dict[str, float]]]], filter_cfg: Config,
-                     *, train_batch_size: int) -> tuple[Batch, list[dict[str, float]], dict[str, float]]:
+                     *, train_batch_size: int, group: dist.ProcessGroup | None = None
+                     ) -> tuple[Batch, list[dict[str, float]], dict[str, float]]:
     """DAPO's dynamic sampling (algorithm.filter_groups): generation batches k = 0, 1, ...
     (generate_and_score(k) returns this rank's rows, scored) until train_batch_size prompts have groups
     whose metric differs (ppo_core.group_has_spread); at most max_num_gen_batches (<= 0: no limit).
-    Every rank sees every sample's metric, so all keep the same prompts, the first train_batch_size in
-    generation order; rank r then keeps slice r of their samples, prompt-major (as plain generation).
-    Returns (this rank's rows, their extras, train/num_gen_batches and train/uniform_group_fraction)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    Every rank of group (the ranks that generate: every rank, or a split job's pool) sees every sample's metric,
+    so all keep the same prompts, the first train_batch_size in generation order; rank r of the group then
+    keeps slice r of their samples, prompt-major (as plain generation). Returns (this rank's rows, their
+    extras, train/num_gen_batches and train/uniform_group_fraction)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     taken: set[int] = set()  # prompts kept this step
     kept: list[tuple[Batch, list[dict[str, float]]]] = []  # this rank's kept rows, per generation batch
     num_groups = num_uniform = 0
@@ -588,7 +591,7 @@ def dynamic_sampling(generate_and_score: Callable[[int], tuple[Batch, list[dict[
         rows, extras = generate_and_score(gen_batch)
         values = filter_metric(rows["scores"], rows["fn_scores"], extras, filter_cfg.metric)  # (B,)
         every_rank: list[Any] = [None] * world
-        dist.all_gather_object(every_rank, (rows["prompt_index"].tolist(), values.tolist()))
+        dist.all_gather_object(every_rank, (rows["prompt_index"].tolist(), values.tolist()), group=group)
         index = [i for rank_index, _ in every_rank for i in rank_index]  # the generation batch, prompt-major
         spread = core.group_has_spread(torch.tensor([v for _, vs in every_rank for v in vs], dtype=torch.float64),
                                        index)
@@ -603,7 +606,7 @@ def dynamic_sampling(generate_and_score: Callable[[int], tuple[Batch, list[dict[
         if len(taken) == train_batch_size:
             break
     every_rank = [None] * world
-    dist.all_gather_object(every_rank, kept)
+    dist.all_gather_object(every_rank, kept, group=group)
     parts = [every_rank[r][k] for k in range(len(kept)) for r in range(world)]  # prompt-major: batch by batch
     samples = {key: torch.cat([part[key] for part, _ in parts]) for key in kept[0][0]}
     all_extras = [e for _, part_extras in parts for e in part_extras]
@@ -747,7 +750,14 @@ def pool_batch(run: Run, step: int, version: int) -> tuple[Batch, list[dict[str,
     """A pool rank's part of step `step`'s batch (rollout_step: its TP slice of its engine's samples, scored),
     each response token tagged with the weight version that sampled it (-1 on padding), and the metrics."""
     metrics: dict[str, float] = {}
-    rows, extras = rollout_step(run, step, 0, metrics)
+    filter_cfg = run.cfg.algorithm.filter_groups
+    if filter_cfg.enable:  # DAPO's dynamic sampling, over the pool's ranks
+        rows, extras, sampling_metrics = dynamic_sampling(
+            functools.partial(rollout_step, run, step, metrics=metrics), filter_cfg,
+            train_batch_size=run.cfg.data.train_batch_size, group=run.pool.pool_group)
+        metrics.update(sampling_metrics)
+    else:
+        rows, extras = rollout_step(run, step, 0, metrics)
     metrics["training/epoch"] = run.sampler.epoch  # the pool draws the prompts: the trainers' sampler stands still
     rows["rollout_versions"] = torch.where(rows["response_mask"].bool(), version, -1)  # (B, R)
     return rows, extras, metrics
@@ -902,7 +912,7 @@ def old_policy_forward(run: Run, batch: Batch) -> PolicyForward:
         out = compute_log_probs(
             run.actor, batch, run.actor_loss.temperature, spec.micro_batch_size, calc_entropy=True,
             max_token_len=spec.max_token_len, use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group,
-            truncation=truncation, calc_sum_pi_squared=actor_cfg.calculate_sum_pi_squared, router_replay=record)
+            dp_group=run.dp_group, truncation=truncation, calc_sum_pi_squared=actor_cfg.calculate_sum_pi_squared, router_replay=record)
     return PolicyForward(out.log_probs, out.entropy, out.log_probs if out.truncated is None else out.truncated,
                          out.sum_pi_squared, out.routed_experts)
 
@@ -916,7 +926,7 @@ def teacher_log_probs(run: Run, batch: Batch) -> Batch:
     with torch.no_grad():
         out = compute_log_probs(
             run.teacher, batch, 1.0, spec.micro_batch_size, max_token_len=spec.max_token_len,
-            use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group,
+            use_remove_padding=spec.use_remove_padding, sp_group=run.sp_group, dp_group=run.dp_group,
             topk=(topk, run.teacher_vocab_limit) if topk is not None else None)
     if topk is None:
         return {"teacher_log_probs": out.log_probs}
@@ -1059,10 +1069,11 @@ def check_versions(batch: Batch, step: int, threshold: int, old_log_probs_from: 
 # 6. Updates: ppo_epochs x mini batches x micro batches, one loop for the actor and the critic
 
 
-def mini_batches(batch: Batch, spec: UpdateSpec, generator: torch.Generator) -> Iterator[list[Batch]]:
+def mini_batches(batch: Batch, spec: UpdateSpec, generator: torch.Generator,
+                 dp_group: dist.ProcessGroup | None = None) -> Iterator[list[Batch]]:
     """Each optimizer step's mini batch as its list of micro batches: spec.epochs passes over this rank's
     samples (a fresh order per pass when spec.shuffle), cut into runs of spec.micro_batch_size samples
-    or, with spec.max_token_len, balanced token budgets (as many on every rank; collective)."""
+    or, with spec.max_token_len, balanced token budgets (as many on every rank of dp_group; collective)."""
     num_samples = batch["responses"].shape[0]
     for _ in range(spec.epochs):
         order = torch.randperm(num_samples, generator=generator) if spec.shuffle else torch.arange(num_samples)
@@ -1073,7 +1084,7 @@ def mini_batches(batch: Batch, spec: UpdateSpec, generator: torch.Generator) -> 
                 micro_rows = [rows[i:i + size] for i in range(0, len(rows), size)]
             else:
                 micro_rows = [rows[part.cpu()] for part in token_budget_micro_batches(batch["attention_mask"][rows],
-                                                                                       spec.max_token_len)]
+                                                                                       spec.max_token_len, dp_group)]
             yield [{k: v[part] for k, v in batch.items()} for part in micro_rows]
 
 
@@ -1107,7 +1118,7 @@ def run_updates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
     metrics: dict[str, float] = {}
     sums: dict[str, float] = {}
     num_steps = 0
-    for micro_batches in mini_batches(batch, spec, generator):
+    for micro_batches in mini_batches(batch, spec, generator, dp_group):
         num_tokens, num_seqs = core.global_num_tokens_and_seqs([mb["response_mask"] for mb in micro_batches],
                                                                  group=dp_group)
         scale = core.LossScale(num_tokens, num_seqs, dp_size)

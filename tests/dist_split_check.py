@@ -1,8 +1,9 @@
 """Worker for test_train_ppo_split.py: a split run one step off (1 trainer + 1 rollout rank,
 trainer.v1.separate_async.num_warmup_batches=1), whose trainer keeps the weights of every version and checks
-which of them sampled each trained batch; then, in the same launch, the run resumed from its mid-run checkpoint.
+which of them sampled each trained batch; then the run resumed from its mid-run checkpoint, killed, and resumed
+again by torchrun's restart.
 
-    torchrun --standalone --nproc_per_node=2 tests/dist_split_check.py OUT_JSON RESUME_STEP key=value ...
+    torchrun --standalone --max-restarts=1 --nproc_per_node=2 tests/dist_split_check.py OUT_JSON RESUME_STEP key=value ...
 
 The runs are train_ppo's own: build_run, then train (serve_rollouts on the rollout rank). Before step t the
 trainer keeps its full weights (version t-1) on the host; train_ppo.receive_rollouts, called through, records the
@@ -10,13 +11,18 @@ batch it hands to the step. After the run, a plain (unsharded) copy of the model
 computes the log-probs of that batch's response tokens: those of the version one update older than the step's
 (t-2; the first batch: version 0) must equal the engine's (float32), and those of the step's own version must not
 (or the check could not tell them apart). Then a second run (the same engines, new process groups) resumes from
-<trainer.default_local_dir>/global_step_RESUME_STEP into <trainer.default_local_dir>-resumed: the batch the pool
-had generated ahead and its sampler come from the checkpoint. The first run has the watchdog on (its logs/ show
-each role's phases). Writes the gaps and whether the two runs' final
-weights are equal to OUT_JSON; the test compares the two runs' metrics.jsonl.
+<trainer.default_local_dir>/global_step_RESUME_STEP into <trainer.default_local_dir>-resumed, saving every step:
+the batch the pool had generated ahead and its sampler come from the checkpoint. In step RESUME_STEP + 2, once
+that step's weights have landed (trainer 0 sends them after its save of the step before), its rollout rank
+SIGKILLs itself; torchrun ends the job and starts it again (its second attempt), which resumes that run from
+its own last checkpoint (written by the processes killed, with the batch generated ahead) and finishes it. The first run has the watchdog on (its logs/ show each role's phases).
+Writes the gaps, and whether the first and the twice-resumed run's final weights are equal, to OUT_JSON; the
+test compares the runs' metrics.jsonl.
 """
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -50,6 +56,26 @@ def main() -> None:
     cfg = load_config("configs/tiny_cpu.yaml", overrides)
     check_supported(cfg)
     env = init_distributed()
+    out_dir = Path(cfg.trainer.default_local_dir)
+    final_path = out_dir.with_name(out_dir.name + "-final.pt")  # the first run's final weights, across the restart
+    resumed_cfg = load_config("configs/tiny_cpu.yaml", [
+        *overrides, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={out_dir}/global_step_{resume_step}",
+        f"trainer.default_local_dir={out_dir}-resumed", "trainer.save_freq=1"])
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":  # the second attempt, after the kill
+        again_cfg = load_config("configs/tiny_cpu.yaml", [  # the killed run resumes from its own last checkpoint
+            *overrides, "trainer.resume_mode=auto", f"trainer.default_local_dir={out_dir}-resumed", "trainer.save_freq=1"])
+        run = train_ppo.build_run(again_cfg, env)
+        assert run.start_step == resume_step + 1, run.start_step
+        train_ppo.train(run)
+        train_ppo.finish(run)
+        if run.pool.is_trainer:
+            again, final = full_weights(run), torch.load(final_path)
+            result = json.loads(out_json.read_text())
+            result["final_weights_max_diff"] = max((again[k] - final[k]).abs().max().item() for k in final)
+            out_json.write_text(json.dumps(result))
+        rollout.shutdown(run.engine.llm)
+        return
+
     run = train_ppo.build_run(cfg, env, watch=True)  # with the watchdog: each role's phases in logs/
     seen: dict[int, dict[str, torch.Tensor]] = {}
     kept: dict[int, dict[str, torch.Tensor]] = {}
@@ -69,31 +95,32 @@ def main() -> None:
     train_ppo.receive_rollouts, train_ppo.train_step = receive, train_step
     run.progress.stop()
     train_ppo.finish(run)
-    result = {}
     if run.pool.is_trainer:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(cfg.actor_rollout_ref.model.path)
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         temperature = cfg.actor_rollout_ref.rollout.temperature
-        result["gaps"] = {step: {"sampler": engine_gap(plain, kept[max(step - 2, 0)], batch, temperature),
-                                 "current": engine_gap(plain, kept[step - 1], batch, temperature)}
-                          for step, batch in seen.items()}
-        final = full_weights(run)
+        gaps = {step: {"sampler": engine_gap(plain, kept[max(step - 2, 0)], batch, temperature),
+                       "current": engine_gap(plain, kept[step - 1], batch, temperature)}
+                for step, batch in seen.items()}
+        out_json.write_text(json.dumps({"gaps": gaps}))
+        torch.save(full_weights(run), final_path)
 
-    out_dir = Path(cfg.trainer.default_local_dir)
-    resumed_cfg = load_config("configs/tiny_cpu.yaml", [
-        *overrides, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={out_dir}/global_step_{resume_step}",
-        f"trainer.default_local_dir={out_dir}-resumed"])
     resumed = train_ppo.build_run(resumed_cfg, env, run.engine)
     assert resumed.start_step == resume_step, resumed.start_step
+    if not resumed.pool.is_trainer:  # killed in its second step, once the weights landed: trainer 0 sent them
+        syncs, receive_weights = [], train_ppo.receive_weights  # after it saved the first step
+
+        def dying(run_: train_ppo.Run) -> None:
+            receive_weights(run_)
+            syncs.append(None)
+            if len(syncs) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        train_ppo.receive_weights = dying
     train_ppo.train(resumed)
-    train_ppo.finish(resumed)
-    if resumed.pool.is_trainer:
-        again = full_weights(resumed)
-        result["final_weights_max_diff"] = max((again[k] - final[k]).abs().max().item() for k in final)
-        out_json.write_text(json.dumps(result))
-    rollout.shutdown(run.engine.llm)
+    raise SystemExit("the resumed run's rollout rank was to be killed before its run ended")
 
 
 if __name__ == "__main__":

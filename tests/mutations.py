@@ -83,13 +83,17 @@ MUTATIONS = (
     # trainer.v1.trainer_mode=separate_async (tests/test_train_ppo_split.py)
     Mutation("the rollout pool samples a step's batch with the next step's seeds", "train_ppo.py", ((
         "held = pool_batch(run, step, version=step - 1)", "held = pool_batch(run, step + 1, version=step - 1)"),),
-        "tests/test_train_ppo_split.py::test_one_trainer_and_one_rollout_rank_are_the_collocated_run"),
+        "tests/test_train_ppo_split.py::test_one_trainer_and_one_rollout_rank_are_the_collocated_run_and_resume_collocated"),
     Mutation("trainer 0 never broadcasts the last bucket of weights", "placement.py", ((
         "    if bucket:\n        _broadcast_bucket(pool, bucket)", "    if False:\n        _broadcast_bucket(pool, bucket)"),),
-        "tests/test_train_ppo_split.py::test_one_trainer_and_one_rollout_rank_are_the_collocated_run"),
+        "tests/test_train_ppo_split.py::test_one_trainer_and_one_rollout_rank_are_the_collocated_run_and_resume_collocated"),
     Mutation("one step off, the batch ahead is tagged with the next weights' version", "train_ppo.py", ((
         "held = pool_batch(run, step + 1, version=step - 1)", "held = pool_batch(run, step + 1, version=step)"),),
         "tests/test_train_ppo_split.py::test_one_step_off_trains_each_batch_sampled_by_the_weights_one_update_old_and_resumes"),
+    Mutation("the rollout pool deals trainer r the rows of trainer T-1-r", "placement.py", ((
+        "mine = slice(r * per_trainer, (r + 1) * per_trainer)",
+        "mine = slice((pool.trainers - 1 - r) * per_trainer, (pool.trainers - r) * per_trainer)"),),
+        "tests/test_train_ppo_split.py::test_two_trainers_and_two_rollout_ranks_are_the_collocated_two_rank_runs"),
     Mutation("a split job's checkpoint drops the batch the pool generated ahead", "placement.py", ((
         '"generated_ahead": batch_to_json(whole)', '"generated_ahead": None'),),
         "tests/test_train_ppo_split.py::test_one_step_off_trains_each_batch_sampled_by_the_weights_one_update_old_and_resumes"),
@@ -119,7 +123,7 @@ MUTATIONS = (
         "zip(wide, reversed(other), strict=True)", "zip(wide, other, strict=True)"),),
         "tests/test_ppo_core.py::test_balanced_partitions_against_every_equal_split"),
     Mutation("dynamic sampling decides from each rank's own samples", "train_ppo.py", ((
-        'dist.all_gather_object(every_rank, (rows["prompt_index"].tolist(), values.tolist()))',
+        'dist.all_gather_object(every_rank, (rows["prompt_index"].tolist(), values.tolist()), group=group)',
         'every_rank = [(rows["prompt_index"].tolist(), values.tolist())] * world'),),
         "tests/test_train_ppo_steps.py::test_dynamic_sampling_keeps_the_first_groups_that_differ"),
     Mutation("GSPO clips each token's ratio, not the sequence's", "ppo_core.py", ((

@@ -5,13 +5,15 @@
 Each case is what `train_ppo.py ARGV` would run (its own trainer.default_local_dir, metrics, checkpoints),
 but the cases share one process group and one vLLM engine (train_ppo.build_run(cfg, env, engine): the
 engine must be able to serve the run, check_engine_serves), so the launch pays the imports and the engine start-up once,
-which is most of a short run's time on a CPU. Prints "case NAME done" after each. A case whose third
-field is true is expected to stop with an error (raised on every rank at the same point, as
-collectives.failing_together makes a reward error): each rank writes it, with its traceback, to
-<trainer.default_local_dir>/error.rank<r>.txt and the launch goes on; if it does not raise, the launch
-fails.
+which is most of a short run's time on a CPU. A case of another rollout TP size releases the engine
+(rollout.release) and builds its own: a second engine costs less than a second launch (a few seconds against a
+minute on 4 ranks). Prints "case NAME done" after each. A case whose third field is true is expected to stop
+with an error (raised on every rank at the same point, as collectives.failing_together makes a reward error):
+each rank writes it, with its traceback, to <trainer.default_local_dir>/error.rank<r>.txt and the launch goes
+on; if it does not raise, the launch fails.
 """
 
+import gc
 import json
 import sys
 import traceback
@@ -27,6 +29,7 @@ from mesh_utils import init_distributed, validate  # noqa: E402
 
 # an engine built for longer sequences serves shorter ones; every other setting must be equal
 AT_MOST = ("max_model_len", "max_num_batched_tokens")
+TP = "tensor_model_parallel_size"  # another TP size: a new engine
 
 
 def same_architecture(path: str, other: str, trust_remote_code: bool) -> bool:
@@ -66,9 +69,15 @@ def main() -> None:
         engine = None
         if previous is not None:
             dims, _ = validate(cfg, env.world_size)
-            check_engine_serves(previous.engine.settings, train_ppo.engine_settings(cfg, dims, env.device_type))
-            train_ppo.move_to(previous, "generate")  # the engine awake, as a new run (placed LOADED) assumes
-            engine = previous.engine
+            wanted = train_ppo.engine_settings(cfg, dims, env.device_type)
+            if wanted[TP] != previous.engine.settings[TP]:
+                rollout.release(previous.engine.llm)
+                previous = run = None
+                gc.collect()
+            else:
+                check_engine_serves(previous.engine.settings, wanted)
+                train_ppo.move_to(previous, "generate")  # the engine awake, as a new run (placed LOADED) assumes
+                engine = previous.engine
         run = train_ppo.build_run(cfg, env, engine)
         previous = run
         if not expect_error:

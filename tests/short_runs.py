@@ -53,6 +53,22 @@ RC_DECOUPLED = [
     # a band of 0.1% around ratio 1: exactness rejects nothing, the full-vocabulary comparison half
     f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=0.999_1.001"]
 DISTILL_STEPS = 20
+GRPO_TP2 = ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.total_training_steps=3",
+            "trainer.test_freq=3", "data.max_val_samples=16", "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.max_num_gen_batches=10"]
+RESUME_SMALLER = [*RC_DECOUPLED, "trainer.resume_mode=resume_path", "trainer.resume_from_path={root}/rc_decoupled/global_step_2",
+                  "trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.test_freq=-1",
+                  "trainer.val_before_train=true"]
+# bypass mode, one optimizer step per step; the KL loss to a reference model, and token-budget micro batches
+# (use_dynamic_bsz) in its forward and the update: split_bypass_tp1 runs them on trainers apart from the pool
+RC_BYPASS = [*TWO_STEPS, f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce", f"{RC}.rollout_is=sequence",
+             f"{RC}.rollout_rs=seq_max_k2,seq_sum_k1", f"{RC}.rollout_rs_threshold=1e-6,1.001",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.actor.use_kl_loss=true",
+             "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1000",
+             "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=1500"]
+# a rollout pool apart from the trainers (placement.py) at staleness 0: 2 trainer ranks + 2 rollout ranks (4 launched)
+SPLIT_2_2 = ["actor_rollout_ref.hybrid_engine=false", f"{V1}.trainer_mode=separate_async",
+             "actor_rollout_ref.rollout.nnodes=1", "trainer.n_gpus_per_node=2", f"{V1}.separate_async.num_warmup_batches=0"]
 # colocate_async with a batch of groups dispatched ahead, a bound of 2 versions, decoupled PPO (IS weights actor /
 # engine); 4 steps, saved at step 2 (async_resume resumes there)
 ASYNC_W1 = [*TINY, f"{V1}.trainer_mode=colocate_async", f"{V1}.colocate_async.num_warmup_batches=1",
@@ -145,10 +161,7 @@ CASES: dict[str, tuple[str, list[str]]] = {
         f"trainer.total_training_steps={LEARN_RM_STEPS}", f"trainer.test_freq={LEARN_RM_STEPS}", "reward_model.enable=true",
         "reward_model.model.path={reward_model}", "reward_model.micro_batch_size_per_gpu=64"]),
     # --- tests/test_train_ppo_rollout_correction.py
-    "rc_bypass": ("configs/tiny_cpu.yaml", [
-        *TWO_STEPS, f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce", f"{RC}.rollout_is=sequence",
-        f"{RC}.rollout_rs=seq_max_k2,seq_sum_k1", f"{RC}.rollout_rs_threshold=1e-6,1.001",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=32"]),  # one optimizer step per step
+    "rc_bypass": ("configs/tiny_cpu.yaml", RC_BYPASS),
     # --- tests/test_train_ppo_packing.py: GAE with a reference model and a critic, 3 steps, one mini batch
     # of 256 samples per step; padded (a separate old-log-prob forward, kept by a rejection band no token
     # comes near) and packed with token-budget micro batches of a few samples each in every forward
@@ -206,10 +219,7 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "trainer.total_training_steps=2", "trainer.test_freq=2", "data.max_val_samples=16",
         "trainer.rollout_data_dir={root}/multi_turn_rollouts"]),
     # tests/test_train_ppo.py: GRPO with DAPO's dynamic sampling, validation, a checkpoint and its export
-    "grpo_tp2": ("configs/tiny_cpu.yaml", [
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.total_training_steps=3",
-        "trainer.test_freq=3", "trainer.save_freq=3", "data.max_val_samples=16",
-        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=10"]),
+    "grpo_tp2": ("configs/tiny_cpu.yaml", [*GRPO_TP2, "trainer.save_freq=3"]),
     # tests/test_train_ppo_ulysses.py: sp=2 on the rollout's TP=2 group, packed forwards cut by token
     # budgets (a sample is at most 16 + 12 tokens), a KL loss; the sp ranks must shuffle alike
     "ulysses": ("configs/tiny_cpu.yaml", [
@@ -226,9 +236,7 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.rollout_data_dir={root}/async_tp2_rollouts"]),
     # tests/test_checkpoint.py: rc_decoupled's step-2 checkpoint, written by 4 ranks, resumed on 2 (DCP
     # reshards), validated before a third step
-    "resume_smaller": ("configs/tiny_cpu.yaml", [
-        *RC_DECOUPLED, "trainer.resume_mode=resume_path", "trainer.resume_from_path={root}/rc_decoupled/global_step_2",
-        "trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=true"]),
+    "resume_smaller": ("configs/tiny_cpu.yaml", RESUME_SMALLER),
     # --- tests/test_moe.py (LAUNCHES["moe"], its own engine: another architecture): Qwen2-MoE with its shared
     # expert, untrained ({moe}), one engine of TP 2, router replay R2 through activation checkpointing
     "moe_tp2": ("configs/tiny_cpu.yaml", [
@@ -240,6 +248,14 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "rc_decoupled": ("configs/tiny_cpu.yaml", [
         *RC_DECOUPLED, "trainer.n_gpus_per_node=4", "trainer.total_training_steps=2", "trainer.save_freq=2",
         "trainer.test_freq=2", "trainer.val_before_train=false"]),
+    # --- tests/test_train_ppo_split.py: collocated 2-rank runs above as 2 trainers + 2 rollout ranks at staleness 0
+    # (4 launched ranks, LAUNCHES["w4"]), whose metrics must be theirs bit for bit: at TP 2 (one engine in the pool,
+    # rc_decoupled's, which serves it) resume_smaller's, which resumes rc_decoupled's checkpoint of 4 collocated
+    # ranks as the split, and grpo_tp2's (dynamic sampling on the pool; no checkpoint); at TP 1 (two engines: the
+    # launch builds them anew, run_cases.py) rc_bypass's
+    "split_resume_tp2": ("configs/tiny_cpu.yaml", [*RESUME_SMALLER, *SPLIT_2_2, f"{V1}.separate_async.parameter_sync_step=2"]),
+    "split_grpo_tp2": ("configs/tiny_cpu.yaml", [*GRPO_TP2, *SPLIT_2_2, f"{V1}.separate_async.parameter_sync_step=2"]),
+    "split_bypass_tp1": ("configs/tiny_cpu.yaml", [*RC_BYPASS, *SPLIT_2_2, f"{V1}.separate_async.parameter_sync_step=1"]),
     # --- tests/test_train_ppo.py: verl's losses, estimator, aggregation and KL forms, 2 steps each; two mini
     # batches per step, so the second trains off policy and the trust regions see ratios other than 1
     **{f"verl_{name}": ("configs/tiny_cpu.yaml", [*TWO_STEPS, "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
@@ -276,7 +292,7 @@ VERL_CASES = tuple(name for name in CASES if name.startswith("verl_"))
 # The launches, in this order (a case can read an earlier launch's files): (processes, the cases).
 # Cases not named here run in "tp1"; within a launch they run in CASES' order.
 LAUNCHES: dict[str, tuple[int, tuple[str, ...]]] = {
-    "w4": (4, ("rc_decoupled",)),
+    "w4": (4, ("rc_decoupled", "split_resume_tp2", "split_grpo_tp2", "split_bypass_tp1")),
     "tp2": (2, ("multi_turn", "grpo_tp2", "ulysses", "resume_smaller", "async_tp2")),
     "moe": (2, ("moe_tp2",)),
     # TP 1 runs that tests also compare with the TP 2 runs above (every key read): apart from the long TP 1
@@ -287,7 +303,7 @@ LAUNCHES: dict[str, tuple[int, tuple[str, ...]]] = {
 # cases that stop with an error, as their tests expect: each rank's is written to <name>/error.rank<r>.txt
 EXPECTED_ERRORS = {"reward_raises", "non_finite"}
 # cases that read another case's files ({root}/<name>): selecting one runs the other too
-NEEDS = {"resume_smaller": ("rc_decoupled",), "async_resume": ("async_w1",)}
+NEEDS = {"resume_smaller": ("rc_decoupled",), "split_resume_tp2": ("rc_decoupled",), "async_resume": ("async_w1",)}
 
 
 def launch_of(name: str) -> str:

@@ -427,7 +427,8 @@ SPLIT = [DATA, "actor_rollout_ref.hybrid_engine=false", f"{V1}.trainer_mode=sepa
     # one step off without a correction: the clip anchored at a policy that never sampled the batch
     (["algorithm.rollout_correction.rollout_is=null"], "num_warmup_batches=0 (sequential)"),
     (["algorithm.adv_estimator=remax"], "baseline rollout is not implemented on the rollout pool"),
-    (["algorithm.filter_groups.enable=true"], "algorithm.filter_groups.enable is not implemented yet"),
+    (["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.environment=m.E"],
+     "actor_rollout_ref.rollout.multi_turn.enable is not implemented yet"),
 ])
 def test_separate_async_refusals(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -441,6 +442,10 @@ def test_separate_async_accepts_sequential_and_corrected_one_step_off():
                                        "algorithm.rollout_correction.bypass_mode=true"]))
     check_supported(load_config(None, [*SPLIT, "algorithm.rollout_correction.rollout_is=null",
                                        f"{V1}.separate_async.num_warmup_batches=0"]))
+    # token-budget micro batches: agreed over the trainers (the train dp group), tests/test_train_ppo_split.py
+    check_supported(load_config(None, [*SPLIT, "actor_rollout_ref.actor.use_dynamic_bsz=true"]))
+    # DAPO's dynamic sampling: the pool's generation batches until the step's prompts have groups that differ
+    check_supported(load_config(None, [*SPLIT, "algorithm.filter_groups.enable=true"]))
 
 
 # --- verl's own files: whole, hydra-style partial, and the three kinds of key --------------------------

@@ -6,18 +6,23 @@ every rank (the trainers' idle), the warmed tiny model.
   run of the same config: the pool generates and scores the batch, hands it to the trainer, the trainer's
   weights come back to the pool's engine in buckets; the metrics must be the collocated run's, bit for bit
   (timings and memory aside). Both runs use the same kernels on this machine (the same CPU, one process each
-  for the model that trains), so the floats can be compared exactly.
+  for the model that trains), so the floats can be compared exactly. The split run's checkpoint resumes on one
+  collocated rank, in the reference's launch: the same step again.
+  2 trainers + 2 rollout ranks at staleness 0, at TP 1 and TP 2 (tests/short_runs.py's split_* cases, in the
+  4-rank launch) against collocated 2-rank runs the suite makes anyway: bit for bit, with dynamic sampling,
+  token-budget micro batches, a reference model, and a 4-rank collocated checkpoint resumed as the split.
   1 + 1 one step off (num_warmup_batches=1), decoupled PPO: tests/dist_split_check.py keeps every weight
   version and finds which one sampled each trained batch: the one a step older than the update's; in the same
-  launch the run resumes from its step-2 checkpoint (with the batch the pool generated ahead) and repeats
-  steps 3-4 and the final weights bit for bit.
+  launch the run resumes from its step-2 checkpoint (with the batch the pool generated ahead), its rollout rank
+  is killed in step 4, and torchrun's restart resumes it from the step-3 checkpoint the killed processes wrote:
+  steps 3-4 and the final weights repeat the uninterrupted run's bit for bit.
 """
 import json
 import re
 
 import pytest
 import torch
-from conftest import torchrun
+from conftest import short_run, torchrun
 from short_runs import TINY
 from test_checkpoint import compared
 from test_train_ppo import step_rows
@@ -35,22 +40,27 @@ SPLIT = ["actor_rollout_ref.hybrid_engine=false", "trainer.v1.trainer_mode=separ
          "actor_rollout_ref.rollout.nnodes=1", "trainer.v1.separate_async.parameter_sync_step=1"]
 
 
-def launch(tmp_path, name: str, nproc: int, tiny_assets, sft_model, *overrides: str):
-    out = tmp_path / name
-    torchrun(nproc, "train_ppo.py", "--config", "configs/tiny_cpu.yaml", f"actor_rollout_ref.model.path={sft_model}",
-             f"data.train_files={tiny_assets['train']}", f"data.val_files={tiny_assets['val']}",
-             f"trainer.default_local_dir={out}", *ONE_RANK, *overrides)
-    return out
+def args(tmp_path, name: str, tiny_assets, sft_model, *overrides: str) -> list[str]:
+    return ["--config", "configs/tiny_cpu.yaml", f"actor_rollout_ref.model.path={sft_model}",
+            f"data.train_files={tiny_assets['train']}", f"data.val_files={tiny_assets['val']}",
+            f"trainer.default_local_dir={tmp_path / name}", *ONE_RANK, *overrides]
 
 
 @pytest.mark.slow
-def test_one_trainer_and_one_rollout_rank_are_the_collocated_run(tmp_path, tiny_assets, sft_model):
+def test_one_trainer_and_one_rollout_rank_are_the_collocated_run_and_resume_collocated(tmp_path, tiny_assets,
+                                                                                       sft_model):
     """... and validation (before training and at the last step) runs on the pool with the weights trained so
-    far: the collocated run's val metrics, bit for bit."""
+    far: the collocated run's val metrics, bit for bit. The split run's step-1 checkpoint resumes as a collocated
+    1-rank run (in the reference's launch, tests/run_cases.py): its step 2 is the uninterrupted runs' too."""
     validation = ["trainer.val_before_train=true", "trainer.test_freq=2"]
-    one, two = (launch(tmp_path, "collocated", 1, tiny_assets, sft_model, *validation),
-                launch(tmp_path, "split", 2, tiny_assets, sft_model, *SPLIT, *validation,
-                       "trainer.v1.separate_async.num_warmup_batches=0"))
+    torchrun(2, "train_ppo.py", *args(tmp_path, "split", tiny_assets, sft_model, *SPLIT, *validation,
+                                      "trainer.v1.separate_async.num_warmup_batches=0", "trainer.save_freq=1"))
+    cases = [["collocated", args(tmp_path, "collocated", tiny_assets, sft_model, *validation), False],
+             ["resumed", args(tmp_path, "resumed", tiny_assets, sft_model, *validation, "trainer.val_before_train=false",
+                              "trainer.resume_mode=resume_path",
+                              f"trainer.resume_from_path={tmp_path / 'split' / 'global_step_1'}"), False]]
+    torchrun(1, "tests/run_cases.py", json.dumps(cases))
+    one, two = tmp_path / "collocated", tmp_path / "split"
     for name in ("0.jsonl", "2.jsonl"):  # the pool's first rank wrote the samples: the same bytes
         assert (two / "val_generations" / name).read_bytes() == (one / "val_generations" / name).read_bytes()
     together, apart = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
@@ -64,6 +74,37 @@ def test_one_trainer_and_one_rollout_rank_are_the_collocated_run(tmp_path, tiny_
         # the pool's batch was sampled by the weights synced for the step: staleness 0
         assert b["training/off_policy/trajectory_staleness/max"] == 0
         assert b["training/off_policy/stale_token_fraction"] == 0
+    # the split checkpoint resumed on one collocated rank: step 2 and its validation, bit for bit
+    resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [2]
+    assert compared(resumed[0]) == compared(together[1])
+
+
+@pytest.mark.short_run("rc_bypass", "split_bypass_tp1", "resume_smaller", "split_resume_tp2", "grpo_tp2",
+                       "split_grpo_tp2")
+def test_two_trainers_and_two_rollout_ranks_are_the_collocated_two_rank_runs(short_runs):
+    """2 trainers + 2 rollout ranks at staleness 0 (tests/short_runs.py's split_*, 4 launched ranks) against the
+    collocated 2-rank runs of the same configs: every metric bit for bit (timings aside). At TP 1 (two engines
+    in the pool; rc_bypass: bypass mode, the KL loss to a reference, token-budget micro batches agreed over the
+    trainers) and at TP 2 (one engine; resume_smaller: rc_decoupled's checkpoint of 4 collocated ranks resumed as
+    the split, validated first, then a step: top-k / top-p, HSDP groups of 2, 2 shuffled epochs; grpo_tp2: DAPO's
+    dynamic sampling, its generation batches drawn and filtered by the pool, validation before, during and
+    after training)."""
+    for collocated, split, steps in (("rc_bypass", "split_bypass_tp1", [1, 2]),
+                                     ("resume_smaller", "split_resume_tp2", [2, 3]),
+                                     ("grpo_tp2", "split_grpo_tp2", [0, 1, 2, 3])):
+        together, apart = (read_metrics(short_run(short_runs, name) / "metrics.jsonl") for name in (collocated, split))
+        assert [r["step"] for r in together] == [r["step"] for r in apart] == steps, split
+        for a, b in zip(together, apart, strict=True):
+            assert len(compared(a)) > 3 and {k: b.get(k) for k in compared(a)} == compared(a), (split, a["step"])
+            if "actor/pg_loss" in a:  # a training step: the pool sampled with the weights synced for it
+                assert b["training/off_policy/trajectory_staleness/max"] == 0, split
+    for split, tp_groups in (("split_bypass_tp1", [[2], [3]]), ("split_resume_tp2", [[2, 3], [2, 3]])):
+        layouts = [json.loads((short_runs / split / "layout" / f"rank{r}.json").read_text()) for r in range(4)]
+        assert [lay["rollout_tp_group"] for lay in layouts[2:]] == tp_groups, layouts
+    assert "use_dynamic_bsz: true" in (short_runs / "split_bypass_tp1" / "config.yaml").read_text()  # on the trainers
+    assert all("train/num_gen_batches" in r for r in step_rows(short_run(short_runs, "split_grpo_tp2")))
+    assert step_rows(short_run(short_runs, "split_bypass_tp1"))[-1]["actor/kl_loss"] > 0  # the reference's, on the trainers
 
 
 @pytest.mark.slow
@@ -74,16 +115,17 @@ def test_one_step_off_trains_each_batch_sampled_by_the_weights_one_update_old_an
     than the step's (the first batch: version 0) gives the engine's log-probs (float32, < 1e-4); the step's own
     version does not (the check can tell them apart), and the versions logged say staleness 1 from step 2 on.
     In the same launch the run resumes from its step-2 checkpoint, which holds step 3's batch, generated ahead
-    by the pool with the weights of version 1: steps 3 and 4 repeat the uninterrupted run's, every metric bit for
-    bit (the same processes, the same kernels; step 4's validation on the pool too), and so do the final
-    weights."""
+    by the pool with the weights of version 1, saving every step; in step 4 its rollout rank is SIGKILLed and
+    torchrun (--max-restarts=1) starts the job again, which resumes from the step-3 checkpoint the killed
+    processes wrote (step 4's batch in it). Steps 3 and 4 repeat the uninterrupted run's, every metric bit for bit
+    (the same kernels; step 4's validation on the pool too), and so do the final weights."""
     out, run = tmp_path / "gaps.json", tmp_path / "run"
-    torchrun(2, "tests/dist_split_check.py", str(out), "2", f"actor_rollout_ref.model.path={sft_model}",
-             f"data.train_files={tiny_assets['train']}", f"data.val_files={tiny_assets['val']}",
-             f"trainer.default_local_dir={run}", *ONE_RANK, *SPLIT,
-             "trainer.v1.separate_async.num_warmup_batches=1", "trainer.total_training_steps=4", "trainer.save_freq=2",
-             "trainer.test_freq=2",
-             "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0")
+    proc = torchrun(2, "tests/dist_split_check.py", str(out), "2", f"actor_rollout_ref.model.path={sft_model}",
+                    f"data.train_files={tiny_assets['train']}", f"data.val_files={tiny_assets['val']}",
+                    f"trainer.default_local_dir={run}", *ONE_RANK, *SPLIT,
+                    "trainer.v1.separate_async.num_warmup_batches=1", "trainer.total_training_steps=4",
+                    "trainer.save_freq=2", "trainer.test_freq=2", "algorithm.rollout_correction.rollout_is=token",
+                    "algorithm.rollout_correction.rollout_is_threshold=2.0", launcher=("--max-restarts=1",))
     result = json.loads(out.read_text())
     gaps = {int(step): gap for step, gap in result["gaps"].items()}
     assert sorted(gaps) == [1, 2, 3, 4]
@@ -103,7 +145,11 @@ def test_one_step_off_trains_each_batch_sampled_by_the_weights_one_update_old_an
         assert all(p.seq == (p.step + 1) * (max(order.values()) + 1) + order[p.name] for p in phases)
         assert [p.seq for p in phases] == sorted({p.seq for p in phases}), lines  # strictly increasing
         assert {p.name for p in phases} == set(order), lines
-    # the resumed run repeats steps 3 and 4
+    # the resumed run repeats steps 3 and 4: step 3 in the first attempt, step 4 after its rollout rank was
+    # killed and torchrun restarted the job, which resumed from the step-3 checkpoint the killed processes wrote
+    output = proc.stdout + proc.stderr
+    assert "(exitcode: -9) local_rank: 1" in output, output[-4000:]  # torchrun saw the rollout rank killed
+    assert f"resumed from {tmp_path / 'run-resumed' / 'global_step_3'} (step 3" in proc.stdout, proc.stdout[-4000:]
     resumed = step_rows(tmp_path / "run-resumed")
     assert [r["step"] for r in resumed] == [3, 4]
     for a, b in zip(rows[2:], resumed, strict=True):
