@@ -279,19 +279,22 @@ def build_rollout_engine(
 
 
 SHM_DIR = "/dev/shm"
-_IDENT = re.compile(r"^(\d+)x(\d+)-")  # cpu_shm_ident's prefix of a segment's name: the job's port and a local pid
+_IDENT = re.compile(r"^(\d+)x(\d+)(?:n\d+)?-")  # cpu_shm_ident's prefix of a segment's name: port, a local pid
+_TP_ENGINES_BUILT = [0]  # TP>1 engines this process has built (rollout.release lets a launch build another)
 
 
 def cpu_shm_ident() -> str:
     """A name for this job's vLLM CPU tensor-parallel shared-memory segments, the same on every rank of a node and
-    different for every job on it: the rendezvous port and the pid of the node's first rank ("29500x4242").
+    different for every job on it: the rendezvous port and the pid of the node's first rank ("29500x4242"; the
+    second engine a process builds after rollout.release: "29500x4242n1").
     vLLM would name them after its init method, which under torchrun ("env://") is the same for every job, so
     two TP>1 jobs on one node would collide (`create shm in SHMManager failed. errno: 17`)."""
     me = (socket.gethostname(), int(os.environ.get("LOCAL_RANK", "0")), os.getpid())
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, me)
     first = min((local_rank, pid) for host, local_rank, pid in everyone if host == me[0])[1]
-    return f"{os.environ.get('MASTER_PORT', '0')}x{first}"
+    built, _TP_ENGINES_BUILT[0] = _TP_ENGINES_BUILT[0], _TP_ENGINES_BUILT[0] + 1  # every rank builds alike
+    return f"{os.environ.get('MASTER_PORT', '0')}x{first}" + (f"n{built}" if built else "")
 
 
 @contextlib.contextmanager
