@@ -190,7 +190,7 @@ def tp_shm_segments() -> str | None:
     all-reduces without them (TP 1, or vLLM fell back to torch.distributed)."""
     from vllm.distributed.parallel_state import get_tp_group
 
-    return getattr(get_tp_group().device_communicator.dist_module, "group_name", None)
+    return getattr(getattr(get_tp_group().device_communicator, "dist_module", None), "group_name", None)
 
 
 def main() -> None:
