@@ -41,9 +41,22 @@ def assets(tiny_assets) -> dict[str, Path]:
 TWIN = "w2_tp2_qwen2"  # launched twice at once, as two jobs on one node: their engines run side by side
 
 
+_FAILED: dict[str, str] = {}  # a launch that failed: its tests fail with its output, without launching it again
+
+
 def run_launch(name: str, assets: dict[str, Path], tmp_path_factory) -> list[dict]:
-    if name in _RESULTS:
-        return _RESULTS[name]
+    if name in _FAILED:
+        pytest.fail(f"launch {name} failed (see the first test of it): {_FAILED[name]}")
+    if name not in _RESULTS:
+        try:
+            _launch(name, assets, tmp_path_factory)
+        except (AssertionError, subprocess.TimeoutExpired) as e:
+            _FAILED[name] = str(e)[-6000:]
+            raise
+    return _RESULTS[name]
+
+
+def _launch(name: str, assets: dict[str, Path], tmp_path_factory) -> None:
     world, model, tp, fsdp_size = LAUNCHES[name]
     args = (str(assets[model]), str(tp), str(fsdp_size))
     out_dir = tmp_path_factory.mktemp(name)
@@ -51,21 +64,22 @@ def run_launch(name: str, assets: dict[str, Path], tmp_path_factory) -> list[dic
         torchrun(world, WORKER, str(out_dir), *args, timeout=400)
     else:
         twin_dir, meeting = tmp_path_factory.mktemp(f"{name}_twin"), tmp_path_factory.mktemp(f"{name}_meet")
+        logs = [meeting / f"{where.name}.out" for where in (out_dir, twin_dir)]
         jobs = [subprocess.Popen(torchrun_cmd(world, WORKER, str(where), *args, str(meeting)), cwd=ROOT,
-                                 env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                for where in (out_dir, twin_dir)]
+                                 env=clean_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+                for where, log in zip((out_dir, twin_dir), logs, strict=True)]
         deadline = time.monotonic() + 400
         while any(job.poll() is None for job in jobs) and all(job.poll() in (None, 0) for job in jobs):
-            assert time.monotonic() < deadline, "the two jobs did not finish in 400 s"
+            if time.monotonic() > deadline:
+                break
             time.sleep(0.5)
         for job in jobs:  # one failed: the other would wait for its engine until its own deadline
             if job.poll() is None:
                 job.kill()
-        for job in jobs:
-            assert job.wait() == 0, job.stdout.read()[-6000:]
+        for job, log in zip(jobs, logs, strict=True):
+            assert job.wait() == 0, log.read_text()[-6000:]
         _RESULTS[f"{name}_twin"] = [json.loads((twin_dir / f"rank{r}.json").read_text()) for r in range(world)]
     _RESULTS[name] = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
-    return _RESULTS[name]
 
 
 # the 4-rank HSDP launch is the longest (4 engine start-ups): in the full suite, not the inner loop
