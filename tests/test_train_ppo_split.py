@@ -7,7 +7,8 @@ every rank (the trainers' idle), the warmed tiny model.
   weights come back to the pool's engine in buckets; the metrics must be the collocated run's, bit for bit
   (timings and memory aside). Both runs use the same kernels on this machine (the same CPU, one process each
   for the model that trains), so the floats can be compared exactly. The split run's checkpoint resumes on one
-  collocated rank, in the reference's launch: the same step again.
+  collocated rank, in the reference's launch: the same step again. A second case in each launch adds a learned
+  reward model: it loads on the rollout rank alone and scores there, and the metrics are again equal.
   2 trainers + 2 rollout ranks at staleness 0, at TP 1 and TP 2 (tests/short_runs.py's split_* cases, in the
   4-rank launch) against collocated 2-rank runs the suite makes anyway: bit for bit, with dynamic sampling,
   token-budget micro batches, a reference model, and a 4-rank collocated checkpoint resumed as the split.
