@@ -1710,7 +1710,6 @@ def check_separate_async(cfg: Config) -> None:
             f"parameter_sync_step={tbs // mini if tbs % mini == 0 else 'train_batch_size / ppo_mini_batch_size'}.")
     unsupported = {
         "actor_rollout_ref.rollout.multi_turn.enable": (arr.rollout.multi_turn.enable, "tools run beside the engine"),
-        "reward_model.enable": (cfg.reward_model.enable, "the reward model would load on the rollout ranks"),
         "actor_rollout_ref.model.lora_rank": (arr.model.lora_rank > 0, "the adapter-only syncs"),
     }
     for key, (on, what) in unsupported.items():

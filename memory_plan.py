@@ -447,6 +447,7 @@ class MemoryInputs:
     teacher: ModelShape | None = None  # distillation.enabled: the teacher, run forward in the log_prob phase
     teacher_topk: int | None = None  # forward_kl_topk's k: the teacher's top-k log-probs and ids stay in the batch
     split: bool = False  # a separate rollout pool: no engine on the trainers (theirs sleeps for good at start)
+    pool_ranks: int = 0  # a separate rollout pool's ranks: its reward model is sharded over them (0: collocated)
     images: ImageLoad | None = None  # a VLM: the largest prompt's images (image_load)
     freeze_vision_tower: bool = False  # actor.freeze_vision_tower: the tower takes no gradient nor AdamW state
 
@@ -484,8 +485,8 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
             "critic.optimizer": adam_state_bytes(m.critic, m.fsdp, fsdp_rank) if m.critic and on["critic.optimizer"]
             else 0,
             "ref.params": actor_shard if m.use_ref and on["ref.params"] else 0,
-            "reward_model.params": (param_shard_bytes(m.reward_model, m.fsdp, fsdp_rank)
-                                    if m.reward_model and on["reward_model.params"] else 0),
+            "reward_model.params": (param_shard_bytes(m.reward_model, m.fsdp, fsdp_rank)  # a split's: on the pool
+                                    if m.reward_model and on["reward_model.params"] and not m.split else 0),
             "teacher.params": param_shard_bytes(m.teacher, m.fsdp, fsdp_rank) if m.teacher and on["teacher.params"] else 0,
             "engine.weights": engine_weights if on["engine.weights"] and not m.split else 0,
             "engine.kv_cache": max(0, engine_total - engine_weights) if on["engine.kv_cache"] and not m.split else 0,
@@ -498,8 +499,8 @@ def phase_bytes(m: MemoryInputs, fsdp_rank: int) -> dict[str, dict[str, int]]:
         }
         if phase == "sync":
             b["gathered_blocks"] = sync_bucket_bytes(m.actor, m.engine_bytes, m.fsdp)
-        if phase == "generate" and m.reward_model is not None:  # it scores beside the awake engine
-            b["reward_model.forward"] = _reward_forward_bytes(m)
+        if phase == "generate" and m.reward_model is not None and not m.split:  # it scores beside the awake engine
+            b["reward_model.forward"] = _reward_forward_bytes(m, m.fsdp)
         if phase == "log_prob":
             b |= _log_prob_peak(m)
         if m.teacher_topk and phase in ("log_prob", "update"):  # float32 log-probs and int64 ids per response token
@@ -524,11 +525,21 @@ Moment = dict[str, int]
 
 def rollout_rank_bytes(m: MemoryInputs) -> dict[str, int]:
     """A rank of a separate rollout pool: its engine (weights and KV cache within gpu_memory_utilization), and
-    one bucket of the weights trainer 0 broadcasts (received whole, then loaded), beside it at the sync."""
+    one bucket of the weights trainer 0 broadcasts (received whole, then loaded), beside it at the sync. With
+    reward_model.enable also the reward model, sharded over the pool's ranks (its shard on the device unless
+    reward_model.model.fsdp_config.param_offload) and its forward, which scores the pool's batch beside the
+    engine (the sync bucket is freed by then: the larger of the two counts)."""
     engine_weights = sum(math.prod(s) for s in m.actor.param_shapes) * m.engine_bytes // m.infer_tp
     engine_total = int(m.gpu_memory_utilization * m.gpu_memory_bytes)
-    return {"engine.weights": engine_weights, "engine.kv_cache": max(0, engine_total - engine_weights),
-            "sync_bucket": sync_bucket_bytes(m.actor, m.engine_bytes, 1)}
+    out = {"engine.weights": engine_weights, "engine.kv_cache": max(0, engine_total - engine_weights),
+           "sync_bucket": sync_bucket_bytes(m.actor, m.engine_bytes, 1)}
+    if m.reward_model is not None:
+        resident = placement(m.flags, "generate")["reward_model.params"] == DEVICE  # the first shard is the largest
+        out["reward_model.params"] = param_shard_bytes(m.reward_model, m.pool_ranks, 0) if resident else 0
+        forward = _reward_forward_bytes(m, m.pool_ranks)
+        out["sync_bucket"], out["reward_model.forward"] = ((out["sync_bucket"], 0) if out["sync_bucket"] >= forward
+                                                           else (0, forward))
+    return out
 
 
 def _largest(moments: list[Moment]) -> Moment:
@@ -616,13 +627,13 @@ def _micro_samples(m: MemoryInputs, micro: int, max_tokens: int | None) -> int:
     return max(1, min(max_tokens // least, m.samples_per_rank or max_tokens))
 
 
-def _reward_forward_bytes(m: MemoryInputs) -> int:
-    """The reward model's no-grad forward of one micro batch: two of its blocks gathered, and the
-    activations one block holds while it runs (nothing is kept for a backward)."""
+def _reward_forward_bytes(m: MemoryInputs, fsdp: int) -> int:
+    """The reward model's no-grad forward of one micro batch, sharded over `fsdp` ranks: two of its blocks
+    gathered, and the activations one block holds while it runs (nothing is kept for a backward)."""
     shape = m.reward_model
     rows, row_len = forward_layout(m.reward_micro, m.prompt_len + m.response_len, m.reward_packed, None)
     mask = 0 if m.reward_packed else rows * row_len * row_len
-    return (gathered_bytes(shape, m.compute_bytes, backward=False, fsdp=m.fsdp)
+    return (gathered_bytes(shape, m.compute_bytes, backward=False, fsdp=fsdp)
             + peak_recompute_bytes(shape, rows, row_len, m.compute_bytes, True) + mask)
 
 
@@ -759,6 +770,7 @@ def memory_inputs(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_g
         reward_micro=cfg.reward_model.micro_batch_size_per_gpu or roles.rollout.log_prob_micro_batch_size_per_gpu,
         reward_packed=cfg.reward_model.model.use_remove_padding,
         teacher=teacher, teacher_topk=teacher_topk, split=dims.split,
+        pool_ranks=dims.launched - dims.world_size if dims.split else 0,
         images=image_load(cfg, _image_processor(roles.model.path, trust), actor.vision.merge) if actor.vision else None,
         freeze_vision_tower=roles.actor.freeze_vision_tower)
 
@@ -839,8 +851,12 @@ def memory_report(cfg: Config, dims: ParallelDims, plan: BatchPlan, gpu_memory_g
     fits, line = verdict(m, ranks[0], plan.actor_update.mini_batch_size)  # FSDP rank 0 holds the largest shards
     pool = rollout_rank_bytes(m) if dims.split else None
     if pool is not None and (pool["engine.kv_cache"] == 0 or sum(pool.values()) > m.gpu_memory_bytes):
+        rm = pool.get("reward_model.params", 0) + pool.get("reward_model.forward", 0)
+        beside = (f", the reward model ({rm / GIB:.2f} GiB: its shard over the pool's {m.pool_ranks} rank(s) and "
+                  f"its forward; reward_model.model.fsdp_config.param_offload=true keeps the shard on the host)"
+                  if "reward_model.params" in pool else "")
         fits, line = False, (f"does not fit: a rollout rank's engine weights ({pool['engine.weights'] / GIB:.2f} GiB) "
-                             f"and a sync bucket ({pool['sync_bucket'] / GIB:.2f} GiB) beside "
+                             f"and a sync bucket ({pool['sync_bucket'] / GIB:.2f} GiB){beside} beside "
                              f"actor_rollout_ref.rollout.gpu_memory_utilization={m.gpu_memory_utilization} of "
                              f"{m.gpu_memory_bytes / GIB:.2f} GiB (--gpu-memory-gb) leave no KV cache; change "
                              f"gpu_memory_utilization, or raise tensor_model_parallel_size")

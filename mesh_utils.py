@@ -591,6 +591,7 @@ class Meshes:
     rollout: Any  # ('dp','infer_tp'): the engines that generate
     sp: Any | None  # ('dp','sp') when sp > 1
     engines: Any = None  # ('dp','infer_tp') over every rank, as vLLM groups them; None: `rollout` (collocated)
+    pool_fsdp: Any = None  # ('fsdp',) over a split job's rollout pool: its reward model's shards; None: collocated
 
 
 def build_meshes(dims: ParallelDims, device_type: str, timeout_s: int | None = None) -> Meshes:
@@ -605,7 +606,7 @@ def build_meshes(dims: ParallelDims, device_type: str, timeout_s: int | None = N
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     world = init_device_mesh(device_type, (dims.launched,), mesh_dim_names=("world",))
-    engines = None
+    engines = pool_fsdp = None
     if dims.split:  # trainers [0, T), the pool [T, N): meshes over one role each (every rank builds them)
         def over(first: int, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
             ranks = torch.arange(first, first + math.prod(shape)).reshape(shape)
@@ -615,18 +616,19 @@ def build_meshes(dims: ParallelDims, device_type: str, timeout_s: int | None = N
         fsdp2d = over(0, (dims.ddp, dims.fsdp), ("ddp", "fsdp"))
         rollout = over(dims.world_size, (dims.rollout_dp, dims.infer_tp), ("dp", "infer_tp"))
         sp = over(0, (dims.train_dp, dims.sp), ("dp", "sp")) if dims.sp > 1 else None
+        pool_fsdp = over(dims.world_size, (dims.launched - dims.world_size,), ("fsdp",))
     else:
         fsdp2d = world._unflatten(0, (dims.ddp, dims.fsdp), ("ddp", "fsdp"))
         rollout = world._unflatten(0, (dims.rollout_dp, dims.infer_tp), ("dp", "infer_tp"))
         sp = world._unflatten(0, (dims.train_dp, dims.sp), ("dp", "sp")) if dims.sp > 1 else None
     fsdp = fsdp2d if dims.ddp > 1 else fsdp2d["fsdp"]
     if timeout_s is not None:
-        for mesh in (world, fsdp2d, rollout, *([sp] if sp is not None else []), *([engines] if engines is not None else [])):
+        for mesh in (world, fsdp2d, rollout, *(m for m in (sp, engines, pool_fsdp) if m is not None)):
             for name in mesh.mesh_dim_names:
                 group = mesh.get_group(name) if mesh.get_coordinate() is not None else None
                 if group is not None:  # no public setter yet; this is the one torch's own tests use
                     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
-    return Meshes(world, fsdp, rollout, sp, engines)
+    return Meshes(world, fsdp, rollout, sp, engines, pool_fsdp)
 
 
 def write_rank_layout(out_dir: Path, rank: int, meshes: Meshes) -> None:

@@ -806,7 +806,7 @@ def reward_model_scores(run: Run, rows: dict[str, torch.Tensor], rollout_info: l
     and the score (score_samples' two), and no extras. As in verl, whose reward managers return the
     model's `rm_scores` as they are, the rule function, the DAPO manager's additions and rollout_info
     do not enter (config refuses what would need them)."""
-    scores = run.reward_model.score(rows, run.train_prompts)  # (B,), collective over the FSDP mesh
+    scores = run.reward_model.score(rows, run.train_prompts)  # (B,), collective over its FSDP mesh (split: the pool)
     return scores, scores, [{} for _ in range(len(scores))]
 
 
@@ -1586,7 +1586,8 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
         if pool.is_trainer:
             rollout.sleep(engine.llm, 2)  # for good: the pool generates
     models = load_models(cfg, meshes, env, total_steps) if pool is None or pool.is_trainer else None
-    reward_model = load_learned_reward_model(cfg, meshes, env, tokenizer)
+    # the reward model scores where the batch is generated: every rank collocated, the pool's ranks in a split
+    reward_model = load_learned_reward_model(cfg, meshes, env, tokenizer) if pool is None or not pool.is_trainer else None
     source = why = "the rollout pool trains nothing"
     if models is not None:
         source, why = old_log_prob_source(models.actor, cfg.algorithm, plan.actor_update, plan.samples_per_rank,
@@ -1835,16 +1836,21 @@ def check_distillation_teacher(cfg: Config, tokenizer: Any) -> int | None:
 
 
 def load_learned_reward_model(cfg: Config, meshes: Meshes, env: DistEnv, tokenizer: Any) -> RewardModel | None:
-    """reward_model.enable: the reward model, FSDP2 on the actor's FSDP mesh, a frozen model as the
-    reference is (its shards on the host outside its forward with model.fsdp_config.param_offload)."""
+    """reward_model.enable: the reward model, FSDP2 on the actor's FSDP mesh (a split job's pool: over the
+    pool's ranks, meshes.pool_fsdp, which score there), a frozen model as the reference is (its shards on the
+    host outside its forward with model.fsdp_config.param_offload)."""
     if not cfg.reward_model.enable:
         return None
     param_dtype, reduce_dtype = default_dtypes(env.device_type)
-    rm = RewardModel.build(cfg, meshes.fsdp, env.device, tokenizer,
+    mesh = meshes.pool_fsdp if meshes.pool_fsdp is not None else meshes.fsdp
+    rm = RewardModel.build(cfg, mesh, env.device, tokenizer,
                            cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu,
                            param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    print0(f"reward model: {cfg.reward_model.model.path} ("
-           f"{'re-rendered as text for its own tokenizer' if rm.tokenizer is not None else 'reads the rollout ids'})")
+    ranks = mesh.mesh.flatten().tolist()  # (HSDP: both dims)
+    if env.rank == ranks[0]:  # the first rank that holds it: a split job's pool leader, not rank 0
+        print(f"reward model: {cfg.reward_model.model.path} ("
+              f"{'re-rendered as text for its own tokenizer' if rm.tokenizer is not None else 'reads the rollout ids'})"
+              f" on ranks {ranks}", flush=True)
     return rm
 
 

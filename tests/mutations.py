@@ -84,6 +84,10 @@ MUTATIONS = (
     Mutation("the rollout pool samples a step's batch with the next step's seeds", "train_ppo.py", ((
         "held = pool_batch(run, step, version=step - 1)", "held = pool_batch(run, step + 1, version=step - 1)"),),
         "tests/test_train_ppo_split.py::test_one_trainer_and_one_rollout_rank_are_the_collocated_run_and_resume_collocated"),
+    Mutation("a split job's pool scores with the rule function: its reward model is never built", "train_ppo.py", ((
+        "reward_model = load_learned_reward_model(cfg, meshes, env, tokenizer) if pool is None or not pool.is_trainer",
+        "reward_model = load_learned_reward_model(cfg, meshes, env, tokenizer) if pool is None"),),
+        "tests/test_train_ppo_split.py::test_one_trainer_and_one_rollout_rank_are_the_collocated_run_and_resume_collocated"),
     Mutation("trainer 0 never broadcasts the last bucket of weights", "placement.py", ((
         "    if bucket:\n        _broadcast_bucket(pool, bucket)", "    if False:\n        _broadcast_bucket(pool, bucket)"),),
         "tests/test_train_ppo_split.py::test_one_trainer_and_one_rollout_rank_are_the_collocated_run_and_resume_collocated"),

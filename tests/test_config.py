@@ -446,6 +446,8 @@ def test_separate_async_accepts_sequential_and_corrected_one_step_off():
     check_supported(load_config(None, [*SPLIT, "actor_rollout_ref.actor.use_dynamic_bsz=true"]))
     # DAPO's dynamic sampling: the pool's generation batches until the step's prompts have groups that differ
     check_supported(load_config(None, [*SPLIT, "algorithm.filter_groups.enable=true"]))
+    # a learned reward model: on the pool's ranks, scoring before the hand-off
+    check_supported(load_config(None, [*SPLIT, "reward_model.enable=true", "reward_model.model.path=rm"]))
 
 
 # --- verl's own files: whole, hydra-style partial, and the three kinds of key --------------------------

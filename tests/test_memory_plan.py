@@ -592,6 +592,21 @@ def test_a_separate_rollout_pool_plans_each_role(tiny_assets):
     tight = plan(*split, world=4, gpu_gb=1e-4)  # less than the weights
     assert not tight["fits"] and "actor_rollout_ref.rollout.gpu_memory_utilization" in tight["verdict"]
     assert "rollout rank, GiB" in mp.describe_memory(apart)
+    # a reward model scores on the pool: sharded over its 2 ranks there, as over the 2 collocated ranks; none on
+    # the trainers; its forward or the sync bucket, whichever is larger (the bucket is freed before it scores)
+    rm = ["reward_model.enable=true", f"reward_model.model.path={tiny_assets['tiny-qwen2']}",
+          "reward_model.model.fsdp_config.param_offload=false", "reward_model.micro_batch_size_per_gpu=16"]
+    together_rm, apart_rm = plan(*rm, world=2), plan(*split, *rm, world=4)
+    for phase in offload.PHASES:
+        assert apart_rm["per_fsdp_rank"][0][phase]["reward_model.params"] == 0
+        assert apart_rm["per_fsdp_rank"][0][phase]["reward_model.forward"] == 0
+    pool_rm, rm_generate = apart_rm["rollout_rank"], together_rm["per_fsdp_rank"][0]["generate"]
+    assert pool_rm["reward_model.params"] == rm_generate["reward_model.params"] > 0
+    assert pool_rm["sync_bucket"] + pool_rm["reward_model.forward"] == max(pool["sync_bucket"],
+                                                                          rm_generate["reward_model.forward"])
+    beside_engine = sum(v for k, v in pool_rm.items() if not k.startswith("engine."))
+    squeezed = plan(*split, *rm, world=4, gpu_gb=beside_engine / (1 - 0.3) * 0.99 / mp.GIB)  # 0.3: the engine's
+    assert not squeezed["fits"] and "reward_model.model.fsdp_config.param_offload" in squeezed["verdict"]
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])

@@ -7,7 +7,8 @@ every rank (the trainers' idle), the warmed tiny model.
   weights come back to the pool's engine in buckets; the metrics must be the collocated run's, bit for bit
   (timings and memory aside). Both runs use the same kernels on this machine (the same CPU, one process each
   for the model that trains), so the floats can be compared exactly. The split run's checkpoint resumes on one
-  collocated rank, in the reference's launch: the same step again.
+  collocated rank, in the reference's launch: the same step again. A second case in each launch adds a learned
+  reward model: it loads on the rollout rank alone and scores there, and the metrics are again equal.
   2 trainers + 2 rollout ranks at staleness 0, at TP 1 and TP 2 (tests/short_runs.py's split_* cases, in the
   4-rank launch) against collocated 2-rank runs the suite makes anyway: bit for bit, with dynamic sampling,
   token-budget micro batches, a reference model, and a 4-rank collocated checkpoint resumed as the split.
@@ -48,18 +49,33 @@ def args(tmp_path, name: str, tiny_assets, sft_model, *overrides: str) -> list[s
 
 @pytest.mark.slow
 def test_one_trainer_and_one_rollout_rank_are_the_collocated_run_and_resume_collocated(tmp_path, tiny_assets,
-                                                                                       sft_model):
+                                                                                       sft_model, demo_reward_model):
     """... and validation (before training and at the last step) runs on the pool with the weights trained so
     far: the collocated run's val metrics, bit for bit. The split run's step-1 checkpoint resumes as a collocated
-    1-rank run (in the reference's launch, tests/run_cases.py): its step 2 is the uninterrupted runs' too."""
+    1-rank run (in the reference's launch, tests/run_cases.py): its step 2 is the uninterrupted runs' too.
+    With a learned reward model (reward_model.enable, conftest's demo_reward_model), a second case of each launch:
+    it loads on the rollout rank alone and scores the pool's batch before the hand-off; the trained metrics
+    (its scores among them) are the collocated run's, bit for bit."""
     validation = ["trainer.val_before_train=true", "trainer.test_freq=2"]
-    torchrun(2, "train_ppo.py", *args(tmp_path, "split", tiny_assets, sft_model, *SPLIT, *validation,
-                                      "trainer.v1.separate_async.num_warmup_batches=0", "trainer.save_freq=1"))
+    learned = ["reward_model.enable=true", f"reward_model.model.path={demo_reward_model}"]
+    split_cases = [["split", args(tmp_path, "split", tiny_assets, sft_model, *SPLIT, *validation,
+                                  "trainer.v1.separate_async.num_warmup_batches=0", "trainer.save_freq=1"), False],
+                   ["split_rm", args(tmp_path, "split_rm", tiny_assets, sft_model, *SPLIT, *learned,
+                                     "trainer.v1.separate_async.num_warmup_batches=0"), False]]
+    launched = torchrun(2, "tests/run_cases.py", json.dumps(split_cases))
     cases = [["collocated", args(tmp_path, "collocated", tiny_assets, sft_model, *validation), False],
              ["resumed", args(tmp_path, "resumed", tiny_assets, sft_model, *validation, "trainer.val_before_train=false",
                               "trainer.resume_mode=resume_path",
-                              f"trainer.resume_from_path={tmp_path / 'split' / 'global_step_1'}"), False]]
+                              f"trainer.resume_from_path={tmp_path / 'split' / 'global_step_1'}"), False],
+             ["collocated_rm", args(tmp_path, "collocated_rm", tiny_assets, sft_model, *learned), False]]
     torchrun(1, "tests/run_cases.py", json.dumps(cases))
+    together, apart = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("collocated_rm", "split_rm"))
+    assert [r["step"] for r in together] == [r["step"] for r in apart] == [1, 2]
+    for a, b in zip(together, apart, strict=True):
+        assert {k: b.get(k) for k in compared(a)} == compared(a), a["step"]  # bit for bit, the RM's scores among them
+    # the learned scores, not the rule's 0 / 1 (the rule scores validation only), and loaded on the pool only
+    assert any(s not in (0.0, 1.0) for s in (together[0]["critic/score/max"], together[0]["critic/score/min"]))
+    assert f"reward model: {demo_reward_model} (reads the rollout ids) on ranks [1]" in launched.stdout
     one, two = tmp_path / "collocated", tmp_path / "split"
     for name in ("0.jsonl", "2.jsonl"):  # the pool's first rank wrote the samples: the same bytes
         assert (two / "val_generations" / name).read_bytes() == (one / "val_generations" / name).read_bytes()
