@@ -294,7 +294,8 @@ def test_the_update_replays_the_old_forwards_routes(moe_assets):
         def old_forward(micro_batch_size: int, packed: bool) -> train_ppo.PolicyForward:
             plan = types.SimpleNamespace(old_log_prob=types.SimpleNamespace(
                 micro_batch_size=micro_batch_size, max_token_len=None, use_remove_padding=packed))
-            run = types.SimpleNamespace(cfg=cfg, actor=actor, plan=plan, actor_loss=loss, sp_group=None)
+            run = types.SimpleNamespace(cfg=cfg, actor=actor, plan=plan, actor_loss=loss, sp_group=None,
+                                        dp_group=None)
             return train_ppo.old_policy_forward(run, batch)
 
         old = old_forward(1, True)  # the update's own cut
