@@ -828,8 +828,8 @@ VERL_KEY_RULES: tuple[VerlKeyRule, ...] = (
             "reward.reward_manager.*"),
     *_rules(NOT_IMPLEMENTED, "verl 0.9.1's reward section; set reward_model.sandbox_fusion.* here",
             "reward.sandbox_fusion.*", "sandbox_fusion.*"),
-    *_rules(NOT_IMPLEMENTED, "a reward model here is an FSDP2 model on the actor's mesh: reward_model.enable, "
-            "reward_model.model.path", "reward.reward_model.*", "reward_model.enable_resource_pool",
+    *_rules(NOT_IMPLEMENTED, "a reward model here is an FSDP2 model on the actor's mesh, or the rollout "
+            "pool's in a split (separate_async): reward_model.enable, reward_model.model.path", "reward.reward_model.*", "reward_model.enable_resource_pool",
             "reward_model.n_gpus_per_node", "reward_model.nnodes", "reward_model.reward_loop_*",
             "reward_model.model.external_lib", "reward_model.rollout.*"),
 )
@@ -1708,18 +1708,6 @@ def check_separate_async(cfg: Config) -> None:
             f"{sep.parameter_sync_step} x actor_rollout_ref.actor.ppo_mini_batch_size={mini} (verl's rule: the actor "
             f"updates once per mini batch, and the pool gets the weights after the last). Set "
             f"parameter_sync_step={tbs // mini if tbs % mini == 0 else 'train_batch_size / ppo_mini_batch_size'}.")
-    unsupported = {
-        "actor_rollout_ref.rollout.multi_turn.enable": (arr.rollout.multi_turn.enable, "tools run beside the engine"),
-        "actor_rollout_ref.model.lora_rank": (arr.model.lora_rank > 0, "the adapter-only syncs"),
-    }
-    for key, (on, what) in unsupported.items():
-        if on:
-            raise ConfigError(f"{mode} with {key} is not implemented yet ({what}); use {_V1}.trainer_mode=sync with "
-                              f"actor_rollout_ref.hybrid_engine=true for it.")
-    if adv_estimator_traits(cfg.algorithm.adv_estimator).baseline_rollout is not None:
-        raise ConfigError(f"{mode} with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: its baseline rollout is "
-                          f"not implemented on the rollout pool. Use grpo / rloo / gae / another estimator, or "
-                          f"{_V1}.trainer_mode=sync.")
     warmup, threshold = sep.num_warmup_batches, v1.sampler.max_off_policy_threshold
     if v1.sampler.max_off_policy_strategy != "drop":
         raise ConfigError(f"{mode}: {_V1}.sampler.max_off_policy_strategy=wait has nothing to wait for: the pool "

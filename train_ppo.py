@@ -553,6 +553,7 @@ def sync_weights(run: Run) -> float:
         with torch.no_grad():
             actor_log_probs = compute_log_probs(run.actor, engine.actor_probe, 1.0, 1).log_probs  # (1, 4)
         placement.send_weights(run.pool, weights, actor_log_probs.double().cpu(), GATHER_BUCKET_BYTES)
+        engine.synced_once = True  # the pool's engines got every weight once: LoRA's later syncs send its modules
         return time.perf_counter() - start
     seconds = rollout.sync_weights(engine.llm, weights, partial=bool(run.lora_spec) and engine.synced_once)
     engine.synced_once = True
@@ -740,7 +741,9 @@ def receive_weights(run: Run) -> None:
     check as a collocated sync (rollout.StaleWeightsCheck) against the actor's probe log-probs sent with it."""
     probe: list[Any] = [None]
     weights = placement.receive_weights(run.pool, run.env.device, probe)
-    rollout.sync_weights(run.engine.llm, weights)
+    lora = run.cfg.actor_rollout_ref.model.lora_rank > 0  # after the first sync, the modules LoRA changes alone
+    rollout.sync_weights(run.engine.llm, weights, partial=lora and run.engine.synced_once)
+    run.engine.synced_once = True
     if next(weights, None) is not None:
         raise RuntimeError("the engine stopped reading the weights trainer 0 broadcast before their end")
     run.engine.stale_check.check(rollout.engine_fingerprint(run.engine.llm, run.engine.probe), probe[0])
@@ -1586,6 +1589,8 @@ def build_run(cfg: Config, env: DistEnv, engine: Engine | None = None, *, watch:
         if pool.is_trainer:
             rollout.sleep(engine.llm, 2)  # for good: the pool generates
     models = load_models(cfg, meshes, env, total_steps) if pool is None or pool.is_trainer else None
+    if pool is not None and models is not None and models.lora_spec:  # what trainer 0 sends after the first sync
+        engine.lora_modules = sync_modules(models.actor, rollout.packed_modules(engine.llm))
     # the reward model scores where the batch is generated: every rank collocated, the pool's ranks in a split
     reward_model = load_learned_reward_model(cfg, meshes, env, tokenizer) if pool is None or not pool.is_trainer else None
     source = why = "the rollout pool trains nothing"

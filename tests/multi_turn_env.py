@@ -1,6 +1,6 @@
 """A scripted user for the multi-turn end-to-end test: it answers the assistant's first two turns with
 "again" and ends the trajectory at the third. Each instance (one trajectory) appends a line per call
-to <$SCRIPTED_USER_LOG>/<pid>.log, so the test can count where environments ran."""
+to <$SCRIPTED_USER_LOG>/rank<RANK>.<pid>.log, so the tests can count where environments ran."""
 
 import os
 from typing import Any
@@ -24,5 +24,5 @@ class AskAgain:
         return {"asked": float(min(self.turns, 2))}
 
     def _log(self, what: str) -> None:
-        with open(os.path.join(os.environ["SCRIPTED_USER_LOG"], f"{os.getpid()}.log"), "a") as f:
+        with open(os.path.join(os.environ["SCRIPTED_USER_LOG"], f"rank{os.environ.get('RANK', 0)}.{os.getpid()}.log"), "a") as f:
             f.write(f"{id(self)} {what}\n")

@@ -426,9 +426,6 @@ SPLIT = [DATA, "actor_rollout_ref.hybrid_engine=false", f"{V1}.trainer_mode=sepa
     ([f"{V1}.sampler.max_off_policy_strategy=wait"], "Leave it at drop"),
     # one step off without a correction: the clip anchored at a policy that never sampled the batch
     (["algorithm.rollout_correction.rollout_is=null"], "num_warmup_batches=0 (sequential)"),
-    (["algorithm.adv_estimator=remax"], "baseline rollout is not implemented on the rollout pool"),
-    (["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.environment=m.E"],
-     "actor_rollout_ref.rollout.multi_turn.enable is not implemented yet"),
 ])
 def test_separate_async_refusals(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -448,6 +445,12 @@ def test_separate_async_accepts_sequential_and_corrected_one_step_off():
     check_supported(load_config(None, [*SPLIT, "algorithm.filter_groups.enable=true"]))
     # a learned reward model: on the pool's ranks, scoring before the hand-off
     check_supported(load_config(None, [*SPLIT, "reward_model.enable=true", "reward_model.model.path=rm"]))
+    # multi-turn rollouts (their environments and tools on the pool) and ReMax's greedy baseline, generated there
+    check_supported(load_config(None, [*SPLIT, "actor_rollout_ref.rollout.multi_turn.enable=true",
+                                       "actor_rollout_ref.rollout.multi_turn.environment=m.E",
+                                       "algorithm.adv_estimator=remax"]))
+    # LoRA: trainer 0 sends the merged weights, then the modules the adapter changes
+    check_supported(load_config(None, [*SPLIT, "actor_rollout_ref.model.lora_rank=8"]))
 
 
 # --- verl's own files: whole, hydra-style partial, and the three kinds of key --------------------------

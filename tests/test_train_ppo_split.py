@@ -8,7 +8,8 @@ every rank (the trainers' idle), the warmed tiny model.
   (timings and memory aside). Both runs use the same kernels on this machine (the same CPU, one process each
   for the model that trains), so the floats can be compared exactly. The split run's checkpoint resumes on one
   collocated rank, in the reference's launch: the same step again. A second case in each launch adds a learned
-  reward model: it loads on the rollout rank alone and scores there, and the metrics are again equal.
+  reward model: it loads on the rollout rank alone and scores there, and the metrics are again equal; so are
+  multi-turn rollouts with ReMax's baseline (the environments on the rollout rank) and LoRA.
   2 trainers + 2 rollout ranks at staleness 0, at TP 1 and TP 2 (tests/short_runs.py's split_* cases, in the
   4-rank launch) against collocated 2-rank runs the suite makes anyway: bit for bit, with dynamic sampling,
   token-budget micro batches, a reference model, and a 4-rank collocated checkpoint resumed as the split.
@@ -23,7 +24,7 @@ import re
 
 import pytest
 import torch
-from conftest import short_run, torchrun
+from conftest import clean_env, short_run, torchrun
 from short_runs import TINY
 from test_checkpoint import compared
 from test_train_ppo import step_rows
@@ -55,20 +56,55 @@ def test_one_trainer_and_one_rollout_rank_are_the_collocated_run_and_resume_coll
     1-rank run (in the reference's launch, tests/run_cases.py): its step 2 is the uninterrupted runs' too.
     With a learned reward model (reward_model.enable, conftest's demo_reward_model), a second case of each launch:
     it loads on the rollout rank alone and scores the pool's batch before the hand-off; the trained metrics
-    (its scores among them) are the collocated run's, bit for bit."""
+    (its scores among them) are the collocated run's, bit for bit. Two more pairs: multi-turn rollouts with
+    ReMax's greedy baseline (a scripted user, tests/multi_turn_env.py: its environments run on the rollout rank
+    alone), and LoRA with a KL loss to the adapter-free model (the merged weights, then the adapter's modules,
+    sent to the pool): bit for bit again."""
     validation = ["trainer.val_before_train=true", "trainer.test_freq=2"]
     learned = ["reward_model.enable=true", f"reward_model.model.path={demo_reward_model}"]
-    split_cases = [["split", args(tmp_path, "split", tiny_assets, sft_model, *SPLIT, *validation,
+    lora = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+            "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.actor.use_kl_loss=true"]
+    # first in each launch: its engine (the longest responses) serves the cases after it (tests/run_cases.py)
+    turns = ["actor_rollout_ref.rollout.multi_turn.enable=true", "data.max_response_length=48",
+             "actor_rollout_ref.rollout.multi_turn.environment=multi_turn_env.AskAgain", "algorithm.adv_estimator=remax"]
+    split_cases = [["split_turns", args(tmp_path, "split_turns", tiny_assets, sft_model, *SPLIT, *turns,
+                                        "trainer.v1.separate_async.num_warmup_batches=0"), False],
+                   ["split", args(tmp_path, "split", tiny_assets, sft_model, *SPLIT, *validation,
                                   "trainer.v1.separate_async.num_warmup_batches=0", "trainer.save_freq=1"), False],
                    ["split_rm", args(tmp_path, "split_rm", tiny_assets, sft_model, *SPLIT, *learned,
-                                     "trainer.v1.separate_async.num_warmup_batches=0"), False]]
-    launched = torchrun(2, "tests/run_cases.py", json.dumps(split_cases))
-    cases = [["collocated", args(tmp_path, "collocated", tiny_assets, sft_model, *validation), False],
+                                     "trainer.v1.separate_async.num_warmup_batches=0"), False],
+                   ["split_lora", args(tmp_path, "split_lora", tiny_assets, sft_model, *SPLIT, *lora,
+                                       "trainer.v1.separate_async.num_warmup_batches=0"), False]]
+    users = {role: tmp_path / f"{role}_users" for role in ("split", "collocated")}  # tests/multi_turn_env.py's logs
+    for log_dir in users.values():
+        log_dir.mkdir()
+    launched = torchrun(2, "tests/run_cases.py", json.dumps(split_cases), env=clean_env(SCRIPTED_USER_LOG=str(users["split"])))
+    cases = [["collocated_turns", args(tmp_path, "collocated_turns", tiny_assets, sft_model, *turns), False],
+             ["collocated", args(tmp_path, "collocated", tiny_assets, sft_model, *validation), False],
              ["resumed", args(tmp_path, "resumed", tiny_assets, sft_model, *validation, "trainer.val_before_train=false",
                               "trainer.resume_mode=resume_path",
                               f"trainer.resume_from_path={tmp_path / 'split' / 'global_step_1'}"), False],
-             ["collocated_rm", args(tmp_path, "collocated_rm", tiny_assets, sft_model, *learned), False]]
-    torchrun(1, "tests/run_cases.py", json.dumps(cases))
+             ["collocated_rm", args(tmp_path, "collocated_rm", tiny_assets, sft_model, *learned), False],
+             ["collocated_lora", args(tmp_path, "collocated_lora", tiny_assets, sft_model, *lora), False]]
+    torchrun(1, "tests/run_cases.py", json.dumps(cases), env=clean_env(SCRIPTED_USER_LOG=str(users["collocated"])))
+    # multi-turn rollouts with ReMax's greedy baseline: the scripted users (the environments) ran on the rollout
+    # rank alone, as many as collocated, and every metric of the trained steps is the collocated run's
+    together, apart = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("collocated_turns", "split_turns"))
+    assert [r["step"] for r in together] == [r["step"] for r in apart] == [1, 2]
+    for a, b in zip(together, apart, strict=True):
+        assert {k: b.get(k) for k in compared(a)} == compared(a), a["step"]
+        assert a["num_turns/max"] == 6 and a["num_turns/min"] >= 2 and a["actor/grad_norm"] > 0, a
+    resets = {role: [line for f in sorted(log_dir.glob("*.log")) for line in f.read_text().splitlines()
+                     if line.endswith("reset")] for role, log_dir in users.items()}
+    assert len(resets["split"]) == len(resets["collocated"]) == 2 * (8 * 4 + 8)  # 2 steps x (samples + greedy)
+    assert [f.name.split(".")[0] for f in users["split"].glob("*.log")] == ["rank1"]
+    # LoRA (a KL loss to the adapter-free model): trainer 0 sends the merged weights, then the modules the
+    # adapter changes; the engine's log-probs after each sync are checked on the pool, and the metrics equal
+    together, apart = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("collocated_lora", "split_lora"))
+    assert [r["step"] for r in together] == [r["step"] for r in apart] == [1, 2]
+    for a, b in zip(together, apart, strict=True):
+        assert {k: b.get(k) for k in compared(a)} == compared(a), a["step"]
+        assert a["actor/kl_loss"] > 0 or a["step"] == 1, a
     together, apart = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("collocated_rm", "split_rm"))
     assert [r["step"] for r in together] == [r["step"] for r in apart] == [1, 2]
     for a, b in zip(together, apart, strict=True):
