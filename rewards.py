@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import code_reward
+import sandbox
 from config import Config, ConfigError
 from http_json import redact_url
 
@@ -376,6 +377,21 @@ def check_data_sources(data_sources: Iterable[str]) -> None:
     """Raise at start-up, not after the first rollout, when a data_source has no built-in rule."""
     for source in sorted(set(data_sources)):
         _builtin_rule(source)
+
+
+def check_code_sandbox(data_sources: Iterable[str], sandbox_fusion: Config) -> None:
+    """Code data sets scored on this node (reward_model.sandbox_fusion.url unset): the local sandbox probed at
+    start-up (sandbox.sandbox_plan), so a node where it cannot run fails before any model loads, not at the
+    first score after a rollout."""
+    code = sorted(set(data_sources) & set(code_reward.CODE_SOURCES))
+    if not code or sandbox_fusion.url is not None:
+        return
+    try:
+        sandbox.sandbox_plan(sandbox_fusion.isolation)
+    except sandbox.SandboxUnavailable as e:
+        raise ConfigError(f"the data's code sets ({', '.join(code)}) are scored by running each program in the "
+                          f"local sandbox, and it cannot start here: {e}. Or score them on a SandboxFusion server: "
+                          f"reward_model.sandbox_fusion.url.") from e
 
 
 def load_reward_fn(path: str | None, name: str, sandbox_fusion: Config | None = None) -> RewardFn:

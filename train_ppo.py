@@ -138,6 +138,7 @@ from reward_model import RewardModel
 from rewards import (
     RewardError,
     RewardFn,
+    check_code_sandbox,
     check_data_sources,
     filter_metric,
     load_reward_fn,
@@ -1709,8 +1710,10 @@ def load_data(cfg: Config, dims: ParallelDims, env: DistEnv
         check_validation_share(len(val_prompts), dims, data_cfg.max_val_samples)
     reward_fn = http_scorer or load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
                                               cfg.reward_model.sandbox_fusion)
-    if rule_reward:  # a data source without a rule fails now, not at the first rollout
-        check_data_sources(p.data_source for p in train_prompts + val_prompts)
+    if rule_reward:  # a data source without a rule, or code sets where no sandbox runs: fail now, not after a rollout
+        sources = {p.data_source for p in train_prompts + val_prompts}
+        check_data_sources(sources)
+        check_code_sandbox(sources, cfg.reward_model.sandbox_fusion)
     return tokenizer, train_prompts, val_prompts, reward_fn, multi_turn, vision_run
 
 

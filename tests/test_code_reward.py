@@ -216,3 +216,20 @@ def test_sandbox_fusion_url_with_a_custom_reward_function_is_refused(tmp_path):
     cfg = load_config(None, ["reward_model.sandbox_fusion.url=http://localhost:8080/run_code"])
     with pytest.raises(ConfigError, match="sandbox_fusion.url.*custom_reward_function.path"):
         load_reward_fn(str(f), "compute_score", cfg.reward_model.sandbox_fusion)
+
+
+def test_code_data_where_no_sandbox_can_start_fail_before_any_model_loads(monkeypatch):
+    """train_ppo.load_data probes the local sandbox when the data hold code sets scored here
+    (rewards.check_code_sandbox): without bubblewrap, a config error that names the ways out; nothing probed
+    for data without code or with a SandboxFusion url."""
+    from rewards import check_code_sandbox
+
+    monkeypatch.setattr(sandbox, "_bwrap_binaries", lambda: [])  # a node without bubblewrap
+    monkeypatch.setattr(sandbox, "_PLANS", {})
+    local = load_config(None, []).reward_model.sandbox_fusion
+    check_code_sandbox(["gsm8k", "math"], local)
+    assert sandbox._PLANS == {}  # no code set: nothing probed
+    check_code_sandbox(["apps"], load_config(None, ["reward_model.sandbox_fusion.url=http://h/run_code"]).reward_model.sandbox_fusion)
+    assert sandbox._PLANS == {}  # scored on the server
+    with pytest.raises(ConfigError, match=r"code sets \(apps, taco\).*no bwrap found.*isolation: basic.*sandbox_fusion.url"):
+        check_code_sandbox(["gsm8k", "taco", "apps"], local)
