@@ -42,7 +42,7 @@ import re
 import shutil
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,14 @@ STATE_FILE = "trainer_state.json"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read as it is; the message names the file and the cause."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """load_checkpoint's CRC check found files whose content changed: `problems` names each."""
+
+    def __init__(self, message: str, problems: list[str]) -> None:
+        super().__init__(message)
+        self.problems = problems
 
 
 def save_checkpoint(
@@ -262,9 +270,11 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def find_resume_path(mode: str, root: str | Path, resume_from_path: str | None) -> Path | None:
+def find_resume_path(mode: str, root: str | Path, resume_from_path: str | None,
+                     damaged: dict[Path, list[str]] | None = None) -> Path | None:
     """trainer.resume_mode: auto (latest complete under root whose files are whole, else start fresh),
-    disable, resume_path. In auto mode a damaged newer checkpoint is skipped, and said so."""
+    disable, resume_path. In auto mode a damaged newer checkpoint is skipped, and said so; `damaged`: those
+    whose content a load found changed (resume_checkpoint), with their problems."""
     if mode == "disable":
         return None
     if mode == "resume_path":
@@ -283,7 +293,7 @@ def find_resume_path(mode: str, root: str | Path, resume_from_path: str | None) 
         return path
     skipped = []
     for path in reversed(complete_checkpoints(root)):
-        problems = check_files(path)
+        problems = (damaged or {}).get(path) or check_files(path)
         if not problems:
             if skipped:
                 print0(f"warning: skipping damaged checkpoint(s): {'; '.join(skipped)}. Resuming from {path} instead.")
@@ -293,6 +303,46 @@ def find_resume_path(mode: str, root: str | Path, resume_from_path: str | None) 
         raise CheckpointError(f"every checkpoint under {root} is damaged: {'; '.join(skipped)}. Set "
                               f"trainer.resume_mode=disable to start fresh.")
     return None
+
+
+def resume_checkpoint(
+    mode: str, root: str | Path, resume_from_path: str | None,
+    models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]], group: dist.ProcessGroup | None = None,
+    prepare: Callable[[Path], None] | None = None,
+) -> tuple[Path, dict[str, Any]] | None:
+    """Collective: rank 0 picks the checkpoint (find_resume_path, then prepare(path): its checks of the pick,
+    which may raise ConfigError / CheckpointError), every rank gets the pick or the error, and loads it
+    (load_checkpoint: every file's CRC-32 first). In auto mode a checkpoint whose content changed at its size
+    (which find_resume_path's size check cannot see) is skipped, said so, and the next older one picked, as a
+    truncated one is; when none is left, the error. Rank 0 first removes the .tmp directories of saves that died
+    mid-write. Returns (path, trainer state); None: start fresh."""
+    damaged: dict[Path, list[str]] = {}
+    if dist.get_rank() == 0:  # saves that died mid-write; the run directory is this run's (run_dir.RunLock)
+        for stale in sorted(Path(root).glob("global_step_*.tmp")):
+            shutil.rmtree(stale, ignore_errors=True)
+            print0(f"removed {stale}: a save that did not finish")
+    while True:
+        choice: list[Any] = [None, None]  # (the path, or the error every rank raises)
+        if dist.get_rank() == 0:
+            try:
+                path = find_resume_path(mode, root, resume_from_path, damaged)
+                if path is not None and prepare is not None:
+                    prepare(path)
+                choice[0] = None if path is None else str(path)
+            except (ConfigError, CheckpointError) as e:
+                choice[1] = e
+        dist.broadcast_object_list(choice, src=0)
+        if choice[1] is not None:
+            raise choice[1]
+        if choice[0] is None:
+            return None
+        path = Path(choice[0])
+        try:
+            return path, load_checkpoint(path, models, group)
+        except DamagedCheckpointError as e:  # nothing was loaded: the check runs first
+            if mode != "auto":
+                raise
+            damaged[path] = e.problems
 
 
 def load_checkpoint(
@@ -309,9 +359,10 @@ def load_checkpoint(
     dist.all_gather_object(every_rank, problems)
     problems = [p for part in every_rank for p in part]
     if problems:
-        raise CheckpointError(f"checkpoint {path} is damaged, not loading it: {'; '.join(problems)}. Resume from an "
-                              f"earlier one: trainer.resume_mode=resume_path trainer.resume_from_path=<one of "
-                              f"{[p.name for p in complete_checkpoints(path.parent) if p != path]}>.")
+        raise DamagedCheckpointError(
+            f"checkpoint {path} is damaged, not loading it: {'; '.join(problems)}. Resume from an earlier one: "
+            f"trainer.resume_mode=resume_path trainer.resume_from_path=<one of "
+            f"{[p.name for p in complete_checkpoints(path.parent) if p != path]}>.", problems)
     for name, (model, optimizer, sched) in models.items():
         if not (path / name).is_dir():
             raise ConfigError(f"checkpoint {path} has no {name!r} state (was it written by a run without a {name}?).")

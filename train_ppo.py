@@ -73,10 +73,8 @@ import watchdog
 from agent_loop import MultiTurnStats, TurnLimits, generate_multi_turn
 from checkpoint import (
     STATE_FILE,
-    CheckpointError,
     abandon_later,
-    find_resume_path,
-    load_checkpoint,
+    resume_checkpoint,
     save_checkpoint,
     step_seed,
 )
@@ -1870,30 +1868,23 @@ def resume(cfg: Config, out_dir: Path, rank: int, models: dict[str, tuple[torch.
     the models: a split job's trainers), into the models (checkpointed; none on a rollout rank), the prompt
     sampler, the KL controller and, with colocate_async, in_flight's first element (this rollout dp group's
     carried samples: (InFlight, dp rank, rollout dp size)); returns its trainer state (None: no checkpoint).
-    Rank 0 chooses it for every rank, moves checkpoints later than a rewind's aside (checkpoint.abandon_later),
-    and compares the config and data with the checkpoint's (run_dir.check_resume); the config's optimizer
-    settings then replace the checkpoint's."""
+    Rank 0 chooses it for every rank (checkpoint.resume_checkpoint: in auto mode a damaged one is skipped for the
+    next older), moves checkpoints later than a rewind's aside (checkpoint.abandon_later), and compares the config
+    and data with the checkpoint's (run_dir.check_resume); the config's optimizer settings then replace the
+    checkpoint's."""
     tc = cfg.trainer
-    choice: list[Any] = [None, None]  # (the path, or the error every rank raises)
-    if rank == 0:
-        try:
-            path = find_resume_path(tc.resume_mode, out_dir, tc.resume_from_path)
-            if path is not None:
-                for moved in abandon_later(out_dir, path):
-                    print0(f"rewound to {path.name}: moved the later {moved.name} to {moved.parent}")
-                saved = json.loads((path / STATE_FILE).read_text()).get("fingerprint")
-                for line in run_dir.check_resume(path, saved, fingerprint, tc.resume_force):
-                    print0(f"changed since the checkpoint: {line}")
-            choice[0] = None if path is None else str(path)
-        except (ConfigError, CheckpointError) as e:
-            choice[1] = e
-    dist.broadcast_object_list(choice, src=0)
-    if choice[1] is not None:
-        raise choice[1]
+
+    def prepare(path: Path) -> None:  # rank 0, for the checkpoint it picked
+        for moved in abandon_later(out_dir, path):
+            print0(f"rewound to {path.name}: moved the later {moved.name} to {moved.parent}")
+        saved = json.loads((path / STATE_FILE).read_text()).get("fingerprint")
+        for line in run_dir.check_resume(path, saved, fingerprint, tc.resume_force):
+            print0(f"changed since the checkpoint: {line}")
+
+    found = resume_checkpoint(tc.resume_mode, out_dir, tc.resume_from_path, models, group, prepare)
     state = None
-    if choice[0] is not None:
-        path = Path(choice[0])
-        state = load_checkpoint(path, models, group)
+    if found is not None:
+        path, state = found
         sampler.load_state_dict(state["sampler"])
         if kl_ctrl is not None:
             kl_ctrl.load_state_dict(state["kl_ctrl"])

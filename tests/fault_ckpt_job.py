@@ -1,5 +1,5 @@
 """A tiny FSDP2 model trained under torchrun on gloo, a checkpoint after every step, resuming from the
-latest one under --out (checkpoint.find_resume_path, auto mode), for tests/test_faults.py. Writes its
+latest one under --out (checkpoint.resume_checkpoint, auto mode), for tests/test_faults.py. Writes its
 final full weights to <out>/final.pt (rank 0). Faults, injected from inside:
 
     --kill-in-save STEP   rank 1 SIGKILLs itself inside that step's save_checkpoint, after its shards
@@ -46,9 +46,9 @@ sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: 1.0 / (1 + step))
 models = {"actor": (model, optim, sched)}
 
 start = 0
-path = checkpoint.find_resume_path("auto", out, None)
-if path is not None:
-    start = checkpoint.load_checkpoint(path, models)["step"]
+found = checkpoint.resume_checkpoint("auto", out, None, models)
+if found is not None:
+    path, start = found[0], found[1]["step"]
     if rank == 0:
         print(f"resumed from {path} (step {start})", flush=True)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, clean_env, torchrun_cmd
+from conftest import ROOT, clean_env, one_rank_process_group, torchrun_cmd
 
 import checkpoint
 import placement
@@ -297,15 +297,20 @@ def test_rank_killed_while_saving_keeps_the_previous_checkpoint(reference, tmp_p
     ckpt_job(tmp_path, "--steps", "4", "--kill-in-save", "3", check=False)
     assert steps_of(tmp_path) == [1, 2]
     assert checkpoint.check_files(tmp_path / "global_step_2", deep=True) == []
+    assert (tmp_path / "global_step_3.tmp" / "actor").is_dir()  # the shards the killed save wrote
+    (tmp_path / "global_step_7.tmp" / "actor").mkdir(parents=True)  # an earlier launch's, of a step never saved again
     resumed = ckpt_job(tmp_path, "--steps", "4")
     assert f"resumed from {tmp_path / 'global_step_2'} (step 2)" in resumed.stdout
+    assert f"removed {tmp_path / 'global_step_7.tmp'}: a save that did not finish" in resumed.stdout
+    assert not list(tmp_path.glob("*.tmp"))
     assert steps_of(tmp_path) == [1, 2, 3, 4]
     assert same_weights(tmp_path, reference)
 
 
 def test_damaged_shards_are_named_and_never_loaded(reference, tmp_path):
     """A truncated shard (step 4) and a missing one (step 3): resume takes step 2 and says why. A shard
-    of the right size with other bytes in it: the load stops with an error naming the file."""
+    of the right size with other bytes in it (step 4): the load's CRC check names the file, and auto mode
+    resumes from step 3 instead (checkpoint.resume_checkpoint) and goes on; picked by name, it is an error."""
     damaged = tmp_path / "damaged"
     shutil.copytree(reference, damaged)
     shard4 = damaged / "global_step_4" / "actor" / "__1_0.distcp"
@@ -329,10 +334,14 @@ def test_damaged_shards_are_named_and_never_loaded(reference, tmp_path):
     at = data.find(b"data/0") + 200  # inside the first tensor's bytes: torch.load would not notice
     data[at:at + 64] = b"\x7f" * 64
     shard.write_bytes(bytes(data))
-    proc = ckpt_job(flipped, "--steps", "5", check=False)
-    assert f"checkpoint {flipped / 'global_step_4'} is damaged, not loading it: {shard}: its content changed" \
-        in proc.stderr, proc.stderr[-4000:]
-    assert not (flipped / "global_step_5").exists()
+    with one_rank_process_group(), pytest.raises(checkpoint.DamagedCheckpointError, match=re.escape(
+            f"checkpoint {flipped / 'global_step_4'} is damaged, not loading it: {shard}: its content changed")):
+        checkpoint.resume_checkpoint("resume_path", flipped, str(flipped / "global_step_4"), {})
+    proc = ckpt_job(flipped, "--steps", "5")
+    assert (f"skipping damaged checkpoint(s): global_step_4 ({shard}: its content changed since it was written"
+            in proc.stdout), proc.stdout
+    assert f"resumed from {flipped / 'global_step_3'} (step 3)" in proc.stdout, proc.stdout
+    assert (flipped / "global_step_5").is_dir()
 
 
 def mount_tmpfs(where: Path, size: str) -> bool:
