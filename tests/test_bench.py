@@ -17,6 +17,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import bench_memory  # noqa: E402
 import bench_packing  # noqa: E402
 import bench_rollout  # noqa: E402
+import bench_split  # noqa: E402
 import bench_step  # noqa: E402
 import bench_sync  # noqa: E402
 import bench_ulysses  # noqa: E402
@@ -195,6 +196,20 @@ def fake_point(name: str, step_s: float, **fields) -> dict:
              "samples_per_step": 32, "response_length_mean": 50.0, "generated_tokens_per_step": 1600.0,
              "step_s": step_s, "other_s": 0.1, "phases_s": {p: step_s / 10 for p in bench_step.PHASES}}
     return point | fields
+
+
+@pytest.mark.slow
+def test_bench_split_smoke(tiny_assets, tmp_path):
+    """bench_split.py: a 1 + 1 split run sequential and one step off (train_ppo.py, two launches)."""
+    out = tmp_path / "split.json"
+    bench_split.main(["--steps", "3", "--repeats", "1", "--response-length", "12", "--batch", "4",
+                      *smoke_args(tiny_assets, out)])
+    report = json.loads(out.read_text())
+    assert [len(runs) for runs in report["runs"].values()] == [1, 1]
+    for mode in ("sequential", "one_step_off"):
+        assert_positive(report["median"][mode], "step", "wait_rollout", "gen", "train", "sync_weights")
+    assert report["speedup"] == pytest.approx(report["median"]["sequential"]["step"] /
+                                              report["median"]["one_step_off"]["step"])
 
 
 def test_growth_exponent_and_plot(tmp_path):
