@@ -88,6 +88,11 @@ MUTATIONS = (
         "reward_model = load_learned_reward_model(cfg, meshes, env, tokenizer) if pool is None or not pool.is_trainer",
         "reward_model = load_learned_reward_model(cfg, meshes, env, tokenizer) if pool is None"),),
         "tests/test_train_ppo_split.py::test_one_trainer_and_one_rollout_rank_are_the_collocated_run_and_resume_collocated"),
+    Mutation("a split's LoRA syncs after the first send one module, not every module the adapter changes",
+             "train_ppo.py", ((
+        "engine.lora_modules = sync_modules(models.actor, rollout.packed_modules(engine.llm))",
+        "engine.lora_modules = {next(iter(sync_modules(models.actor, rollout.packed_modules(engine.llm))))}"),),
+        "tests/test_train_ppo_split.py::test_one_trainer_and_one_rollout_rank_are_the_collocated_run_and_resume_collocated"),
     Mutation("trainer 0 never broadcasts the last bucket of weights", "placement.py", ((
         "    if bucket:\n        _broadcast_bucket(pool, bucket)", "    if False:\n        _broadcast_bucket(pool, bucket)"),),
         "tests/test_train_ppo_split.py::test_one_trainer_and_one_rollout_rank_are_the_collocated_run_and_resume_collocated"),
@@ -271,7 +276,12 @@ MUTATIONS = (
          'if (m := _STEP_DIR.match(p.name))]')),
         "tests/test_faults.py::test_rank_killed_while_saving_keeps_the_previous_checkpoint"),
     Mutation("fault: resume trusts file sizes it does not check", "checkpoint.py", ((
-        '        problems = check_files(path)\n        if not problems:', '        problems = []\n        if not problems:'),),
+        '        problems = (damaged or {}).get(path) or check_files(path)\n        if not problems:',
+        '        problems = (damaged or {}).get(path) or []\n        if not problems:'),),
+        "tests/test_faults.py::test_damaged_shards_are_named_and_never_loaded"),
+    Mutation("fault: auto-resume stops at a checkpoint whose content changed instead of taking an older one",
+             "checkpoint.py", ((
+        '            if mode != "auto":\n                raise', '            if True:\n                raise'),),
         "tests/test_faults.py::test_damaged_shards_are_named_and_never_loaded"),
     Mutation("fault: load skips the CRC check", "checkpoint.py", ((
         'problems = check_files(path, deep=True, part=(dist.get_rank(), dist.get_world_size()))', 'problems = []'),),
