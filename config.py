@@ -829,7 +829,8 @@ VERL_KEY_RULES: tuple[VerlKeyRule, ...] = (
     *_rules(NOT_IMPLEMENTED, "verl 0.9.1's reward section; set reward_model.sandbox_fusion.* here",
             "reward.sandbox_fusion.*", "sandbox_fusion.*"),
     *_rules(NOT_IMPLEMENTED, "a reward model here is an FSDP2 model on the actor's mesh, or the rollout "
-            "pool's in a split (separate_async): reward_model.enable, reward_model.model.path", "reward.reward_model.*", "reward_model.enable_resource_pool",
+            "pool's in a split (separate_async): reward_model.enable, reward_model.model.path",
+            "reward.reward_model.*", "reward_model.enable_resource_pool",
             "reward_model.n_gpus_per_node", "reward_model.nnodes", "reward_model.reward_loop_*",
             "reward_model.model.external_lib", "reward_model.rollout.*"),
 )
