@@ -72,7 +72,9 @@ def test_truncation_mask_and_log_probs_equal_a_loop_over_the_vocabulary(top_k, t
 
 
 def test_no_cut_is_the_full_vocabulary_log_prob():
-    logits, labels = rand(4, 6, 50, seed=3).float(), torch.randint(0, 50, (4, 6))
+    logits = rand(4, 6, 50, seed=3).float()
+    labels = torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(3))  # not the global RNG
+    labels[0], labels[1] = logits[0].argmax(-1), logits[1].argmin(-1)  # tokens inside and outside every cut
     full = pc.logprobs_from_logits(logits, labels)
     assert torch.allclose(pc.truncated_log_probs(logits, labels, -1, 1.0), full, atol=1e-6)
     cut = pc.truncated_log_probs(logits, labels, 10, 0.8)
